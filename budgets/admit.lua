@@ -1,0 +1,224 @@
+-- Admission: check and debit every bucket a request touches, atomically.
+--
+-- Buckets (DESIGN.md "Admission"), per dimension d in {tok, req}:
+--   P.d        the pool, refilling at headroom x provider limit
+--   <w>.Q.d    workload w's protected (unlent) reservation
+--   <w>.E.d    workload w's ceiling
+-- and, where the pool has split limits, P.in / P.out (pool only).
+-- S_d = sum of every workload's Q.d level. Keeping P.d >= S_d guarantees each
+-- workload its unlent reservation: a request paid from Q always fits in P, and
+-- a loan (not paid from Q) is admitted only if it leaves P.d - k >= S_d.
+--
+-- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
+--       5 workload leases zset, 6 this request's lease hash, 7 counters hash
+-- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
+--       5 lease ttl (ms)
+-- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms} admitted
+--         {2, borrowed, ...}                                          already admitted
+--         {0, reason, wait_ms, e_tok, e_req, e_tok_full_ms, e_req_full_ms} rejected
+--         {-1, why}                                                   not configured
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local INF = math.huge
+
+local wid = ARGV[1]
+local k_in = tonumber(ARGV[3])
+local k_out = tonumber(ARGV[4])
+local lease_ttl = tonumber(ARGV[5])
+
+local function to_table(flat)
+  local out = {}
+  for i = 1, #flat, 2 do out[flat[i]] = tonumber(flat[i + 1]) end
+  return out
+end
+
+local cfg = to_table(redis.call('HGETALL', KEYS[1]))
+if cfg['P.tok.rate'] == nil then return {-1, 'unconfigured'} end
+if cfg[wid .. '.E.tok.rate'] == nil then return {-1, 'no_reservation'} end
+
+local lease_existing = redis.call('HGET', KEYS[6], 'borrowed')
+if lease_existing then
+  return {2, tonumber(lease_existing), '0', '0', '0', '0', redis.call('HGET', KEYS[6], 'admitted_ms')}
+end
+
+local st = to_table(redis.call('HGETALL', KEYS[3]))
+
+-- Level of a bucket now: last level plus refill since, capped. A bucket never
+-- seen starts full.
+local function level(name)
+  local cap = cfg[name .. '.cap'] or 0
+  local l = st[name .. '.l']
+  if l == nil then return cap end
+  local v = l + (now - st[name .. '.t']) * (cfg[name .. '.rate'] or 0)
+  if v > cap then v = cap end
+  return v
+end
+
+local function wait_for(name, lvl, k)
+  local cap = cfg[name .. '.cap'] or 0
+  if k > cap then return INF end
+  if lvl >= k then return 0 end
+  local rate = cfg[name .. '.rate'] or 0
+  if rate <= 0 then return INF end
+  return (k - lvl) / rate
+end
+
+local function time_to_full(name, lvl)
+  local rate = cfg[name .. '.rate'] or 0
+  local cap = cfg[name .. '.cap'] or 0
+  if lvl >= cap then return 0 end
+  if rate <= 0 then return INF end
+  return (cap - lvl) / rate
+end
+
+local wids = redis.call('SMEMBERS', KEYS[2])
+
+-- Earliest time at which P - S >= k (a loan fits), walking the piecewise
+-- linear P(t) - S(t) through the moments buckets fill up.
+local function wait_for_free(d, p, k)
+  local pname = 'P.' .. d
+  local slope = 0
+  local events = {}
+  local s = 0
+  local full_cap_gap = cfg[pname .. '.cap'] or 0
+  local tp = time_to_full(pname, p)
+  if tp > 0 and tp < INF then
+    slope = slope + cfg[pname .. '.rate']
+    events[#events + 1] = {tp, -cfg[pname .. '.rate']}
+  end
+  for _, w in ipairs(wids) do
+    local qname = w .. '.Q.' .. d
+    if cfg[qname .. '.cap'] ~= nil then
+      local q = level(qname)
+      s = s + q
+      full_cap_gap = full_cap_gap - cfg[qname .. '.cap']
+      local tq = time_to_full(qname, q)
+      if tq > 0 and tq < INF then
+        slope = slope - cfg[qname .. '.rate']
+        events[#events + 1] = {tq, cfg[qname .. '.rate']}
+      end
+    end
+  end
+  if k > full_cap_gap then return INF end
+  local f = p - s
+  if f >= k then return 0 end
+  table.sort(events, function(a, b) return a[1] < b[1] end)
+  local t0 = 0
+  for _, ev in ipairs(events) do
+    if slope > 0 and f + slope * (ev[1] - t0) >= k then
+      return t0 + (k - f) / slope
+    end
+    f = f + slope * (ev[1] - t0)
+    t0 = ev[1]
+    slope = slope + ev[2]
+  end
+  if slope > 0 then return t0 + (k - f) / slope end
+  if f >= k then return t0 end
+  return INF
+end
+
+local function protected_sum(d)
+  local s = 0
+  for _, w in ipairs(wids) do
+    if cfg[w .. '.Q.' .. d .. '.cap'] ~= nil then s = s + level(w .. '.Q.' .. d) end
+  end
+  return s
+end
+
+local levels = {}
+local plan = {}          -- d -> true when paid from Q
+local reason = nil
+local wait = 0
+local borrowed = 0
+
+local function fail(r, w)
+  if reason == nil or w > wait then reason = r; wait = w end
+end
+
+for _, d in ipairs({'tok', 'req'}) do
+  local k = (d == 'tok') and (k_in + k_out) or 1
+  local ename, qname, pname = wid .. '.E.' .. d, wid .. '.Q.' .. d, 'P.' .. d
+  local e, q, p = level(ename), level(qname), level(pname)
+  levels[ename], levels[qname], levels[pname] = e, q, p
+  local e_wait = wait_for(ename, e, k)
+  if e_wait > 0 then fail('workload_' .. (d == 'tok' and 'tpm' or 'rpm'), e_wait) end
+  if q >= k then
+    plan[d] = true
+  else
+    plan[d] = false
+    borrowed = 1
+    local s = protected_sum(d)
+    if p - k < s then
+      local w = math.min(wait_for(qname, q, k), wait_for_free(d, p, k))
+      fail('pool_' .. (d == 'tok' and 'tpm' or 'rpm'), math.max(w, e_wait))
+    end
+  end
+end
+
+for _, d in ipairs({'in', 'out'}) do
+  local pname = 'P.' .. d
+  if cfg[pname .. '.rate'] ~= nil then
+    local k = (d == 'in') and k_in or k_out
+    local p = level(pname)
+    levels[pname] = p
+    local w = wait_for(pname, p, k)
+    if w > 0 then fail(d == 'in' and 'pool_input_tpm' or 'pool_output_tpm', w) end
+  end
+end
+
+local e_tok, e_req = levels[wid .. '.E.tok'], levels[wid .. '.E.req']
+local e_tok_full = time_to_full(wid .. '.E.tok', e_tok)
+local e_req_full = time_to_full(wid .. '.E.req', e_req)
+if e_tok_full == INF then e_tok_full = -1 end
+if e_req_full == INF then e_req_full = -1 end
+
+if reason == nil then
+  -- In-flight limits: a lease per admitted request until it settles or expires.
+  local conc = cfg['P.conc']
+  if conc and conc > 0 and redis.call('ZCOUNT', KEYS[4], now, '+inf') >= conc then
+    fail('pool_saturated', 1000)
+  end
+  local wconc = cfg[wid .. '.conc']
+  if reason == nil and wconc and wconc > 0 and redis.call('ZCOUNT', KEYS[5], now, '+inf') >= wconc then
+    fail('workload_concurrency', 1000)
+  end
+end
+
+if reason ~= nil then
+  if wait == INF then reason = 'request_too_large'; wait = -1 end
+  return {0, reason, tostring(math.ceil(wait)), tostring(math.floor(e_tok)), tostring(math.floor(e_req)),
+          tostring(math.ceil(e_tok_full)), tostring(math.ceil(e_req_full)), tostring(now)}
+end
+
+-- Debit.
+local writes = {}
+local function debit(name, k)
+  local v = levels[name] - k
+  writes[#writes + 1] = name .. '.l'; writes[#writes + 1] = tostring(v)
+  writes[#writes + 1] = name .. '.t'; writes[#writes + 1] = tostring(now)
+  levels[name] = v
+end
+local k_tok = k_in + k_out
+debit(wid .. '.E.tok', k_tok); debit('P.tok', k_tok)
+debit(wid .. '.E.req', 1); debit('P.req', 1)
+if plan['tok'] then debit(wid .. '.Q.tok', k_tok) end
+if plan['req'] then debit(wid .. '.Q.req', 1) end
+if levels['P.in'] ~= nil then debit('P.in', k_in) end
+if levels['P.out'] ~= nil then debit('P.out', k_out) end
+redis.call('HSET', KEYS[3], unpack(writes))
+
+local expires = now + lease_ttl
+redis.call('HSET', KEYS[6], 'wid', wid, 'k_in', k_in, 'k_out', k_out,
+           'q_tok', plan['tok'] and 1 or 0, 'q_req', plan['req'] and 1 or 0,
+           'borrowed', borrowed, 'admitted_ms', tostring(now))
+redis.call('PEXPIRE', KEYS[6], math.ceil(lease_ttl * 4))
+redis.call('ZADD', KEYS[4], expires, ARGV[2])
+redis.call('ZADD', KEYS[5], expires, ARGV[2])
+redis.call('HINCRBY', KEYS[7], wid .. '.debited_tok', k_tok)
+redis.call('HINCRBY', KEYS[7], 'P.debited_tok', k_tok)
+redis.call('HINCRBY', KEYS[7], wid .. '.admitted_req', 1)
+
+return {1, borrowed, tostring(math.floor(levels[wid .. '.E.tok'])), tostring(math.floor(levels[wid .. '.E.req'])),
+        tostring(math.ceil(e_tok_full)), tostring(math.ceil(e_req_full)), tostring(now)}

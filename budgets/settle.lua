@@ -1,0 +1,66 @@
+-- Settlement: correct the buckets a request's admission debited by the
+-- difference between its estimate and its actual usage, release its lease.
+-- Idempotent: the lease hash is the proof that nothing was settled yet, and it
+-- is deleted in the same atomic step.
+--
+-- KEYS: 1 cfg hash, 2 bucket hash, 3 pool leases zset, 4 workload leases zset
+--       (of the lease's workload), 5 lease hash, 6 counters hash
+-- ARGV: 1 request id, 2 actual input tokens, 3 actual output tokens,
+--       4 1 when the pool was never called (the request slot is refunded too)
+-- Returns {1, wid, k_in, k_out, borrowed} when it settled, {0} when there was
+-- nothing (left) to settle.
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+
+local lease_flat = redis.call('HGETALL', KEYS[5])
+if #lease_flat == 0 then return {0} end
+local lease = {}
+for i = 1, #lease_flat, 2 do lease[lease_flat[i]] = lease_flat[i + 1] end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+
+local wid = lease['wid']
+local k_in, k_out = tonumber(lease['k_in']), tonumber(lease['k_out'])
+local a_in, a_out = tonumber(ARGV[2]), tonumber(ARGV[3])
+local refund_request = ARGV[4] == '1'
+
+local writes = {}
+local function adjust(name, delta)
+  local rate = tonumber(redis.call('HGET', KEYS[1], name .. '.rate'))
+  local cap = tonumber(redis.call('HGET', KEYS[1], name .. '.cap'))
+  if rate == nil or cap == nil then return end  -- bucket removed since admission
+  local vals = redis.call('HMGET', KEYS[2], name .. '.l', name .. '.t')
+  local l = tonumber(vals[1])
+  if l == nil then l = cap else
+    l = l + (now - tonumber(vals[2])) * rate
+    if l > cap then l = cap end
+  end
+  -- A refund never fills a bucket past its capacity; a charge (actual above
+  -- the estimate) may take it below zero: that debt is real usage.
+  l = l + delta
+  if l > cap then l = cap end
+  writes[#writes + 1] = name .. '.l'; writes[#writes + 1] = tostring(l)
+  writes[#writes + 1] = name .. '.t'; writes[#writes + 1] = tostring(now)
+end
+
+local delta_tok = (k_in + k_out) - (a_in + a_out)
+adjust(wid .. '.E.tok', delta_tok)
+adjust('P.tok', delta_tok)
+if lease['q_tok'] == '1' then adjust(wid .. '.Q.tok', delta_tok) end
+if refund_request then
+  adjust(wid .. '.E.req', 1)
+  adjust('P.req', 1)
+  if lease['q_req'] == '1' then adjust(wid .. '.Q.req', 1) end
+end
+adjust('P.in', k_in - a_in)
+adjust('P.out', k_out - a_out)
+if #writes > 0 then redis.call('HSET', KEYS[2], unpack(writes)) end
+
+redis.call('DEL', KEYS[5])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('HINCRBY', KEYS[6], wid .. '.debited_tok', -delta_tok)
+redis.call('HINCRBY', KEYS[6], 'P.debited_tok', -delta_tok)
+redis.call('HINCRBY', KEYS[6], wid .. '.used_tok', a_in + a_out)
+if refund_request then redis.call('HINCRBY', KEYS[6], wid .. '.admitted_req', -1) end
+return {1, wid, k_in, k_out, tonumber(lease['borrowed'])}

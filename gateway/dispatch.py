@@ -1,0 +1,168 @@
+"""The web process's half of a request: estimate, admit, enqueue on its lane,
+wait for the outcome without holding a thread, and give up at the deadline
+(atomically against the worker starting)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from budgets.admission import Admission, NotConfigured, admit_async, settle_async
+from budgets.errors import BudgetUnavailable, Rejected
+from budgets.estimation import Estimate, request_estimate
+from budgets.ledger import LedgerEntry, usage_record_write
+from budgets.models import InferencePool
+from budgets.redis_client import get_async_redis, lua_script
+from budgets.services import pool_config_push
+from llm_platform.celery import queue_for_lane
+
+from . import keys
+from .auth import CallerContext
+from .lanes import lane_for
+from .records import CLAIM_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
+from .tasks import execute_request
+from .validation import ChatRequest
+
+logger = logging.getLogger(__name__)
+
+# Time a worker needs beyond the queue deadline to finish a started call.
+FINISH_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    request_id: str
+    estimate: Estimate
+    admission: Admission
+    lane: str
+    outcome: Outcome
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+def _budget_unavailable() -> Rejected:
+    return Rejected(
+        reason="budget_unavailable",
+        message="Sluice cannot reach its budget store right now; retry shortly.",
+        status=503,
+        retry_after_ms=1000,
+        error_type="service_unavailable",
+    )
+
+
+def _push_config_sync(pool_id: int) -> None:
+    pool = InferencePool.objects.get(pk=pool_id)
+    pool_config_push(pool=pool)
+
+
+async def _admit(ctx: CallerContext, request_id: str, estimate: Estimate) -> Admission:
+    lease_ttl_ms = int((ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S + 30) * 1000)
+    kwargs = dict(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
+                  input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ttl_ms)
+    try:
+        try:
+            return await admit_async(**kwargs)
+        except NotConfigured:
+            # Redis lost the bucket config (restart, flush): rebuild it from
+            # the database once, then admit against it.
+            await sync_to_async(_push_config_sync, thread_sensitive=False)(ctx.pool_id)
+            try:
+                return await admit_async(**kwargs)
+            except NotConfigured as exc:
+                raise Rejected(reason="no_reservation", message="This workload has no budget on its pool.",
+                               status=403, error_type="permission_error") from exc
+    except BudgetUnavailable as exc:
+        raise _budget_unavailable() from exc
+
+
+async def _refund_and_record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
+    await settle_async(pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
+                       actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+    entry = LedgerEntry(
+        request_id=record.request_id,
+        created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
+        tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
+        model=record.model, lane=record.lane, status="queue_timeout", borrowed=record.borrowed,
+        estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
+        queue_wait_ms=queue_wait_ms, total_ms=queue_wait_ms, error="queue_timeout",
+    )
+    await sync_to_async(usage_record_write, thread_sensitive=False)(entry=entry)
+
+
+def _queue_timeout(ctx: CallerContext) -> Rejected:
+    return Rejected(
+        reason="queue_timeout",
+        message=f"The request waited in its lane longer than this workload's queue timeout ({ctx.queue_timeout_s:g}s).",
+        status=503,
+        retry_after_ms=max(1000, int(ctx.queue_timeout_s * 1000)),
+        error_type="service_unavailable",
+    )
+
+
+async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
+    blocking = get_async_redis(blocking=True)
+    popped = await blocking.blpop([result_key], timeout=max(0.01, timeout_s))
+    return Outcome.from_json(popped[1]) if popped else None
+
+
+async def chat_completion(*, ctx: CallerContext, chat: ChatRequest) -> Dispatched:
+    """Admit and run one chat completion; raises Rejected for every refusal."""
+    estimate = request_estimate(
+        messages=chat.messages, max_tokens=chat.max_tokens, prompt_tokens_cap=ctx.prompt_tokens_cap,
+        max_tokens_cap=ctx.max_tokens_cap, max_tokens_default=ctx.max_tokens_default,
+        encoding_name=ctx.tokenizer, safety_factor=ctx.safety_factor,
+    )
+    request_id = new_request_id()
+    admission = await _admit(ctx, request_id, estimate)
+    lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens, borrowed=admission.borrowed)
+    payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
+    record = RequestRecord(
+        request_id=request_id, tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, pool_id=ctx.pool_id,
+        pool_base_url=ctx.pool_base_url, pool_api_key_env=ctx.pool_api_key_env, model=chat.model, lane=lane,
+        borrowed=admission.borrowed, estimated_input_tokens=estimate.input_tokens,
+        estimated_output_tokens=estimate.output_tokens, admitted_ms=admission.admitted_ms,
+        deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, payload=payload,
+    )
+    client = get_async_redis()
+    try:
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
+        pipe.pexpire(keys.request_record(request_id), ttl_ms())
+        await pipe.execute()
+        await sync_to_async(execute_request.apply_async, thread_sensitive=False)(
+            args=[request_id], queue=queue_for_lane(lane), task_id=request_id
+        )
+    except Exception as exc:  # Redis or the broker: nothing may run without its record
+        logger.warning("could not enqueue %s: %s", request_id, exc)
+        try:
+            await settle_async(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
+                               actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+        except Exception:  # the lease expires by itself
+            logger.warning("could not refund %s", request_id, exc_info=True)
+        raise _budget_unavailable() from exc
+
+    result_key = keys.request_result(request_id)
+    outcome = await _wait_outcome(result_key, ctx.queue_timeout_s)
+    if outcome is None:
+        claim_keys, claim_argv = claim_args(GAVE_UP, record)
+        owner = await lua_script(client, CLAIM_SRC)(keys=claim_keys, args=claim_argv)
+        if owner == GAVE_UP:
+            await _refund_and_record_timeout(record, int(ctx.queue_timeout_s * 1000))
+            raise _queue_timeout(ctx)
+        if owner == EXPIRED:
+            # The worker found the deadline passed; it refunds and records.
+            raise _queue_timeout(ctx)
+        outcome = await _wait_outcome(result_key, settings.SLUICE_UPSTREAM_TIMEOUT_S + FINISH_GRACE_S)
+        if outcome is None:
+            raise Rejected(reason="upstream_timeout", message="The inference pool did not answer in time.",
+                           status=504, retry_after_ms=None, error_type="upstream_error")
+    if outcome.status == "queue_timeout":
+        raise _queue_timeout(ctx)
+    return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=lane, outcome=outcome)

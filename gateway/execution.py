@@ -1,0 +1,158 @@
+"""The worker's half of a request: decide who owns it, call the pool at most
+once per delivery that owns it, settle, write the ledger, hand the outcome to
+the waiting web process. Every step is safe to repeat (acks_late redelivers a
+task whose worker died)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+import openai
+
+from budgets.admission import settle
+from budgets.ledger import LedgerEntry, usage_record_write
+from budgets.redis_client import get_redis, lua_script
+
+from . import keys
+from .pool_client import pool_client
+from .records import CLAIM_SRC, PUBLISH_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
+
+logger = logging.getLogger(__name__)
+
+
+def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
+    headers = exc.response.headers if exc.response is not None else {}
+    for name, scale in (("retry-after-ms", 1), ("retry-after", 1000)):
+        value = headers.get(name)
+        if value:
+            try:
+                return max(0, int(float(value) * scale))
+            except ValueError:
+                continue
+    return None
+
+
+def pool_call(record: RequestRecord) -> Outcome:
+    """One call to the pool with the SDK (its retries are off)."""
+    client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env)
+    payload = dict(record.payload)
+    sim = payload.pop("sim", None)
+    started = time.monotonic()
+    try:
+        completion = client.chat.completions.create(**payload, extra_body={"sim": sim} if sim is not None else None)
+    except openai.APIStatusError as exc:
+        upstream_ms = int((time.monotonic() - started) * 1000)
+        status = 429 if exc.status_code == 429 else 502
+        return Outcome(
+            status="upstream_error",
+            http_status=status,
+            body={"error": {"message": f"The inference pool answered {exc.status_code}.", "type": "upstream_error",
+                            "param": None, "code": "upstream_rate_limited" if status == 429 else "upstream_error"}},
+            upstream_ms=upstream_ms,
+            retry_after_ms=_retry_after_ms(exc),
+            attempts=1,
+        )
+    except (openai.APITimeoutError, openai.APIConnectionError) as exc:
+        upstream_ms = int((time.monotonic() - started) * 1000)
+        timed_out = isinstance(exc, openai.APITimeoutError)
+        return Outcome(
+            status="upstream_error",
+            http_status=504 if timed_out else 502,
+            body={"error": {"message": "The inference pool timed out." if timed_out else "The inference pool is unreachable.",
+                            "type": "upstream_error", "param": None,
+                            "code": "upstream_timeout" if timed_out else "upstream_unreachable"}},
+            upstream_ms=upstream_ms,
+            attempts=1,
+        )
+    upstream_ms = int((time.monotonic() - started) * 1000)
+    body = completion.model_dump(exclude_unset=True)
+    usage = completion.usage
+    return Outcome(
+        status="ok",
+        body=body,
+        input_tokens=usage.prompt_tokens if usage else 0,
+        output_tokens=usage.completion_tokens if usage else 0,
+        upstream_ms=upstream_ms,
+        attempts=1,
+    )
+
+
+def _now_ms() -> float:
+    seconds, micros = get_redis().time()
+    return seconds * 1000 + micros / 1000
+
+
+def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
+    """Settle the buckets, write the ledger row, publish the outcome. Each step
+    is idempotent on the request id, so a replay changes nothing."""
+    settle(
+        pool_id=record.pool_id,
+        workload_id=record.workload_id,
+        request_id=record.request_id,
+        actual_input_tokens=outcome.input_tokens,
+        actual_output_tokens=outcome.output_tokens,
+        pool_called=pool_called,
+    )
+    total_ms = max(0, int(_now_ms() - record.admitted_ms))
+    usage_record_write(
+        entry=LedgerEntry(
+            request_id=record.request_id,
+            created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
+            tenant_id=record.tenant_id,
+            workload_id=record.workload_id,
+            pool_id=record.pool_id,
+            model=record.model,
+            lane=record.lane,
+            status=outcome.status,
+            borrowed=record.borrowed,
+            estimated_input_tokens=record.estimated_input_tokens,
+            estimated_output_tokens=record.estimated_output_tokens,
+            actual_input_tokens=outcome.input_tokens,
+            actual_output_tokens=outcome.output_tokens,
+            queue_wait_ms=outcome.queue_wait_ms,
+            upstream_ms=outcome.upstream_ms,
+            total_ms=total_ms,
+            attempts=outcome.attempts,
+            error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+        )
+    )
+    result_key = keys.request_result(record.request_id)
+    client = get_redis()
+    lua_script(client, PUBLISH_SRC)(keys=[result_key, f"{result_key}:published"], args=[outcome.to_json(), ttl_ms()])
+
+
+def request_execute(*, request_id: str) -> str:
+    """Run one admitted request. Returns what happened, for logs and tests."""
+    client = get_redis()
+    data = client.hgetall(keys.request_record(request_id))
+    if not data:
+        logger.warning("request %s has no record (expired?); dropping", request_id)
+        return "missing"
+    record = RequestRecord.from_redis(data)
+    claim_keys, claim_argv = claim_args("worker", record)
+    owner = lua_script(client, CLAIM_SRC)(keys=claim_keys, args=claim_argv)
+    if owner == GAVE_UP:
+        return GAVE_UP  # the web side refunded and recorded it
+    queue_wait_ms = max(0, int(_now_ms() - record.admitted_ms))
+    if owner == EXPIRED:
+        # Deadline passed in the queue: never call the pool, refund everything.
+        outcome = Outcome(
+            status="queue_timeout",
+            http_status=503,
+            body={"error": {"message": "The request waited in its lane past its queue timeout.",
+                            "type": "queue_timeout", "param": None, "code": "queue_timeout"}},
+            queue_wait_ms=queue_wait_ms,
+        )
+        request_finish(record=record, outcome=outcome, pool_called=False)
+        return EXPIRED
+    stored = client.get(keys.request_response(request_id))
+    if stored is not None:
+        outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
+    else:
+        outcome = pool_call(record)
+        outcome = Outcome(**{**outcome.__dict__, "queue_wait_ms": queue_wait_ms})
+        client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
+    request_finish(record=record, outcome=outcome, pool_called=True)
+    return outcome.status

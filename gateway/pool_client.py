@@ -1,0 +1,34 @@
+"""The pool, reached with the official openai SDK. Its own retries are off:
+the gateway decides about retries (a retry the SDK makes on its own is load
+the admission step never saw)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+from django.conf import settings
+from openai import OpenAI
+
+_clients: dict[tuple[str, str], OpenAI] = {}
+_lock = threading.Lock()
+
+
+def pool_client(*, base_url: str, api_key_env: str) -> OpenAI:
+    api_key = os.environ.get(api_key_env, "") if api_key_env else ""
+    cache_key = (base_url, api_key_env)
+    client = _clients.get(cache_key)
+    if client is None:
+        with _lock:
+            client = _clients.get(cache_key)
+            if client is None:
+                client = OpenAI(
+                    base_url=base_url,
+                    api_key=api_key or "sluice-no-key",
+                    max_retries=0,
+                    timeout=httpx.Timeout(settings.SLUICE_UPSTREAM_TIMEOUT_S, connect=5.0),
+                    http_client=httpx.Client(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64)),
+                )
+                _clients[cache_key] = client
+    return client

@@ -1,0 +1,93 @@
+"""A request's record in Redis, shared by the web process that admitted it and
+the worker that runs it. The Celery message carries only the id."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.conf import settings
+
+from . import keys
+
+CLAIM_SRC = importlib.resources.files(__package__).joinpath("claim.lua").read_text()
+PUBLISH_SRC = importlib.resources.files(__package__).joinpath("publish.lua").read_text()
+
+WORKER = "worker"
+GAVE_UP = "gaveup"
+EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    tenant_id: int
+    workload_id: int
+    pool_id: int
+    pool_base_url: str
+    pool_api_key_env: str
+    model: str
+    lane: str
+    borrowed: bool
+    estimated_input_tokens: int
+    estimated_output_tokens: int
+    admitted_ms: float
+    deadline_ms: float
+    payload: dict[str, Any]  # what the pool receives
+
+    def to_redis(self) -> dict[str, str]:
+        data = asdict(self)
+        data["payload"] = json.dumps(self.payload)
+        data["borrowed"] = int(self.borrowed)
+        return {k: str(v) for k, v in data.items()}
+
+    @classmethod
+    def from_redis(cls, data: dict[str, str]) -> RequestRecord:
+        return cls(
+            request_id=data["request_id"],
+            tenant_id=int(data["tenant_id"]),
+            workload_id=int(data["workload_id"]),
+            pool_id=int(data["pool_id"]),
+            pool_base_url=data["pool_base_url"],
+            pool_api_key_env=data["pool_api_key_env"],
+            model=data["model"],
+            lane=data["lane"],
+            borrowed=data["borrowed"] == "1",
+            estimated_input_tokens=int(data["estimated_input_tokens"]),
+            estimated_output_tokens=int(data["estimated_output_tokens"]),
+            admitted_ms=float(data["admitted_ms"]),
+            deadline_ms=float(data["deadline_ms"]),
+            payload=json.loads(data["payload"]),
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to a request: a pool response, or an error to relay."""
+
+    status: str  # "ok" | "queue_timeout" | "upstream_error"
+    http_status: int = 200
+    body: dict[str, Any] | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    queue_wait_ms: int = 0
+    upstream_ms: int = 0
+    retry_after_ms: int | None = None
+    attempts: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> Outcome:
+        return cls(**json.loads(raw))
+
+
+def ttl_ms() -> int:
+    return settings.SLUICE_RESULT_TTL_S * 1000
+
+
+def claim_args(role: str, record: RequestRecord) -> tuple[list[str], list[Any]]:
+    return [keys.request_owner(record.request_id)], [role, record.deadline_ms, ttl_ms()]

@@ -1,0 +1,341 @@
+"""HTTP surface: the OpenAI-compatible endpoints and the /admin controls.
+
+Order of checks for a completion, chosen so each knob is testable alone:
+body (400) -> model (404) -> per-request latency -> outage -> injected
+failure -> provider limits (429) -> context length (400) -> engine. Outages
+and injected failures are refused before the limits, so they use no RPM/TPM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive
+
+from . import errors
+from .config import SimConfig
+from .engine import Sequence
+from .errors import OpenAIError
+from .limits import Rejection, WindowEntry, real_retry_after
+from .pool import SimulatedPool
+from .protocol import ChatRequest, ChunkWriter, completion_body, new_completion_id, parse_chat_request
+from .text import completion_text, token_pieces
+
+# nginx's "client closed request": what we record when the caller hung up.
+CLIENT_CLOSED = 499
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3f}"
+
+
+async def _client_disconnected(receive: Receive) -> None:
+    """Returns once the client hangs up (the request body is already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # an unexpected message: don't spin on it
+
+
+async def _unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> bool:
+    """Await ``awaitable``; False (and cancel it) if the client hangs up first.
+
+    A gateway that gives up on a call closes the connection; like vLLM, the
+    pool then drops the sequence so its slot and KV cache free up at once.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_client_disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        work.result()
+        return True
+    work.cancel()
+    return False
+
+
+class ChatHandler:
+    def __init__(self, pool: SimulatedPool) -> None:
+        self.pool = pool
+
+    async def handle(self, request: Request) -> Response:
+        self.pool.counters.requests_total += 1
+        try:
+            response = await self._serve(request)
+        except OpenAIError as exc:
+            response = exc.to_response()
+        # reset() may have swapped the counters mid-request; count in the new ones.
+        self.pool.counters.record_status(response.status_code)
+        return response
+
+    def _ratelimit_headers(self) -> dict[str, str]:
+        config = self.pool.config
+        used_requests, used_tokens = self.pool.limiter.usage()
+        headers = {}
+        if config.rpm:
+            headers["x-ratelimit-limit-requests"] = str(config.rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(0, config.rpm - used_requests))
+        if config.tpm:
+            headers["x-ratelimit-limit-tokens"] = str(config.tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(0, config.tpm - used_tokens))
+        return headers
+
+    def _check_failures(self, chat: ChatRequest) -> None:
+        pool = self.pool
+        outage = pool.active_outage()
+        if outage is not None:
+            status, remaining = outage
+            headers = errors.retry_headers(*real_retry_after(pool.clock, remaining)) if status in (429, 503) else {}
+            raise errors.failure(status, headers=headers, reason="simulated outage")
+        if chat.sim.fail_status is not None:
+            headers = {}
+            retry_after = chat.sim.fail_retry_after
+            if retry_after is None and chat.sim.fail_status == 429:
+                retry_after = 1.0
+            if retry_after is not None:
+                # Given in real seconds: it is what the client will sleep.
+                headers = {"retry-after": str(max(0, round(retry_after))), "retry-after-ms": str(round(retry_after * 1000))}
+            raise errors.failure(chat.sim.fail_status, headers=headers, reason="injected failure")
+
+    def _rate_limited(self, chat: ChatRequest, rejection: Rejection) -> OpenAIError:
+        pool = self.pool
+        pool.counters.rate_limited[rejection.kind] += 1
+        retry_s, retry_ms = real_retry_after(pool.clock, rejection.retry_after_sim_s)
+        unit = "RPM" if rejection.kind == "requests" else "TPM"
+        message = (
+            f"Rate limit reached for {chat.model} in organization inference-sim on {rejection.kind} per min "
+            f"({unit}): Limit {rejection.limit}, Used {rejection.used}, Requested {rejection.requested}. "
+            f"Please try again in {retry_ms / 1000:.3f}s."
+        )
+        headers = {**errors.retry_headers(retry_s, retry_ms), **self._ratelimit_headers()}
+        return OpenAIError(429, message, rejection.kind, code="rate_limit_exceeded", headers=headers)
+
+    async def _serve(self, request: Request) -> Response:
+        pool = self.pool
+        config = pool.config
+        chat = parse_chat_request(await request.body(), config.models, config.default_max_tokens)
+        prompt_tokens = pool.count_prompt_tokens(chat.messages)
+
+        if chat.sim.latency_ms:
+            await pool.clock.sleep(chat.sim.latency_ms / 1000)
+        self._check_failures(chat)
+
+        # Checked against the worst case at arrival, as OpenAI does.
+        admission = pool.limiter.try_admit(config.rpm, config.tpm, prompt_tokens + chat.max_tokens)
+        if isinstance(admission, Rejection):
+            raise self._rate_limited(chat, admission)
+
+        completion_tokens, finish_reason = pool.output_length(chat.sim.output_tokens, chat.max_tokens)
+        if prompt_tokens + completion_tokens > config.kv_cache_tokens:
+            pool.limiter.release(admission)
+            raise errors.invalid_request(
+                f"This model's maximum context length is {config.kv_cache_tokens} tokens. However, you requested "
+                f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+                f"{completion_tokens} in the completion).",
+                param="messages",
+                code="context_length_exceeded",
+            )
+
+        headers = {"x-request-id": new_completion_id().removeprefix("chatcmpl-"), **self._ratelimit_headers()}
+        seq = Sequence(prompt_tokens, completion_tokens, arrival=pool.clock.now())
+        pool.begin()
+        if config.zero_latency:
+            seq.finish_instantly()
+        else:
+            pool.engine.submit(seq)
+
+        if chat.stream:
+            return await self._stream(request, chat, seq, admission, finish_reason, headers)
+        return await self._complete(request, chat, seq, admission, finish_reason, headers)
+
+    def _abandon(self, seq: Sequence, entry: WindowEntry) -> Response:
+        self.pool.engine.abort(seq)
+        self.pool.finish(seq, entry, "aborted")
+        return Response(status_code=CLIENT_CLOSED)
+
+    def _fail(self, seq: Sequence, entry: WindowEntry) -> OpenAIError:
+        self.pool.finish(seq, entry, "failed")
+        return errors.failure(500, reason=seq.error)
+
+    async def _complete(
+        self, request: Request, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
+    ) -> Response:
+        if not seq.finished and not await _unless_disconnected(request, seq.completed.wait()):
+            return self._abandon(seq, entry)
+        if seq.error:
+            raise self._fail(seq, entry)
+        self.pool.finish(seq, entry, "completed")
+        headers.update(
+            {
+                "x-sim-queue-ms": _ms(seq.queue_ms),
+                "x-sim-prefill-ms": _ms(seq.prefill_ms),
+                "x-sim-decode-ms": _ms(seq.decode_ms),
+            }
+        )
+        body = completion_body(
+            new_completion_id(), chat.model, completion_text(seq.generated), finish_reason, seq.prompt_tokens, seq.generated
+        )
+        return JSONResponse(body, headers=headers)
+
+    async def _stream(
+        self, request: Request, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
+    ) -> Response:
+        # Start the response at the first token, so the headers can carry the
+        # queue and prefill times; decode time is not known until the end.
+        if not seq.finished and not await _unless_disconnected(request, seq.wait_generated(1)):
+            return self._abandon(seq, entry)
+        if seq.error:
+            raise self._fail(seq, entry)
+        headers.update({"x-sim-queue-ms": _ms(seq.queue_ms), "x-sim-prefill-ms": _ms(seq.prefill_ms)})
+        headers["cache-control"] = "no-cache"
+        return _StreamResponse(_StreamSession(self.pool, chat, seq, entry, finish_reason), headers)
+
+class _StreamSession:
+    """One streamed completion: its SSE events, and its accounting exactly once."""
+
+    def __init__(self, pool: SimulatedPool, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str):
+        self._pool = pool
+        self._chat = chat
+        self._seq = seq
+        self._entry = entry
+        self._finish_reason = finish_reason
+        self._outcome = "aborted"  # unless the end is reached: the client hung up
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[str]:
+        chat, seq = self._chat, self._seq
+        writer = ChunkWriter(new_completion_id(), chat.model, chat.include_usage)
+        pieces = token_pieces(seq.output_tokens)
+        emitted = 0
+        try:
+            yield writer.role()
+            while True:
+                while emitted < seq.generated:
+                    emitted += 1
+                    yield writer.content(next(pieces))
+                if seq.finished:
+                    break
+                seq.progress.clear()
+                await seq.progress.wait()
+            if seq.error:
+                self._outcome = "failed"
+                return  # a mid-stream failure just ends the stream, as upstreams do
+            self._outcome = "completed"
+            yield writer.finish(self._finish_reason)
+            if chat.include_usage:
+                yield writer.usage(seq.prompt_tokens, seq.generated)
+            yield writer.done()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._outcome == "aborted":
+            self._pool.engine.abort(self._seq)
+        self._pool.finish(self._seq, self._entry, self._outcome)
+
+
+class _StreamResponse(StreamingResponse):
+    def __init__(self, session: _StreamSession, headers: dict[str, str]) -> None:
+        super().__init__(session.events(), media_type="text/event-stream", headers=headers)
+        self._session = session
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # On a disconnect Starlette abandons the generator; close it now (its
+            # cleanup frees the slot) rather than whenever it is garbage collected.
+            # A generator that never started has no cleanup to run: close() covers it.
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            self._session.close()
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    return errors.invalid_request(str(exc)).to_response()
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ValueError("body must be JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    return body
+
+
+def create_app(config: SimConfig) -> Starlette:
+    pool = SimulatedPool(config)
+    chat = ChatHandler(pool)
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def list_models(request: Request) -> Response:
+        data = [{"id": model, "object": "model", "created": 0, "owned_by": "inference-sim"} for model in config.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def admin_capacity(request: Request) -> Response:
+        try:
+            return JSONResponse(pool.update_capacity(await _json_object(request)))
+        except ValueError as exc:
+            return _error_response(exc)
+
+    async def admin_outage(request: Request) -> Response:
+        try:
+            body = await _json_object(request)
+            seconds, status = body.get("seconds"), body.get("status", 503)
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                raise ValueError("seconds must be a number >= 0 (0 ends an outage)")
+            if isinstance(status, bool) or not isinstance(status, int):
+                raise ValueError("status must be an integer")
+            return JSONResponse({"outage": pool.start_outage(float(seconds), status)})
+        except ValueError as exc:
+            return _error_response(exc)
+
+    async def admin_stats(request: Request) -> Response:
+        return JSONResponse(pool.stats())
+
+    async def admin_reset(request: Request) -> Response:
+        pool.reset()
+        return JSONResponse({"status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+            Route("/admin/capacity", admin_capacity, methods=["POST"]),
+            Route("/admin/outage", admin_outage, methods=["POST"]),
+            Route("/admin/stats", admin_stats, methods=["GET"]),
+            Route("/admin/reset", admin_reset, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.pool = pool
+    return app

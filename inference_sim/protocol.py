@@ -1,0 +1,205 @@
+"""The chat-completions wire format: request validation and response bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .config import OUTAGE_STATUSES
+from .errors import invalid_request, model_not_found
+
+SIM_FIELDS = ("output_tokens", "fail_status", "fail_retry_after", "latency_ms")
+
+
+@dataclass(frozen=True)
+class SimOverrides:
+    """The per-request ``"sim"`` body field (the gateway sends it as extra_body)."""
+
+    output_tokens: int | None = None
+    fail_status: int | None = None
+    fail_retry_after: float | None = None
+    latency_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    sim: SimOverrides
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _parse_messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid_request("'messages' must be a non-empty array.", param="messages")
+    for index, message in enumerate(raw):
+        param = f"messages.[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid_request(f"{param} must be an object with a string 'role'.", param=param)
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not all(isinstance(part, dict) for part in content):
+            raise invalid_request(f"{param}.content must be a string or an array of content parts.", param=param)
+    return raw
+
+
+def _parse_sim(raw: Any) -> SimOverrides:
+    if raw is None:
+        return SimOverrides()
+    if not isinstance(raw, dict):
+        raise invalid_request("'sim' must be an object.", param="sim")
+    unknown = sorted(set(raw) - set(SIM_FIELDS))
+    if unknown:
+        # Typos in test scenarios should fail loudly, not run with defaults.
+        raise invalid_request(f"Unknown sim field(s) {unknown}; allowed: {list(SIM_FIELDS)}.", param="sim")
+    output_tokens = raw.get("output_tokens")
+    if output_tokens is not None and (not _is_int(output_tokens) or output_tokens < 0):
+        raise invalid_request("sim.output_tokens must be an integer >= 0.", param="sim.output_tokens")
+    fail_status = raw.get("fail_status")
+    if fail_status is not None and fail_status not in OUTAGE_STATUSES:
+        raise invalid_request(f"sim.fail_status must be one of {list(OUTAGE_STATUSES)}.", param="sim.fail_status")
+    retry_after = raw.get("fail_retry_after")
+    if retry_after is not None and (not _is_number(retry_after) or retry_after < 0):
+        raise invalid_request("sim.fail_retry_after must be a number >= 0.", param="sim.fail_retry_after")
+    latency_ms = raw.get("latency_ms", 0.0)
+    if latency_ms is None:
+        latency_ms = 0.0
+    if not _is_number(latency_ms) or latency_ms < 0:
+        raise invalid_request("sim.latency_ms must be a number >= 0.", param="sim.latency_ms")
+    return SimOverrides(output_tokens, fail_status, retry_after, float(latency_ms))
+
+
+def parse_chat_request(raw_body: bytes, models: list[str], default_max_tokens: int) -> ChatRequest:
+    try:
+        body = json.loads(raw_body)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_request("We could not parse the JSON body of your request.") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_request("'model' is a required string.", param="model")
+    messages = _parse_messages(body.get("messages"))
+
+    max_tokens = default_max_tokens
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins
+        value = body.get(name)
+        if value is not None:
+            if not _is_int(value) or value < 1:
+                raise invalid_request(f"'{name}' must be an integer >= 1.", param=name)
+            max_tokens = value
+            break
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid_request("'stream' must be a boolean.", param="stream")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise invalid_request("'stream_options' must be an object.", param="stream_options")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise invalid_request("The simulator only supports n=1.", param="n")
+    sim = _parse_sim(body.get("sim"))
+
+    # Checked last so a malformed body is a 400 whatever model it names.
+    if model not in models:
+        raise model_not_found(model)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage", False)),
+        sim=sim,
+    )
+
+
+def new_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    completion_id: str, model: str, content: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": "inference_sim",
+    }
+
+
+class ChunkWriter:
+    """Server-sent ``chat.completion.chunk`` events for one streamed completion."""
+
+    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+        self._base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": "inference_sim",
+        }
+        self._include_usage = include_usage
+
+    def _event(self, payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+    def _choice_chunk(self, delta: dict[str, Any], finish_reason: str | None) -> str:
+        payload = {
+            **self._base,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if self._include_usage:
+            payload["usage"] = None  # as OpenAI: null on every chunk but the last
+        return self._event(payload)
+
+    def role(self) -> str:
+        return self._choice_chunk({"role": "assistant", "content": ""}, None)
+
+    def content(self, piece: str) -> str:
+        return self._choice_chunk({"content": piece}, None)
+
+    def finish(self, finish_reason: str) -> str:
+        return self._choice_chunk({}, finish_reason)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return self._event({**self._base, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    @staticmethod
+    def done() -> str:
+        return "data: [DONE]\n\n"

@@ -1,0 +1,90 @@
+"""The Celery app, its lanes (one queue each, one worker pool each) and the
+settings that make redelivery safe. Routing lives here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from django.conf import settings
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+
+# Lane -> Celery queue. Each lane is a bulkhead: its own queue consumed by its
+# own worker pool, so a flood on one cannot starve another.
+LANE_QUEUES: dict[str, str] = {
+    "interactive": "interactive",
+    "interactive-long": "interactive-long",
+    "batch": "batch",
+    "scheduled": "scheduled",
+}
+
+app = Celery("sluice")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(
+    broker_url=settings.CELERY_BROKER_URL,
+    # Our tasks report results through their own Redis keys (the web side
+    # waits on them); Celery's result backend would only duplicate writes.
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_time_limit=settings.SLUICE_TASK_TIME_LIMIT_S,
+    task_soft_time_limit=max(1, settings.SLUICE_TASK_TIME_LIMIT_S - 10),
+    broker_transport_options={
+        "visibility_timeout": settings.SLUICE_VISIBILITY_TIMEOUT_S,
+        # Within a queue, nothing jumps ahead; lanes are separate queues.
+        "queue_order_strategy": "priority",
+    },
+    broker_connection_retry_on_startup=True,
+    task_default_queue=LANE_QUEUES["batch"],
+    task_routes={
+        "budgets.tasks.*": {"queue": LANE_QUEUES["batch"]},
+    },
+    worker_hijack_root_logger=False,
+    timezone="UTC",
+)
+app.autodiscover_tasks()
+
+
+def queue_for_lane(lane: str) -> str:
+    return LANE_QUEUES[lane]
+
+
+def check_time_limits(conf=app.conf) -> None:
+    """Refuse to start when a task could outlive the broker's visibility
+    timeout: with the Redis broker the message would then be delivered to a
+    second worker while the first still runs it."""
+    visibility = conf.broker_transport_options.get("visibility_timeout", 3600)
+    limit = conf.task_time_limit
+    if limit is None or limit >= visibility:
+        raise RuntimeError(
+            f"task_time_limit ({limit}s) must be below the broker visibility_timeout ({visibility}s)"
+        )
+
+
+check_time_limits()
+
+
+# Readiness markers: `make run` and the test harness wait on these instead of
+# polling the broker with `inspect ping` (slow, and noisy under load).
+from celery.signals import worker_ready, worker_shutdown  # noqa: E402
+
+WORKER_READY_KEY = "sluice:workers:ready"
+
+
+@worker_ready.connect
+def _mark_ready(sender=None, **kwargs) -> None:
+    from budgets.redis_client import get_redis
+
+    get_redis().hset(WORKER_READY_KEY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
+
+
+@worker_shutdown.connect
+def _mark_gone(sender=None, **kwargs) -> None:
+    from budgets.redis_client import get_redis
+
+    try:
+        get_redis().hdel(WORKER_READY_KEY, sender.hostname)
+    except Exception:  # Redis may be the thing shutting down
+        pass

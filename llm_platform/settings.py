@@ -1,0 +1,142 @@
+"""Sluice settings: everything comes from the environment, with embedded
+defaults that work on a fresh machine (SQLite file, embedded Redis started by
+``make run``, the simulated pool). Production differs only by environment;
+``.env.example`` lists every variable."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("SLUICE_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+# The fallback key only serves local demos; production sets DJANGO_SECRET_KEY.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "insecure-local-only-" + "sluice-demo-key"
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")]
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_celery_beat",
+    "tenants",
+    "budgets",
+    "gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "llm_platform.urls"
+ASGI_APPLICATION = "llm_platform.asgi.application"
+WSGI_APPLICATION = "llm_platform.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database -----------------------------------------------------------------
+DATABASE_URL = os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'sluice.sqlite3'}"
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=int(os.environ.get("DB_CONN_MAX_AGE", 60)))}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Workers write the ledger concurrently: WAL lets readers run beside one
+    # writer, and the busy timeout queues writers instead of failing them.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=20000;",
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- redis / celery -------------------------------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{VAR_DIR / 'redis.sock'}?db=0"
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
+    REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
+)
+
+# A task must finish (or be killed) well before the broker would hand its
+# unacknowledged message to another worker: visibility_timeout > time limit.
+SLUICE_TASK_TIME_LIMIT_S = env_int("SLUICE_TASK_TIME_LIMIT_S", 300)
+SLUICE_VISIBILITY_TIMEOUT_S = env_int("SLUICE_VISIBILITY_TIMEOUT_S", 3600)
+
+# --- gateway ----------------------------------------------------------------------
+# Requests whose estimate (prompt + max_tokens) is at least this go to
+# interactive-long, so short calls never queue behind long generations.
+SLUICE_LONG_REQUEST_TOKENS = env_int("SLUICE_LONG_REQUEST_TOKENS", 2048)
+SLUICE_MAX_BODY_BYTES = env_int("SLUICE_MAX_BODY_BYTES", 2 * 1024 * 1024)
+SLUICE_UPSTREAM_TIMEOUT_S = env_float("SLUICE_UPSTREAM_TIMEOUT_S", 120.0)
+# How long workload/key lookups are cached in each web process; reservation
+# changes reach admission through Redis at once, caps within this many seconds.
+SLUICE_AUTH_CACHE_S = env_float("SLUICE_AUTH_CACHE_S", 5.0)
+SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
+SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
+# The simulated pool used by `make run` and the tests.
+SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
+
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}

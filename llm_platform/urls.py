@@ -1,0 +1,11 @@
+from django.contrib import admin
+from django.urls import path
+
+from gateway import views as gateway_views
+
+urlpatterns = [
+    path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
+    path("v1/models", gateway_views.models, name="models"),
+    path("healthz", gateway_views.healthz, name="healthz"),
+    path("admin/", admin.site.urls),
+]

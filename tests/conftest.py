@@ -1,0 +1,134 @@
+"""Shared fixtures. Everything here is real: PostgreSQL (pytest-django's test
+database), Redis, Celery workers, the simulated pool over HTTP."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+
+def pytest_configure(config):
+    if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+        raise pytest.UsageError("Sluice's tests run against PostgreSQL: set DATABASE_URL (make test does).")
+
+
+@pytest.fixture(scope="session")
+def redis_client():
+    from budgets.redis_client import get_redis
+
+    client = get_redis()
+    client.ping()
+    return client
+
+
+@pytest.fixture(autouse=True)
+def clean_redis(redis_client):
+    """Each test starts with no buckets, leases or request records. Only our
+    keys go: the Celery broker's queue bindings must survive."""
+    keys = list(redis_client.scan_iter(match="sluice:*", count=1000))
+    keep = {"sluice:workers:ready"}
+    doomed = [k for k in keys if k not in keep]
+    if doomed:
+        redis_client.delete(*doomed)
+    yield
+
+
+def _database_url() -> str:
+    db = settings.DATABASES["default"]
+    host = db.get("HOST") or "127.0.0.1"
+    port = db.get("PORT") or 5432
+    user = db.get("USER") or "postgres"
+    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def platform(django_db_setup, django_db_blocker, redis_client):
+    """The simulated pool, the gateway and one worker per lane, all pointed at
+    this session's test database and Redis."""
+    from tests.platform_harness import Platform
+
+    log_dir = Path(os.environ.get("SLUICE_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="sluice-test-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "DATABASE_URL": _database_url(),
+        "REDIS_URL": settings.REDIS_URL,
+        "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
+        "SLUICE_AUTH_CACHE_S": "0.5",
+        "PYTHONUNBUFFERED": "1",
+        "DB_CONN_MAX_AGE": "0",
+    })
+    harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
+    try:
+        harness.start_sim()
+        harness.start_web()
+        lanes = ["interactive", "interactive-long", "batch", "scheduled"]
+        for lane in lanes:
+            harness.start_worker(lane)
+        harness.wait_workers_ready(lanes)
+        yield harness
+    finally:
+        harness.stop_all()
+
+
+@dataclass
+class Caller:
+    tenant: object
+    workload: object
+    reservation: object
+    pool: object
+    api_key: str
+
+
+@pytest.fixture
+def make_caller(transactional_db):
+    """Create a pool (or reuse one), a tenant, a workload with a reservation
+    and an API key. Bucket config reaches Redis on commit, as in production."""
+    from budgets.models import InferencePool, Reservation
+    from budgets.services import pool_config_push
+    from tenants.models import Tenant, Workload
+    from tenants.services import api_key_create
+
+    counter = {"n": 0}
+
+    def make_pool(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 1_000_000, provider_rpm: int = 10_000,
+                  headroom: float = 0.8, burst_seconds: float = 15.0, max_concurrency: int = 256, **extra):
+        counter["n"] += 1
+        pool = InferencePool(name=f"pool {counter['n']}", slug=f"pool-{counter['n']}-{os.getpid()}", base_url=base_url,
+                             served_models=["sim-small", "sim-large"], provider_tpm=provider_tpm,
+                             provider_rpm=provider_rpm, headroom=headroom, burst_seconds=burst_seconds,
+                             max_concurrency=max_concurrency, **extra)
+        pool.full_clean()
+        pool.save()
+        return pool
+
+    def make(*, pool=None, tenant=None, workload_class: str = "interactive", reserved_tpm: int = 100_000,
+             ceiling_tpm: int | None = None, lend_fraction: float = 0.0, rpm: int = 1_000, prompt_tokens_cap: int = 4_000,
+             max_tokens_cap: int = 1_024, max_tokens_default: int = 64, queue_timeout_s: float = 10.0,
+             max_concurrency: int = 0) -> Caller:
+        counter["n"] += 1
+        n = counter["n"]
+        pool = pool or make_pool()
+        tenant = tenant or Tenant.objects.create(name=f"Tenant {n}", slug=f"tenant-{n}", cost_center=f"CC-{n}")
+        workload = Workload.objects.create(
+            tenant=tenant, name=f"Workload {n}", slug=f"wl-{n}", workload_class=workload_class,
+            prompt_tokens_cap=prompt_tokens_cap, max_tokens_cap=max_tokens_cap,
+            max_tokens_default=max_tokens_default, queue_timeout_s=queue_timeout_s,
+        )
+        reservation = Reservation(workload=workload, pool=pool, reserved_tpm=reserved_tpm,
+                                  ceiling_tpm=ceiling_tpm if ceiling_tpm is not None else reserved_tpm,
+                                  lend_fraction=lend_fraction, rpm=rpm, max_concurrency=max_concurrency)
+        reservation.full_clean()
+        reservation.save()
+        pool_config_push(pool=pool)  # also happens on commit; explicit so the test does not race it
+        key = api_key_create(workload=workload, name="test")
+        return Caller(tenant=tenant, workload=workload, reservation=reservation, pool=pool, api_key=key.raw_key)
+
+    make.pool = make_pool
+    return make
