@@ -220,5 +220,10 @@ redis.call('HINCRBY', KEYS[7], wid .. '.debited_tok', k_tok)
 redis.call('HINCRBY', KEYS[7], 'P.debited_tok', k_tok)
 redis.call('HINCRBY', KEYS[7], wid .. '.admitted_req', 1)
 
+local function full_ms(name)
+  local ms = time_to_full(name, levels[name])
+  if ms == INF then return '-1' end
+  return tostring(math.ceil(ms))
+end
 return {1, borrowed, tostring(math.floor(levels[wid .. '.E.tok'])), tostring(math.floor(levels[wid .. '.E.req'])),
-        tostring(math.ceil(e_tok_full)), tostring(math.ceil(e_req_full)), tostring(now)}
+        full_ms(wid .. '.E.tok'), full_ms(wid .. '.E.req'), tostring(now)}

@@ -59,8 +59,10 @@ if #writes > 0 then redis.call('HSET', KEYS[2], unpack(writes)) end
 redis.call('DEL', KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('HINCRBY', KEYS[6], wid .. '.debited_tok', -delta_tok)
-redis.call('HINCRBY', KEYS[6], 'P.debited_tok', -delta_tok)
-redis.call('HINCRBY', KEYS[6], wid .. '.used_tok', a_in + a_out)
+-- Integers as text: Lua would print a negated zero as '-0', which HINCRBY refuses.
+local function int(x) return string.format('%d', x) end
+redis.call('HINCRBY', KEYS[6], wid .. '.debited_tok', int(0 - delta_tok))
+redis.call('HINCRBY', KEYS[6], 'P.debited_tok', int(0 - delta_tok))
+redis.call('HINCRBY', KEYS[6], wid .. '.used_tok', int(a_in + a_out))
 if refund_request then redis.call('HINCRBY', KEYS[6], wid .. '.admitted_req', -1) end
 return {1, wid, k_in, k_out, tonumber(lease['borrowed'])}

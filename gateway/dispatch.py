@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+
+import redis
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -108,7 +110,13 @@ def _queue_timeout(ctx: CallerContext) -> Rejected:
 
 async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     blocking = get_async_redis(blocking=True)
-    popped = await blocking.blpop([result_key], timeout=max(0.01, timeout_s))
+    try:
+        popped = await blocking.blpop([result_key], timeout=max(0.01, timeout_s))
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        # The request was admitted and queued; its worker settles it. The
+        # caller learns only that we lost sight of it.
+        raise Rejected(reason="result_unavailable", message="Sluice lost its connection to the result store; the request may still complete.",
+                       status=503, retry_after_ms=1000, error_type="service_unavailable") from exc
     return Outcome.from_json(popped[1]) if popped else None
 
 

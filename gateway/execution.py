@@ -156,3 +156,42 @@ def request_execute(*, request_id: str) -> str:
         client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
     request_finish(record=record, outcome=outcome, pool_called=True)
     return outcome.status
+
+
+def leases_reap(*, pool_ids: list[int]) -> int:
+    """Release leases whose worker vanished (killed mid-call, message lost).
+
+    A lease outlives any healthy request (queue timeout + upstream timeout +
+    margin), so an expired one means nobody will settle it. We cannot know
+    what the pool did, so the estimate stays charged (the safe side of I1),
+    the ledger gets a ``lease_expired`` row, and the request record is deleted
+    so a late redelivery drops the task instead of calling the pool."""
+    from budgets import keys as budget_keys
+
+    client = get_redis()
+    reaped = 0
+    now_ms = _now_ms()
+    for pool_id in pool_ids:
+        expired = client.zrangebyscore(budget_keys.pool_leases(pool_id), "-inf", now_ms, start=0, num=500)
+        for request_id in expired:
+            data = client.hgetall(keys.request_record(request_id))
+            lease = client.hgetall(budget_keys.lease(pool_id, request_id))
+            workload_id = int(data.get("workload_id") or lease.get("wid") or 0)
+            k_in, k_out = int(float(lease.get("k_in", 0))), int(float(lease.get("k_out", 0)))
+            settle(pool_id=pool_id, workload_id=workload_id, request_id=request_id,
+                   actual_input_tokens=k_in, actual_output_tokens=k_out, pool_called=True)
+            client.zrem(budget_keys.pool_leases(pool_id), request_id)
+            if data:
+                record = RequestRecord.from_redis(data)
+                usage_record_write(entry=LedgerEntry(
+                    request_id=record.request_id,
+                    created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
+                    tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
+                    model=record.model, lane=record.lane, status="lease_expired", borrowed=record.borrowed,
+                    estimated_input_tokens=record.estimated_input_tokens,
+                    estimated_output_tokens=record.estimated_output_tokens,
+                    total_ms=max(0, int(now_ms - record.admitted_ms)), error="lease_expired",
+                ))
+                client.delete(keys.request_record(request_id))
+            reaped += 1
+    return reaped

@@ -7,3 +7,12 @@ from .execution import request_execute
 def execute_request(request_id: str) -> str:
     """Run one admitted request (thin: the record lives in Redis, keyed by id)."""
     return request_execute(request_id=request_id)
+
+
+@shared_task(name="gateway.reap_leases", ignore_result=True)
+def reap_leases() -> int:
+    from budgets.models import InferencePool
+
+    from .execution import leases_reap
+
+    return leases_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))

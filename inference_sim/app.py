@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -105,7 +106,7 @@ class ChatHandler:
                 retry_after = 1.0
             if retry_after is not None:
                 # Given in real seconds: it is what the client will sleep.
-                headers = {"retry-after": str(max(0, round(retry_after))), "retry-after-ms": str(round(retry_after * 1000))}
+                headers = errors.retry_headers(math.ceil(retry_after), math.ceil(retry_after * 1000))
             raise errors.failure(chat.sim.fail_status, headers=headers, reason="injected failure")
 
     def _rate_limited(self, chat: ChatRequest, rejection: Rejection) -> OpenAIError:
@@ -159,10 +160,24 @@ class ChatHandler:
             return await self._stream(request, chat, seq, admission, finish_reason, headers)
         return await self._complete(request, chat, seq, admission, finish_reason, headers)
 
-    def _abandon(self, seq: Sequence, entry: WindowEntry) -> Response:
+    def _abandon(self, seq: Sequence, entry: WindowEntry) -> None:
         self.pool.engine.abort(seq)
         self.pool.finish(seq, entry, "aborted")
-        return Response(status_code=CLIENT_CLOSED)
+
+    async def _engine_done(
+        self, request: Request, seq: Sequence, entry: WindowEntry, wait: Callable[[], Awaitable[Any]]
+    ) -> bool:
+        """Wait for the engine; False if the client hung up (the sequence is then aborted)."""
+        if seq.finished:
+            return True
+        try:
+            done = await _unless_disconnected(request, wait())
+        except asyncio.CancelledError:  # the server is shutting down: account for it all the same
+            self._abandon(seq, entry)
+            raise
+        if not done:
+            self._abandon(seq, entry)
+        return done
 
     def _fail(self, seq: Sequence, entry: WindowEntry) -> OpenAIError:
         self.pool.finish(seq, entry, "failed")
@@ -171,8 +186,8 @@ class ChatHandler:
     async def _complete(
         self, request: Request, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
     ) -> Response:
-        if not seq.finished and not await _unless_disconnected(request, seq.completed.wait()):
-            return self._abandon(seq, entry)
+        if not await self._engine_done(request, seq, entry, seq.completed.wait):
+            return Response(status_code=CLIENT_CLOSED)
         if seq.error:
             raise self._fail(seq, entry)
         self.pool.finish(seq, entry, "completed")
@@ -193,8 +208,8 @@ class ChatHandler:
     ) -> Response:
         # Start the response at the first token, so the headers can carry the
         # queue and prefill times; decode time is not known until the end.
-        if not seq.finished and not await _unless_disconnected(request, seq.wait_generated(1)):
-            return self._abandon(seq, entry)
+        if not await self._engine_done(request, seq, entry, lambda: seq.wait_generated(1)):
+            return Response(status_code=CLIENT_CLOSED)
         if seq.error:
             raise self._fail(seq, entry)
         headers.update({"x-sim-queue-ms": _ms(seq.queue_ms), "x-sim-prefill-ms": _ms(seq.prefill_ms)})

@@ -39,9 +39,15 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     task_default_queue=LANE_QUEUES["batch"],
     task_routes={
-        "budgets.tasks.*": {"queue": LANE_QUEUES["batch"]},
+        # Housekeeping shares the batch lane's workers: it is small and rare.
+        "budgets.*": {"queue": LANE_QUEUES["batch"]},
+        "gateway.reap_leases": {"queue": LANE_QUEUES["batch"]},
     },
     worker_hijack_root_logger=False,
+    beat_schedule={
+        "push-pool-configs": {"task": "budgets.push_pool_configs", "schedule": 10.0},
+        "reap-leases": {"task": "gateway.reap_leases", "schedule": 30.0},
+    },
     timezone="UTC",
 )
 app.autodiscover_tasks()

@@ -66,7 +66,7 @@ def platform(django_db_setup, django_db_blocker, redis_client):
     })
     harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
     try:
-        harness.start_sim()
+        harness.start_sim(["--time-scale", "5"])
         harness.start_web()
         lanes = ["interactive", "interactive-long", "batch", "scheduled"]
         for lane in lanes:

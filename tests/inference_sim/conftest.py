@@ -28,6 +28,10 @@ if str(REPO_ROOT) not in sys.path:
 READY_PREFIX = "inference_sim listening on "
 # Fast enough for a quick suite, slow enough that steps still take real time.
 TEST_TIME_SCALE = 50.0
+# For tests that need several requests inside one 60 s (simulated) rate-limit
+# window or outage: at this scale the window lasts 30 real seconds, so a slow
+# machine cannot let it slide between two requests.
+SLOW_TIME_SCALE = 2.0
 TEST_SEED = 1234
 
 
@@ -132,6 +136,20 @@ def sim(sim_server: SimProcess) -> SimProcess:
     """The shared simulator, reset to its starting state for this test."""
     sim_server.reset()
     return sim_server
+
+
+@pytest.fixture(scope="session")
+def slow_sim_server() -> Iterator[SimProcess]:
+    sim = start_sim("--time-scale", str(SLOW_TIME_SCALE), "--seed", str(TEST_SEED))
+    yield sim
+    sim.stop()
+
+
+@pytest.fixture
+def slow_sim(slow_sim_server: SimProcess) -> SimProcess:
+    """A simulator whose rate-limit window cannot slide during a test."""
+    slow_sim_server.reset()
+    return slow_sim_server
 
 
 @pytest.fixture

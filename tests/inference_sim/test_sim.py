@@ -292,9 +292,12 @@ def test_capacity_updates_validate_and_reset_restores(sim):
 
 
 # -- provider limits ---------------------------------------------------------------
+# The 429 checks run on slow_sim, whose 60 s window lasts 30 real seconds, so
+# no machine is slow enough to let it slide between two requests.
 
 
-def test_rpm_limit_returns_429_with_retry_headers(sim):
+def test_rpm_limit_returns_429_with_retry_headers(slow_sim):
+    sim = slow_sim
     sim.capacity(rpm=3).raise_for_status()
     remaining = []
     for _ in range(3):
@@ -323,7 +326,8 @@ def test_rpm_limit_returns_429_with_retry_headers(sim):
     assert stats["by_status"] == {"200": 3, "429": 2}
 
 
-def test_tpm_limit_checks_worst_case_counts_actual_and_recovers(sim):
+def test_tpm_limit_checks_worst_case_and_counts_actual_usage(slow_sim):
+    sim = slow_sim
     prompt_tokens = llm_tokens.count_chat_tokens(USER)
     max_tokens = 100
     tpm = prompt_tokens + max_tokens  # the first request fits exactly
@@ -345,28 +349,41 @@ def test_tpm_limit_checks_worst_case_counts_actual_and_recovers(sim):
     with pytest.raises(openai.RateLimitError):
         sim.openai.chat.completions.create(model="sim-small", messages=USER, max_tokens=max_tokens)
 
-    # The window slides in simulated time: waiting what the server asked is enough.
-    blocked = sim.chat(max_tokens=max_tokens)
-    assert blocked.status_code == 429
-    time.sleep(int(blocked.headers["retry-after-ms"]) / 1000 + 0.05)
-    assert sim.chat(sim={"output_tokens": 5}, max_tokens=max_tokens).status_code == 200
-
     # A request larger than the whole limit can never fit: wait a full window.
     too_big = sim.chat(max_tokens=tpm)
     assert too_big.status_code == 429
     assert int(too_big.headers["retry-after-ms"]) == math.ceil(60_000 / sim.stats()["config"]["time_scale"])
+    stats = sim.stats()
+    assert (stats["rate_limited"]["tokens"], stats["window"]["requests"]) == (3, 2)
+
+
+def test_rate_limit_window_slides_in_simulated_time(sim):
+    """On the fast server the 60 s window lasts 1.2 real seconds: waiting the
+    retry-after the server gave is enough to be admitted again."""
+    sim.capacity(rpm=1).raise_for_status()
+    for _attempt in range(3):
+        sim.reset()
+        sim.capacity(rpm=1).raise_for_status()
+        assert sim.chat(sim={"output_tokens": 1}).status_code == 200
+        blocked = sim.chat(sim={"output_tokens": 1})
+        if blocked.status_code == 429:
+            break
+        # This machine took longer than a whole window between two requests.
+    assert blocked.status_code == 429
+    time.sleep(int(blocked.headers["retry-after-ms"]) / 1000 + 0.05)
+    assert sim.chat(sim={"output_tokens": 1}).status_code == 200
 
 
 # -- failures ----------------------------------------------------------------------
 
 
 def test_injected_failures(sim):
-    sim.capacity(rpm=1).raise_for_status()
-    for status, error_class in [(500, openai.InternalServerError), (502, openai.InternalServerError), (503, openai.InternalServerError)]:
+    sim.capacity(rpm=1000).raise_for_status()
+    for status in (500, 502, 503):
         response = sim.chat(sim={"fail_status": status})
         assert response.status_code == status
         assert response.json()["error"]["type"] == "server_error"
-        with pytest.raises(error_class):
+        with pytest.raises(openai.InternalServerError):
             sim.openai.chat.completions.create(
                 model="sim-small", messages=USER, extra_body={"sim": {"fail_status": status}}
             )
@@ -376,14 +393,16 @@ def test_injected_failures(sim):
     assert response.json()["error"]["code"] == "rate_limit_exceeded"
     with pytest.raises(openai.RateLimitError):
         sim.openai.chat.completions.create(model="sim-small", messages=USER, extra_body={"sim": {"fail_status": 429}})
-    # Injected failures never reached the pool, so they used none of the RPM.
     assert sim.chat(sim={"output_tokens": 1}).status_code == 200
     stats = sim.stats()
     assert stats["by_status"] == {"200": 1, "429": 2, "500": 2, "502": 2, "503": 2}
+    # Injected failures never reached the pool: the window saw one request.
     assert (stats["completed"], stats["rate_limited"]["requests"]) == (1, 0)
+    assert stats["window"]["requests"] <= 1
 
 
-def test_outage_fails_everything_until_it_ends(sim):
+def test_outage_fails_everything_until_it_ends(slow_sim):
+    sim = slow_sim
     response = sim.http.post("/admin/outage", json={"seconds": 600, "status": 503})
     assert response.json()["outage"]["active"] is True
     for _ in range(2):
@@ -398,22 +417,27 @@ def test_outage_fails_everything_until_it_ends(sim):
     sim.http.post("/admin/outage", json={"seconds": 0}).raise_for_status()
     assert sim.chat(sim={"output_tokens": 1}).status_code == 200
 
-    # A short 429 outage (2 simulated seconds) ends by itself.
-    sim.http.post("/admin/outage", json={"seconds": 2, "status": 429}).raise_for_status()
+    sim.http.post("/admin/outage", json={"seconds": 600, "status": 429}).raise_for_status()
     assert sim.chat().status_code == 429
-    time.sleep(2 / sim.stats()["config"]["time_scale"] + 0.1)
-    assert sim.chat(sim={"output_tokens": 1}).status_code == 200
+    with pytest.raises(openai.RateLimitError):
+        sim.openai.chat.completions.create(model="sim-small", messages=USER)
     assert sim.http.post("/admin/outage", json={"seconds": 5, "status": 404}).status_code == 400
+    sim.reset()  # also ends an outage
+    assert sim.chat(sim={"output_tokens": 1}).status_code == 200
 
-    stats = sim.stats()
-    assert stats["by_status"] == {"200": 2, "429": 1, "503": 3}
-    assert stats["completed"] == 2
+
+def test_outage_ends_by_itself(sim):
+    sim.http.post("/admin/outage", json={"seconds": 2, "status": 502}).raise_for_status()
+    time.sleep(2 / sim.stats()["config"]["time_scale"] + 0.1)
+    assert sim.stats()["outage"]["active"] is False
+    assert sim.chat(sim={"output_tokens": 1}).status_code == 200
 
 
 # -- counters, seeding, concurrency --------------------------------------------------
 
 
-def test_stats_counters(sim):
+def test_stats_counters(slow_sim):
+    sim = slow_sim
     usages = [sim.chat(messages=m, sim={"output_tokens": k}).json()["usage"] for m, k in zip(PROMPTS, (4, 8, 15))]
     sim.chat(model="nope")
     sim.chat(messages="nope")
@@ -449,8 +473,10 @@ def test_seeded_output_lengths_replay_after_reset(sim):
 
 
 def test_many_concurrent_requests_share_four_slots(sim):
-    sim.capacity(slots=4).raise_for_status()
+    # A slower engine (steps of ~4 ms real) so the 40 requests surely overlap.
+    sim.capacity(slots=4, capacity_factor=0.1).raise_for_status()
     n = 40
+    lengths = [10 + i % 7 for i in range(n)]
 
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=60) as client:
@@ -461,7 +487,7 @@ def test_many_concurrent_requests_share_four_slots(sim):
                         json={
                             "model": "sim-small",
                             "messages": [{"role": "user", "content": f"request number {i}"}],
-                            "sim": {"output_tokens": 1 + i % 7},
+                            "sim": {"output_tokens": lengths[i]},
                         },
                     )
                     for i in range(n)
@@ -471,16 +497,16 @@ def test_many_concurrent_requests_share_four_slots(sim):
     responses = asyncio.run(fire())
     assert [r.status_code for r in responses] == [200] * n
     bodies = [r.json() for r in responses]
-    for i, body in enumerate(bodies):
-        assert body["usage"]["completion_tokens"] == 1 + i % 7
-        assert n_tokens(body["choices"][0]["message"]["content"]) == 1 + i % 7
+    for length, body in zip(lengths, bodies):
+        assert body["usage"]["completion_tokens"] == length
+        assert n_tokens(body["choices"][0]["message"]["content"]) == length
     assert sum(float(r.headers["x-sim-queue-ms"]) for r in responses) > 0  # most of them queued
 
     stats = sim.stats()
     assert (stats["requests_total"], stats["completed"], stats["by_status"]) == (n, n, {"200": n})
     assert stats["max_running"] == 4
     assert stats["prompt_tokens"] == sum(b["usage"]["prompt_tokens"] for b in bodies)
-    assert stats["completion_tokens"] == sum(1 + i % 7 for i in range(n))
+    assert stats["completion_tokens"] == sum(lengths)
     assert (stats["in_flight"], stats["running"], stats["queued"]) == (0, 0, 0)
 
 
@@ -488,7 +514,7 @@ def test_kv_cache_budget_limits_the_batch(sim):
     prompt_tokens = llm_tokens.count_chat_tokens(USER)
     per_request = prompt_tokens + 20
     budget = 2 * per_request + per_request // 2  # room for two, not three
-    sim.capacity(kv_cache_tokens=budget).raise_for_status()
+    sim.capacity(kv_cache_tokens=budget, capacity_factor=0.1).raise_for_status()
 
     async def fire() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=sim.base_url, timeout=60) as client:
@@ -521,7 +547,7 @@ def test_client_disconnect_aborts_the_sequence(sim):
 
 
 def test_env_flags_schedule_and_zero_latency(start_extra_sim):
-    schedule = [{"at_s": 0, "capacity_factor": 0.5, "rpm": 100}, {"at_s": 20, "slots": 2, "tpm": 9000}]
+    schedule = [{"at_s": 0, "capacity_factor": 0.5, "rpm": 100}, {"at_s": 100, "slots": 2, "tpm": 9000}]
     sim = start_extra_sim(
         "--tpm",
         "5000",  # a flag beats the environment
@@ -529,6 +555,7 @@ def test_env_flags_schedule_and_zero_latency(start_extra_sim):
         "100",
         env={"SIM_TPM": "1", "SIM_MODELS": "m1", "SIM_ZERO_LATENCY": "1", "SIM_SCHEDULE": json.dumps(schedule)},
     )
+    sim.reset()  # restarts the schedule clock: the second entry is 1 s (real) away
     config = sim.stats()["config"]
     assert (config["models"], config["zero_latency"], config["time_scale"]) == (["m1"], True, 100.0)
     assert (config["capacity_factor"], config["rpm"], config["tpm"]) == (0.5, 100, 5000)  # at_s 0 applied at start
@@ -541,7 +568,7 @@ def test_env_flags_schedule_and_zero_latency(start_extra_sim):
     events = sse_events(sim.chat(model="m1", stream=True, sim={"output_tokens": 3}))
     assert len(events) == 1 + 3 + 1 + 1
 
-    # The second entry lands 20 simulated seconds (0.2 s real) after start.
+    # The second entry lands 100 simulated seconds (1 s real) after the reset.
     deadline = time.monotonic() + 10
     while sim.stats()["schedule"]["applied"] < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

