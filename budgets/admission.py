@@ -30,6 +30,7 @@ REASON_MESSAGES = {
     "pool_output_tpm": "The pool's output tokens-per-minute budget is used up.",
     "pool_saturated": "The pool is at its in-flight request limit.",
     "workload_concurrency": "This workload is at its in-flight request limit.",
+    "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",
     "request_too_large": "This request is larger than the workload's budget can ever admit at once; lower max_tokens or the prompt.",
 }
 
@@ -65,6 +66,7 @@ def _admit_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
         keys.workload_leases(pool_id, workload_id),
         keys.lease(pool_id, request_id),
         keys.pool_counters(pool_id),
+        keys.pool_capacity(pool_id),
     ]
 
 
@@ -76,6 +78,7 @@ def _settle_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
         keys.workload_leases(pool_id, workload_id),
         keys.lease(pool_id, request_id),
         keys.pool_counters(pool_id),
+        keys.pool_capacity(pool_id),
     ]
 
 

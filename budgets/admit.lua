@@ -10,7 +10,8 @@
 -- a loan (not paid from Q) is admitted only if it leaves P.d - k >= S_d.
 --
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
---       5 workload leases zset, 6 this request's lease hash, 7 counters hash
+--       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
+--       8 capacity hash (adaptive factor of the pool, shed scale per workload)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
 --       5 lease ttl (ms)
 -- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms} admitted
@@ -44,30 +45,41 @@ if lease_existing then
 end
 
 local st = to_table(redis.call('HGETALL', KEYS[3]))
+local capacity = to_table(redis.call('HGETALL', KEYS[8]))
+
+-- Capacity that moves: the pool's buckets run at the adaptive factor of their
+-- configured rate, and when that no longer covers every reservation the
+-- sheddable workloads' protected buckets shrink first (capacity.lua).
+local function scale(name)
+  if string.sub(name, 1, 2) == 'P.' then return capacity['factor'] or 1 end
+  local wid_part, kind = string.match(name, '^([^.]+)%.(%a)%.')
+  if kind == 'Q' then return capacity[wid_part .. '.shed'] or 1 end
+  return 1
+end
+local function rate_of(name) return (cfg[name .. '.rate'] or 0) * scale(name) end
+local function cap_of(name) return (cfg[name .. '.cap'] or 0) * scale(name) end
 
 -- Level of a bucket now: last level plus refill since, capped. A bucket never
 -- seen starts full.
 local function level(name)
-  local cap = cfg[name .. '.cap'] or 0
+  local cap = cap_of(name)
   local l = st[name .. '.l']
   if l == nil then return cap end
-  local v = l + (now - st[name .. '.t']) * (cfg[name .. '.rate'] or 0)
+  local v = l + (now - st[name .. '.t']) * rate_of(name)
   if v > cap then v = cap end
   return v
 end
 
 local function wait_for(name, lvl, k)
-  local cap = cfg[name .. '.cap'] or 0
-  if k > cap then return INF end
+  if k > cap_of(name) then return INF end
   if lvl >= k then return 0 end
-  local rate = cfg[name .. '.rate'] or 0
+  local rate = rate_of(name)
   if rate <= 0 then return INF end
   return (k - lvl) / rate
 end
 
 local function time_to_full(name, lvl)
-  local rate = cfg[name .. '.rate'] or 0
-  local cap = cfg[name .. '.cap'] or 0
+  local rate, cap = rate_of(name), cap_of(name)
   if lvl >= cap then return 0 end
   if rate <= 0 then return INF end
   return (cap - lvl) / rate
@@ -82,22 +94,22 @@ local function wait_for_free(d, p, k)
   local slope = 0
   local events = {}
   local s = 0
-  local full_cap_gap = cfg[pname .. '.cap'] or 0
+  local full_cap_gap = cap_of(pname)
   local tp = time_to_full(pname, p)
   if tp > 0 and tp < INF then
-    slope = slope + cfg[pname .. '.rate']
-    events[#events + 1] = {tp, -cfg[pname .. '.rate']}
+    slope = slope + rate_of(pname)
+    events[#events + 1] = {tp, -rate_of(pname)}
   end
   for _, w in ipairs(wids) do
     local qname = w .. '.Q.' .. d
     if cfg[qname .. '.cap'] ~= nil then
       local q = level(qname)
       s = s + q
-      full_cap_gap = full_cap_gap - cfg[qname .. '.cap']
+      full_cap_gap = full_cap_gap - cap_of(qname)
       local tq = time_to_full(qname, q)
       if tq > 0 and tq < INF then
-        slope = slope - cfg[qname .. '.rate']
-        events[#events + 1] = {tq, cfg[qname .. '.rate']}
+        slope = slope - rate_of(qname)
+        events[#events + 1] = {tq, rate_of(qname)}
       end
     end
   end
@@ -173,6 +185,15 @@ local e_tok_full = time_to_full(wid .. '.E.tok', e_tok)
 local e_req_full = time_to_full(wid .. '.E.req', e_req)
 if e_tok_full == INF then e_tok_full = -1 end
 if e_req_full == INF then e_req_full = -1 end
+
+if reason == nil then
+  -- Upstream Retry-After is a floor: until it passes, loans and sheddable
+  -- classes (batch, scheduled) wait; protected interactive work still flows.
+  local blocked = capacity['blocked_until_ms'] or 0
+  if now < blocked and (borrowed == 1 or (cfg[wid .. '.prio'] or 0) > 0) then
+    fail('pool_backoff', blocked - now)
+  end
+end
 
 if reason == nil then
   -- In-flight limits: a lease per admitted request until it settles or expires.

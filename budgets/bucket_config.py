@@ -8,6 +8,10 @@ from .models import InferencePool, Reservation
 
 MS_PER_MINUTE = 60_000.0
 
+# When the pool's effective capacity shrinks, protected reservations are
+# covered in this order: interactive first, scheduled shed first.
+SHED_ORDER = {"interactive": 0, "batch": 1, "scheduled": 2}
+
 
 def _bucket(fields: dict[str, float], name: str, per_minute: float, burst_seconds: float) -> None:
     fields[f"{name}.rate"] = per_minute / MS_PER_MINUTE
@@ -31,5 +35,6 @@ def pool_bucket_fields(pool: InferencePool, reservations: list[Reservation]) -> 
         _bucket(fields, f"{wid}.Q.req", protected * reservation.rpm, burst)
         _bucket(fields, f"{wid}.E.req", reservation.rpm, burst)
         fields[f"{wid}.conc"] = reservation.max_concurrency
+        fields[f"{wid}.prio"] = SHED_ORDER.get(reservation.workload.workload_class, 0)
     return fields
 

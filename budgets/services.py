@@ -8,6 +8,7 @@ from django.db import transaction
 
 from . import keys
 from .bucket_config import pool_bucket_fields
+from .capacity import capacity_signal
 from .models import InferencePool, Reservation
 from .redis_client import get_redis
 
@@ -18,7 +19,7 @@ def pool_config_push(*, pool: InferencePool) -> None:
     """Write the pool's bucket rates and capacities to Redis in one MULTI, so
     an admission script sees either the old config or the new one, never half.
     Bucket levels are kept: a rate change applies from now on."""
-    reservations = list(Reservation.objects.filter(pool=pool)) if pool.is_active else []
+    reservations = list(Reservation.objects.filter(pool=pool).select_related("workload")) if pool.is_active else []
     fields = pool_bucket_fields(pool, reservations) if pool.is_active else {}
     pipe = get_redis().pipeline(transaction=True)
     pipe.delete(keys.pool_config(pool.id), keys.pool_workloads(pool.id))
@@ -27,6 +28,8 @@ def pool_config_push(*, pool: InferencePool) -> None:
     if reservations:
         pipe.sadd(keys.pool_workloads(pool.id), *[r.workload_id for r in reservations])
     pipe.execute()
+    # Shed scales depend on the reservations: recompute them at the current factor.
+    capacity_signal(pool_id=pool.id, event="recompute")
 
 
 def pool_config_push_all() -> int:

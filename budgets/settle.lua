@@ -4,7 +4,7 @@
 -- is deleted in the same atomic step.
 --
 -- KEYS: 1 cfg hash, 2 bucket hash, 3 pool leases zset, 4 workload leases zset
---       (of the lease's workload), 5 lease hash, 6 counters hash
+--       (of the lease's workload), 5 lease hash, 6 counters hash, 7 capacity hash
 -- ARGV: 1 request id, 2 actual input tokens, 3 actual output tokens,
 --       4 1 when the pool was never called (the request slot is refunded too)
 -- Returns {1, wid, k_in, k_out, borrowed} when it settled, {0} when there was
@@ -24,11 +24,23 @@ local k_in, k_out = tonumber(lease['k_in']), tonumber(lease['k_out'])
 local a_in, a_out = tonumber(ARGV[2]), tonumber(ARGV[3])
 local refund_request = ARGV[4] == '1'
 
+local function scale(name)
+  local field = nil
+  if string.sub(name, 1, 2) == 'P.' then field = 'factor' else
+    local wid_part, kind = string.match(name, '^([^.]+)%.(%a)%.')
+    if kind == 'Q' then field = wid_part .. '.shed' end
+  end
+  if field == nil then return 1 end
+  return tonumber(redis.call('HGET', KEYS[7], field)) or 1
+end
+
 local writes = {}
 local function adjust(name, delta)
   local rate = tonumber(redis.call('HGET', KEYS[1], name .. '.rate'))
   local cap = tonumber(redis.call('HGET', KEYS[1], name .. '.cap'))
   if rate == nil or cap == nil then return end  -- bucket removed since admission
+  local factor = scale(name)
+  rate, cap = rate * factor, cap * factor
   local vals = redis.call('HMGET', KEYS[2], name .. '.l', name .. '.t')
   local l = tonumber(vals[1])
   if l == nil then l = cap else

@@ -26,6 +26,7 @@ from llm_platform.celery import queue_for_lane
 from . import keys
 from .auth import CallerContext
 from .lanes import lane_for
+from .metrics import arrival_commands, departure_record
 from .records import CLAIM_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
 from .tasks import execute_request
 from .validation import ChatRequest
@@ -64,8 +65,13 @@ def _push_config_sync(pool_id: int) -> None:
     pool_config_push(pool=pool)
 
 
+def _lease_ttl_ms(ctx: CallerContext) -> int:
+    # Outlives any healthy request: queueing, the upstream call, its retries.
+    return int((ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S + 30) * 1000)
+
+
 async def _admit(ctx: CallerContext, request_id: str, estimate: Estimate) -> Admission:
-    lease_ttl_ms = int((ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S + 30) * 1000)
+    lease_ttl_ms = _lease_ttl_ms(ctx)
     kwargs = dict(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
                   input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ttl_ms)
     try:
@@ -96,6 +102,8 @@ async def _refund_and_record_timeout(record: RequestRecord, queue_wait_ms: int) 
         queue_wait_ms=queue_wait_ms, total_ms=queue_wait_ms, error="queue_timeout",
     )
     await sync_to_async(usage_record_write, thread_sensitive=False)(entry=entry)
+    await sync_to_async(departure_record, thread_sensitive=False)(
+        pool_id=record.pool_id, lane=record.lane, request_id=record.request_id, time_in_system_ms=queue_wait_ms)
 
 
 def _queue_timeout(ctx: CallerContext) -> Rejected:
@@ -120,7 +128,7 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     return Outcome.from_json(popped[1]) if popped else None
 
 
-async def chat_completion(*, ctx: CallerContext, chat: ChatRequest) -> Dispatched:
+async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: str = "") -> Dispatched:
     """Admit and run one chat completion; raises Rejected for every refusal."""
     estimate = request_estimate(
         messages=chat.messages, max_tokens=chat.max_tokens, prompt_tokens_cap=ctx.prompt_tokens_cap,
@@ -136,13 +144,17 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest) -> Dispatche
         pool_base_url=ctx.pool_base_url, pool_api_key_env=ctx.pool_api_key_env, model=chat.model, lane=lane,
         borrowed=admission.borrowed, estimated_input_tokens=estimate.input_tokens,
         estimated_output_tokens=estimate.output_tokens, admitted_ms=admission.admitted_ms,
-        deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, payload=payload,
+        deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, payload=payload, session_id=session_id,
+        # Retries must end while the caller still waits for them.
+        retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
     )
     client = get_async_redis()
     try:
         pipe = client.pipeline(transaction=False)
         pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
         pipe.pexpire(keys.request_record(request_id), ttl_ms())
+        arrival_commands(pipe, pool_id=ctx.pool_id, lane=lane, request_id=request_id,
+                         expires_ms=admission.admitted_ms + _lease_ttl_ms(ctx))
         await pipe.execute()
         await sync_to_async(execute_request.apply_async, thread_sensitive=False)(
             args=[request_id], queue=queue_for_lane(lane), task_id=request_id

@@ -6,20 +6,27 @@ task whose worker died)."""
 from __future__ import annotations
 
 import logging
+import random
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import openai
 
 from budgets.admission import settle
+from budgets.capacity import capacity_signal
 from budgets.ledger import LedgerEntry, usage_record_write
 from budgets.redis_client import get_redis, lua_script
 
 from . import keys
+from .metrics import departure_record
 from .pool_client import pool_client
+from .retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 from .records import CLAIM_SRC, PUBLISH_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_POLICY = RetryPolicy()
 
 
 def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
@@ -34,8 +41,9 @@ def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
     return None
 
 
-def pool_call(record: RequestRecord) -> Outcome:
-    """One call to the pool with the SDK (its retries are off)."""
+def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
+    """One call to the pool with the SDK (its retries are off). Returns the
+    outcome and whether another attempt could help."""
     client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env)
     payload = dict(record.payload)
     sim = payload.pop("sim", None)
@@ -53,10 +61,13 @@ def pool_call(record: RequestRecord) -> Outcome:
             upstream_ms=upstream_ms,
             retry_after_ms=_retry_after_ms(exc),
             attempts=1,
-        )
+            upstream_status=exc.status_code,
+        ), exc.status_code in RETRYABLE_STATUSES
     except (openai.APITimeoutError, openai.APIConnectionError) as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         timed_out = isinstance(exc, openai.APITimeoutError)
+        # A timed-out call may still be running upstream: retrying it is how
+        # a slowdown becomes a storm. Connection failures never reached it.
         return Outcome(
             status="upstream_error",
             http_status=504 if timed_out else 502,
@@ -65,7 +76,7 @@ def pool_call(record: RequestRecord) -> Outcome:
                             "code": "upstream_timeout" if timed_out else "upstream_unreachable"}},
             upstream_ms=upstream_ms,
             attempts=1,
-        )
+        ), not timed_out
     upstream_ms = int((time.monotonic() - started) * 1000)
     body = completion.model_dump(exclude_unset=True)
     usage = completion.usage
@@ -76,7 +87,40 @@ def pool_call(record: RequestRecord) -> Outcome:
         output_tokens=usage.completion_tokens if usage else 0,
         upstream_ms=upstream_ms,
         attempts=1,
-    )
+        upstream_status=200,
+    ), False
+
+
+def pool_call(record: RequestRecord, *, policy: RetryPolicy = DEFAULT_POLICY, rng: random.Random | None = None) -> Outcome:
+    """Call the pool, retrying only as the policy and the budgets allow, and
+    feed every answer to the pool's adaptive capacity."""
+    rng = rng or random.Random()
+    retry_budget_earn(pool_id=record.pool_id, policy=policy)
+    attempts = 0
+    upstream_ms = 0
+    throttled = 0
+    while True:
+        outcome, retryable = _single_call(record)
+        attempts += 1
+        upstream_ms += outcome.upstream_ms
+        if outcome.status == "ok":
+            per_token = outcome.upstream_ms / (outcome.output_tokens + 1)
+            capacity_signal(pool_id=record.pool_id, event="ok", latency_per_token_ms=per_token)
+        elif outcome.upstream_status == 429:
+            throttled += 1
+            capacity_signal(pool_id=record.pool_id, event="throttle", retry_after_ms=outcome.retry_after_ms or 0)
+        if not retryable or attempts >= policy.max_attempts:
+            break
+        delay_ms = policy.delay_ms(attempts, upstream_retry_after_ms=outcome.retry_after_ms, rng=rng)
+        if record.retry_deadline_ms and _now_ms() + delay_ms > record.retry_deadline_ms:
+            break
+        verdict = retry_budget_spend(pool_id=record.pool_id, workload_id=record.workload_id,
+                                     session_id=record.session_id, policy=policy)
+        if verdict != "ok":
+            logger.info("request %s: no retry (%s)", record.request_id, verdict)
+            break
+        time.sleep(delay_ms / 1000)
+    return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
 
 
 def _now_ms() -> float:
@@ -118,6 +162,8 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
             error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
         )
     )
+    departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                     time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s)
     result_key = keys.request_result(record.request_id)
     client = get_redis()
     lua_script(client, PUBLISH_SRC)(keys=[result_key, f"{result_key}:published"], args=[outcome.to_json(), ttl_ms()])
@@ -151,8 +197,7 @@ def request_execute(*, request_id: str) -> str:
     if stored is not None:
         outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
     else:
-        outcome = pool_call(record)
-        outcome = Outcome(**{**outcome.__dict__, "queue_wait_ms": queue_wait_ms})
+        outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
         client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
     request_finish(record=record, outcome=outcome, pool_called=True)
     return outcome.status

@@ -36,6 +36,9 @@ class RequestRecord:
     admitted_ms: float
     deadline_ms: float
     payload: dict[str, Any]  # what the pool receives
+    session_id: str = ""  # X-Session-Id: retries are budgeted per session
+    job_id: str = ""  # set for async jobs (POST /v1/jobs)
+    retry_deadline_ms: float = 0.0  # no retry may start after this (Redis clock)
 
     def to_redis(self) -> dict[str, str]:
         data = asdict(self)
@@ -60,6 +63,9 @@ class RequestRecord:
             admitted_ms=float(data["admitted_ms"]),
             deadline_ms=float(data["deadline_ms"]),
             payload=json.loads(data["payload"]),
+            session_id=data.get("session_id", ""),
+            job_id=data.get("job_id", ""),
+            retry_deadline_ms=float(data.get("retry_deadline_ms", 0) or 0),
         )
 
 
@@ -76,6 +82,8 @@ class Outcome:
     upstream_ms: int = 0
     retry_after_ms: int | None = None
     attempts: int = 0
+    upstream_status: int = 0
+    upstream_429s: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -73,7 +73,7 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
         if chat.model not in ctx.served_models:
             raise Rejected(reason="model_not_found", message=f"The model '{chat.model}' does not exist on this workload's pool.",
                            status=404, param="model", error_type="invalid_request_error")
-        dispatched = await chat_completion(ctx=ctx, chat=chat)
+        dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=request.headers.get("X-Session-Id", "")[:128])
     except Rejected as rejected:
         extra = {}
         remaining = getattr(rejected, "remaining_tokens", None)
@@ -122,3 +122,16 @@ async def models(request: HttpRequest) -> JsonResponse:
 async def healthz(request: HttpRequest) -> JsonResponse:
     report = await health_report()
     return JsonResponse(report, status=200 if report["status"] == "ok" else 503)
+
+
+def pool_metrics(request: HttpRequest, pool_id: int) -> JsonResponse:
+    """Little's law and capacity numbers of one pool, for platform admins."""
+    if not (request.user.is_authenticated and request.user.is_staff):
+        return JsonResponse({"detail": "Platform admins only."}, status=403 if request.user.is_authenticated else 401)
+    from budgets.models import InferencePool
+
+    from .metrics import pool_live_metrics
+
+    if not InferencePool.objects.filter(pk=pool_id).exists():
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return JsonResponse(pool_live_metrics(pool_id=pool_id))

@@ -7,5 +7,6 @@ urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
     path("v1/models", gateway_views.models, name="models"),
     path("healthz", gateway_views.healthz, name="healthz"),
+    path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
     path("admin/", admin.site.urls),
 ]
