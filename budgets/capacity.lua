@@ -9,7 +9,13 @@
 -- ARGV: 1 event ('throttle' | 'ok' | 'recompute'), 2 upstream latency per
 --       token (ms, 'ok' only), 3 retry-after from upstream (ms, 'throttle'),
 --       4 decrease factor, 5 recovery per second, 6 minimum factor,
---       7 cooldown (ms), 8 latency ratio that counts as a throttle
+--       7 cooldown (ms), 8 latency ratio that counts as a throttle,
+--       9 how long (ms) the level of the last throttle is remembered
+--
+-- Recovery is fast up to 90% of the factor at which the pool last pushed
+-- back, then ten times slower (a gentle probe), so a pool whose capacity
+-- dropped is not hammered back into 429s every few seconds; that memory
+-- fades after ARGV[9] without a throttle (the pool recovered).
 -- Returns {factor as text, changed 0/1}
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
@@ -26,11 +32,14 @@ for i = 1, #flat, 2 do cap[flat[i]] = tonumber(flat[i + 1]) end
 local factor = cap['factor'] or 1
 local last_decrease = cap['last_decrease_ms'] or 0
 local last_increase = cap['last_increase_ms'] or 0
+local hint = cap['hint'] or 1
+local hint_memory = tonumber(ARGV[9]) or 60000
 local changed = false
 
 local function decrease()
   -- One decrease per cooldown: a burst of 429s is one signal, not fifty.
   if now - last_decrease >= cooldown then
+    hint = factor
     factor = math.max(floor, factor * beta)
     last_decrease = now
     changed = true
@@ -58,9 +67,12 @@ elseif event == 'ok' then
     redis.call('HSET', KEYS[3], 'lat_fast', tostring(fast), 'lat_slow', tostring(slow), 'lat_samples', samples)
     if samples > 50 and fast > latency_ratio * slow then decrease() end
   end
+  if now - last_decrease >= hint_memory then hint = 1 end
   if not changed and factor < 1 and now - last_decrease >= cooldown then
     local since = math.max(last_increase, last_decrease)
-    local grown = alpha * (now - since) / 1000
+    local rate = alpha
+    if factor >= 0.9 * hint then rate = alpha / 10 end
+    local grown = rate * (now - since) / 1000
     if grown > 0 then
       factor = math.min(1, factor + grown)
       last_increase = now
@@ -73,7 +85,7 @@ end
 
 if changed then
   redis.call('HSET', KEYS[3], 'factor', tostring(factor), 'last_decrease_ms', tostring(last_decrease),
-             'last_increase_ms', tostring(last_increase))
+             'last_increase_ms', tostring(last_increase), 'hint', tostring(hint))
   -- Shed in order: the effective pool rate covers interactive reservations
   -- first, then batch, then scheduled.
   local pool_rate = tonumber(redis.call('HGET', KEYS[1], 'P.tok.rate'))

@@ -88,3 +88,8 @@ def rejection_pending_minutes(pool_id: int) -> str:
 def spend_month(pool_id: int, year_month: str) -> str:
     """Hash: month-to-date spend in micro-units, fields "T<tenant id>" and "<workload id>"."""
     return f"{_tag(pool_id)}:spend:{year_month}"
+
+
+def pool_pacer(pool_id: int) -> str:
+    """Hash: per scheduled workload, when its leaky bucket next lets a job out."""
+    return f"{_tag(pool_id)}:pace"

@@ -37,6 +37,7 @@ class CallerContext:
     safety_factor: float
     ceiling_tpm: int
     rpm: int
+    reserved_tpm: int = 0
 
     @property
     def limits(self) -> dict[str, int]:
@@ -51,7 +52,11 @@ def _load_context(raw_key: str) -> CallerContext | None:
     key = api_key_lookup(raw_key=raw_key)
     if key is None:
         return None
-    workload = key.workload
+    return context_for_workload(key.workload)
+
+
+def context_for_workload(workload) -> CallerContext:
+    """The caller context of a workload (API keys, cron schedules)."""
     reservation = reservation_of_workload(workload=workload)
     pool = reservation.pool if reservation is not None and reservation.pool.is_active else None
     return CallerContext(
@@ -72,6 +77,7 @@ def _load_context(raw_key: str) -> CallerContext | None:
         safety_factor=pool.estimate_safety_factor if pool else 1.0,
         ceiling_tpm=reservation.ceiling_tpm if reservation else 0,
         rpm=reservation.rpm if reservation else 0,
+        reserved_tpm=reservation.reserved_tpm if reservation else 0,
     )
 
 

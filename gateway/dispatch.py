@@ -18,17 +18,13 @@ from budgets.admission import Admission, NotConfigured, admit_async, settle_asyn
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.estimation import Estimate, request_estimate
 from budgets.ledger import LedgerEntry, usage_record_write
-from budgets.models import InferencePool
 from budgets.redis_client import get_async_redis, lua_script
-from budgets.services import pool_config_push
-from llm_platform.celery import queue_for_lane
 
 from . import keys
 from .auth import CallerContext
-from .lanes import lane_for
-from .metrics import arrival_commands, departure_record
-from .records import CLAIM_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
-from .tasks import execute_request
+from .enqueue import budget_unavailable, lease_ttl_ms, no_reservation, pool_config_rebuild, record_build, record_enqueue
+from .metrics import departure_record
+from .records import CLAIM_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args
 from .validation import ChatRequest
 
 logger = logging.getLogger(__name__)
@@ -50,44 +46,21 @@ def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
 
 
-def _budget_unavailable() -> Rejected:
-    return Rejected(
-        reason="budget_unavailable",
-        message="Sluice cannot reach its budget store right now; retry shortly.",
-        status=503,
-        retry_after_ms=1000,
-        error_type="service_unavailable",
-    )
-
-
-def _push_config_sync(pool_id: int) -> None:
-    pool = InferencePool.objects.get(pk=pool_id)
-    pool_config_push(pool=pool)
-
-
-def _lease_ttl_ms(ctx: CallerContext) -> int:
-    # Outlives any healthy request: queueing, the upstream call, its retries.
-    return int((ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S + 30) * 1000)
-
-
 async def _admit(ctx: CallerContext, request_id: str, estimate: Estimate) -> Admission:
-    lease_ttl_ms = _lease_ttl_ms(ctx)
     kwargs = dict(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                  input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ttl_ms)
+                  input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens,
+                  lease_ttl_ms=lease_ttl_ms(queue_s=ctx.queue_timeout_s))
     try:
         try:
             return await admit_async(**kwargs)
         except NotConfigured:
-            # Redis lost the bucket config (restart, flush): rebuild it from
-            # the database once, then admit against it.
-            await sync_to_async(_push_config_sync, thread_sensitive=False)(ctx.pool_id)
+            await sync_to_async(pool_config_rebuild, thread_sensitive=False)(ctx.pool_id)
             try:
                 return await admit_async(**kwargs)
             except NotConfigured as exc:
-                raise Rejected(reason="no_reservation", message="This workload has no budget on its pool.",
-                               status=403, error_type="permission_error") from exc
+                raise no_reservation() from exc
     except BudgetUnavailable as exc:
-        raise _budget_unavailable() from exc
+        raise budget_unavailable() from exc
 
 
 async def _refund_and_record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
@@ -137,42 +110,21 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     )
     request_id = new_request_id()
     admission = await _admit(ctx, request_id, estimate)
-    lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens, borrowed=admission.borrowed)
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
-    record = RequestRecord(
-        request_id=request_id, tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, pool_id=ctx.pool_id,
-        pool_base_url=ctx.pool_base_url, pool_api_key_env=ctx.pool_api_key_env, model=chat.model, lane=lane,
-        borrowed=admission.borrowed, estimated_input_tokens=estimate.input_tokens,
-        estimated_output_tokens=estimate.output_tokens, admitted_ms=admission.admitted_ms,
-        deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, payload=payload, session_id=session_id,
+    record = record_build(
+        ctx, request_id=request_id, model=chat.model, payload=payload, estimate=estimate, admission=admission,
+        deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
         # Retries must end while the caller still waits for them.
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
     )
-    client = get_async_redis()
-    try:
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
-        pipe.pexpire(keys.request_record(request_id), ttl_ms())
-        arrival_commands(pipe, pool_id=ctx.pool_id, lane=lane, request_id=request_id,
-                         expires_ms=admission.admitted_ms + _lease_ttl_ms(ctx))
-        await pipe.execute()
-        await sync_to_async(execute_request.apply_async, thread_sensitive=False)(
-            args=[request_id], queue=queue_for_lane(lane), task_id=request_id
-        )
-    except Exception as exc:  # Redis or the broker: nothing may run without its record
-        logger.warning("could not enqueue %s: %s", request_id, exc)
-        try:
-            await settle_async(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                               actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
-        except Exception:  # the lease expires by itself
-            logger.warning("could not refund %s", request_id, exc_info=True)
-        raise _budget_unavailable() from exc
+    lane = record.lane
+    await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ttl_ms(queue_s=ctx.queue_timeout_s))
 
     result_key = keys.request_result(request_id)
     outcome = await _wait_outcome(result_key, ctx.queue_timeout_s)
     if outcome is None:
         claim_keys, claim_argv = claim_args(GAVE_UP, record)
-        owner = await lua_script(client, CLAIM_SRC)(keys=claim_keys, args=claim_argv)
+        owner = await lua_script(get_async_redis(), CLAIM_SRC)(keys=claim_keys, args=claim_argv)
         if owner == GAVE_UP:
             await _refund_and_record_timeout(record, int(ctx.queue_timeout_s * 1000))
             raise _queue_timeout(ctx)

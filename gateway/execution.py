@@ -167,6 +167,10 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
     result_key = keys.request_result(record.request_id)
     client = get_redis()
     lua_script(client, PUBLISH_SRC)(keys=[result_key, f"{result_key}:published"], args=[outcome.to_json(), ttl_ms()])
+    if record.job_id:
+        from .jobs import job_complete
+
+        job_complete(job_id=record.job_id, outcome=outcome)
 
 
 def request_execute(*, request_id: str) -> str:

@@ -19,3 +19,12 @@ def request_response(request_id: str) -> str:
 def request_result(request_id: str) -> str:
     """List: the outcome, pushed once for the waiting web process to pop."""
     return f"sluice:req:{request_id}:result"
+
+
+DELAYED_JOBS = "sluice:jobs:delayed"
+"""Sorted set: ids of jobs waiting for budget, scored by release time (ms)."""
+
+
+def idempotency(workload_id: int, key: str) -> str:
+    """Hash: a sync request's Idempotency-Key: body digest, state, stored response."""
+    return f"sluice:idem:{workload_id}:{key}"

@@ -16,3 +16,10 @@ def reap_leases() -> int:
     from .execution import leases_reap
 
     return leases_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+
+
+@shared_task(name="gateway.run_schedule", ignore_result=True)
+def run_schedule(schedule_id: int) -> int:
+    from .schedules import schedule_run
+
+    return len(schedule_run(schedule_id=schedule_id))

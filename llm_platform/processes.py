@@ -54,3 +54,86 @@ def beat_command(*, schedule_dir: str) -> list[str]:
         "django_celery_beat.schedulers:DatabaseScheduler", "-l", "WARNING",
         "--pidfile", os.path.join(schedule_dir, "beat.pid"),
     ]
+
+
+# -- running the processes (shared by the test harness and bench/) -------------
+
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the usual small race applies)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """One child process in its own session, logging to ``log_dir/<name>.log``,
+    stopped together with its children (uvicorn/celery fork their own)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.command = command
+        self.env = env
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> Process:
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        log.close()  # the child holds its own descriptor
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=5)
+
+    def kill(self) -> None:
+        self.stop(sig=signal.SIGKILL)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def assert_alive(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
+
+
+def wait_http(url: str, process: Process, timeout: float = 30.0) -> None:
+    """Until ``url`` answers below 500 (a 401 proves the server is up)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.assert_alive()
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{process.name} did not answer {url}:\n{process.log_tail()}")
+
+
+def pacer_command() -> list[str]:
+    return [sys.executable, "manage.py", "run_pacer"]

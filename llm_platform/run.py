@@ -114,6 +114,7 @@ def main() -> None:
         for lane in LANES:
             supervisor.spawn(f"worker-{lane}", processes.worker_command(lane=lane))
         supervisor.spawn("beat", processes.beat_command(schedule_dir=str(var_dir)))
+        supervisor.spawn("pacer", processes.pacer_command())
         supervisor.spawn("web", processes.web_command(port=port, host=env.get("HOST", "127.0.0.1")))
 
         import httpx

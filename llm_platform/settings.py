@@ -112,6 +112,8 @@ SLUICE_UPSTREAM_TIMEOUT_S = env_float("SLUICE_UPSTREAM_TIMEOUT_S", 120.0)
 SLUICE_AUTH_CACHE_S = env_float("SLUICE_AUTH_CACHE_S", 5.0)
 SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
+# An async job's default deadline; a job that budget would hold past it is refused.
+SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
 # The simulated pool used by `make run` and the tests.
 SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
 

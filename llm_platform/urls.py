@@ -6,6 +6,8 @@ from gateway import views as gateway_views
 urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
     path("v1/models", gateway_views.models, name="models"),
+    path("v1/jobs", gateway_views.jobs, name="jobs"),
+    path("v1/jobs/<uuid:job_id>", gateway_views.job_detail, name="job-detail"),
     path("healthz", gateway_views.healthz, name="healthz"),
     path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
     path("admin/", admin.site.urls),

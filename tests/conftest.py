@@ -68,6 +68,7 @@ def platform(django_db_setup, django_db_blocker, redis_client):
     try:
         harness.start_sim(["--time-scale", "5"])
         harness.start_web()
+        harness.start_pacer()
         lanes = ["interactive", "interactive-long", "batch", "scheduled"]
         for lane in lanes:
             harness.start_worker(lane)

@@ -4,10 +4,7 @@ PostgreSQL test database and Redis as the test itself."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,68 +12,7 @@ import httpx
 
 from llm_platform import processes
 from llm_platform.celery import WORKER_READY_KEY
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Process:
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path):
-        self.name = name
-        self.command = command
-        self.env = env
-        self.log_path = log_dir / f"{name}.log"
-        self.popen: subprocess.Popen | None = None
-
-    def start(self) -> Process:
-        log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=5)
-
-    def kill(self) -> None:
-        self.stop(sig=signal.SIGKILL)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return ""
-
-    def assert_alive(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
-
-
-def wait_http(url: str, process: Process, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        process.assert_alive()
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{process.name} did not answer {url}:\n{process.log_tail()}")
+from llm_platform.processes import ROOT, Process, free_port, wait_http  # noqa: F401  (re-exported for tests)
 
 
 class Platform:
@@ -91,6 +27,7 @@ class Platform:
         self.sim: Process | None = None
         self.web: Process | None = None
         self.workers: dict[str, Process] = {}
+        self.pacer: Process | None = None
 
     @property
     def sim_url(self) -> str:
@@ -107,6 +44,9 @@ class Platform:
     def start_web(self) -> None:
         self.web = Process("web", processes.web_command(port=self.web_port), self.env, self.log_dir).start()
         wait_http(f"{self.base_url}/v1/models", self.web)
+
+    def start_pacer(self) -> None:
+        self.pacer = Process("pacer", processes.pacer_command(), self.env, self.log_dir).start()
 
     def start_worker(self, lane: str, concurrency: int = 8) -> Process:
         hostname = f"{lane}@{socket.gethostname()}"
@@ -136,9 +76,14 @@ class Platform:
     def stop_all(self) -> None:
         for lane in list(self.workers):
             self.stop_worker(lane)
-        for process in (self.web, self.sim):
+        for process in (self.pacer, self.web, self.sim):
             if process is not None:
                 process.stop()
+
+    def sim_capacity(self, **changes) -> dict:
+        response = httpx.post(f"{self.sim_url}/admin/capacity", json=changes, timeout=5)
+        response.raise_for_status()
+        return response.json()
 
     def sim_stats(self) -> dict:
         return httpx.get(f"{self.sim_url}/admin/stats", timeout=5).json()

@@ -1,0 +1,93 @@
+"""Async jobs (POST /v1/jobs) and the cron schedules that create them."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django_celery_beat.models import CrontabSchedule, PeriodicTask
+
+from tenants.models import Tenant, Workload
+
+
+class Job(models.Model):
+    """One asynchronous chat completion. Over budget means *delayed* (a Redis
+    sorted set keyed by release time, drained by the pacer), not rejected,
+    unless the wait would outlive the job's deadline."""
+
+    class Status(models.TextChoices):
+        DELAYED = "delayed", "Delayed (waiting for budget)"
+        QUEUED = "queued", "Queued on its lane"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed upstream"
+        REJECTED = "rejected", "Rejected"
+        EXPIRED = "expired", "Deadline passed"
+
+    FINAL = {Status.SUCCEEDED, Status.FAILED, Status.REJECTED, Status.EXPIRED}
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="jobs")
+    status = models.CharField(max_length=16, choices=Status.choices, db_index=True)
+    body = models.JSONField(help_text="The validated chat-completions body.")
+    body_sha256 = models.CharField(max_length=64)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    callback_url = models.URLField(max_length=1000, blank=True)
+    session_id = models.CharField(max_length=128, blank=True)
+    request_id = models.CharField(max_length=64, blank=True, db_index=True, help_text="The ledger row's request id.")
+    estimated_input_tokens = models.PositiveIntegerField(default=0)
+    estimated_output_tokens = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    deadline = models.DateTimeField()
+    release_at = models.DateTimeField(null=True, blank=True, help_text="When the pacer planned to release it.")
+    released_at = models.DateTimeField(null=True, blank=True, help_text="When it went onto its lane.")
+    finished_at = models.DateTimeField(null=True, blank=True)
+    delays = models.PositiveIntegerField(default=0, help_text="Times admission sent it back to wait.")
+    reason = models.CharField(max_length=64, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    callback_status = models.IntegerField(null=True, blank=True)
+    schedule = models.ForeignKey("JobSchedule", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workload", "idempotency_key"],
+                condition=~models.Q(idempotency_key=""),
+                name="uniq_job_idempotency_key",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.id} ({self.status})"
+
+
+class JobSchedule(models.Model):
+    """A cron schedule producing jobs for a scheduled workload. Stored as a
+    django-celery-beat PeriodicTask (kept in step by gateway.services), so
+    beat fires it and admins edit the crontab in Django admin."""
+
+    name = models.CharField(max_length=200, unique=True)
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="job_schedules")
+    crontab = models.ForeignKey(CrontabSchedule, on_delete=models.PROTECT)
+    body = models.JSONField(help_text='A chat-completions body, e.g. {"model": "sim-small", "messages": [...]}')
+    jobs_per_run = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1), MaxValueValidator(10_000)])
+    deadline_seconds = models.PositiveIntegerField(default=3600, validators=[MinValueValidator(1)])
+    callback_url = models.URLField(max_length=1000, blank=True)
+    enabled = models.BooleanField(default=True)
+    periodic_task = models.OneToOneField(PeriodicTask, null=True, blank=True, editable=False, on_delete=models.SET_NULL)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        if self.workload_id and self.workload.workload_class != Workload.WorkloadClass.SCHEDULED:
+            raise ValidationError({"workload": "Schedules produce jobs for scheduled workloads only."})
+        from .validation import validate_chat_request
+
+        try:
+            validate_chat_request(self.body if isinstance(self.body, dict) else {})
+        except Exception as exc:  # Rejected carries the OpenAI-style message
+            raise ValidationError({"body": getattr(exc, "message", str(exc))}) from exc
