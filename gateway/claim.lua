@@ -6,10 +6,12 @@
 -- ARGV: 1 role ('worker' | 'gaveup'), 2 queue deadline (ms since epoch),
 --       3 ttl (ms)
 -- Returns the owner after the call: 'worker' (worker may call the pool),
+-- 'redelivered' (a worker had started it before: its worker died),
 -- 'expired' (the worker found the deadline passed and owns the refund),
 -- 'gaveup' (the web side gave up and owns the refund).
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local owner = redis.call('GET', KEYS[1])
+if owner == 'worker' and ARGV[1] == 'worker' then return 'redelivered' end
 if owner then return owner end
 local role = ARGV[1]
 if role == 'worker' then

@@ -22,7 +22,7 @@ from . import keys
 from .metrics import departure_record
 from .pool_client import pool_client
 from .retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
-from .records import CLAIM_SRC, PUBLISH_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args, ttl_ms
+from .records import CLAIM_SRC, EXPIRED, GAVE_UP, PUBLISH_SRC, REDELIVERED, Outcome, RequestRecord, claim_args, ttl_ms
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +200,17 @@ def request_execute(*, request_id: str) -> str:
     stored = client.get(keys.request_response(request_id))
     if stored is not None:
         outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
+    elif owner == REDELIVERED and not record.job_id and _now_ms() > record.retry_deadline_ms:
+        # The worker that started this synchronous call died and its caller
+        # has stopped waiting: calling the pool now would be work nobody
+        # reads. A provider does not bill a call whose client hung up.
+        outcome = Outcome(
+            status="upstream_error", http_status=502, queue_wait_ms=queue_wait_ms,
+            body={"error": {"message": "The worker running this request was lost.", "type": "upstream_error",
+                            "param": None, "code": "worker_lost"}},
+        )
+        request_finish(record=record, outcome=outcome, pool_called=False)
+        return "abandoned"
     else:
         outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
         client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())

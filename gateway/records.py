@@ -18,6 +18,7 @@ PUBLISH_SRC = importlib.resources.files(__package__).joinpath("publish.lua").rea
 WORKER = "worker"
 GAVE_UP = "gaveup"
 EXPIRED = "expired"
+REDELIVERED = "redelivered"
 
 
 @dataclass(frozen=True)

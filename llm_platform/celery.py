@@ -32,9 +32,13 @@ app.conf.update(
     task_time_limit=settings.SLUICE_TASK_TIME_LIMIT_S,
     task_soft_time_limit=max(1, settings.SLUICE_TASK_TIME_LIMIT_S - 10),
     broker_transport_options={
+        # A message unacknowledged this long is handed to another worker: how
+        # long work of a killed worker waits before it runs again.
         "visibility_timeout": settings.SLUICE_VISIBILITY_TIMEOUT_S,
-        # Within a queue, nothing jumps ahead; lanes are separate queues.
-        "queue_order_strategy": "priority",
+        # Look for such messages every few seconds (kombu's default sweep,
+        # 10 s x every 10th poll, can leave them for minutes).
+        "unacked_restore_interval": settings.SLUICE_UNACKED_RESTORE_INTERVAL_S,
+        "unacked_restore_throttle": 1,
     },
     broker_connection_retry_on_startup=True,
     task_default_queue=LANE_QUEUES["batch"],
@@ -47,6 +51,11 @@ app.conf.update(
     beat_schedule={
         "push-pool-configs": {"task": "budgets.push_pool_configs", "schedule": 10.0},
         "reap-leases": {"task": "gateway.reap_leases", "schedule": 30.0},
+        # Read models and guardrails of the web UI (budgets.periodic_tasks).
+        "flush-rejections": {"task": "budgets.flush_rejections", "schedule": 15.0},
+        "rollup-daily-usage": {"task": "budgets.rollup_daily_usage", "schedule": 60.0},
+        "reconcile-spend": {"task": "budgets.reconcile_spend", "schedule": 60.0},
+        "expire-budget-requests": {"task": "budgets.expire_budget_requests", "schedule": 300.0},
     },
     timezone="UTC",
 )

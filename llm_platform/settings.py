@@ -99,7 +99,8 @@ CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
 # A task must finish (or be killed) well before the broker would hand its
 # unacknowledged message to another worker: visibility_timeout > time limit.
 SLUICE_TASK_TIME_LIMIT_S = env_int("SLUICE_TASK_TIME_LIMIT_S", 300)
-SLUICE_VISIBILITY_TIMEOUT_S = env_int("SLUICE_VISIBILITY_TIMEOUT_S", 3600)
+SLUICE_VISIBILITY_TIMEOUT_S = env_int("SLUICE_VISIBILITY_TIMEOUT_S", 900)
+SLUICE_UNACKED_RESTORE_INTERVAL_S = env_int("SLUICE_UNACKED_RESTORE_INTERVAL_S", 5)
 
 # --- gateway ----------------------------------------------------------------------
 # Requests whose estimate (prompt + max_tokens) is at least this go to

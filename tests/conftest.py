@@ -3,6 +3,7 @@ database), Redis, Celery workers, the simulated pool over HTTP."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from django.conf import settings
 
 
 def pytest_configure(config):
+    # The SDK's and httpx's per-request INFO lines drown real failures.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
         raise pytest.UsageError("Sluice's tests run against PostgreSQL: set DATABASE_URL (make test does).")
 
