@@ -95,13 +95,15 @@ def test_a_job_that_would_outlive_its_deadline_is_rejected_at_once(platform, mak
     caller = make_caller(pool=sim_pool, workload_class="batch", reserved_tpm=8_000, ceiling_tpm=8_000,
                          prompt_tokens_cap=100, max_tokens_cap=1_900)
     big = {"model": "sim-small", "messages": HELLO, "max_tokens": 1_900, "sim": {"output_tokens": 1, "latency_ms": 10_000}}
-    assert post_job(platform, caller.api_key, big).status_code == 202  # holds the whole bucket for ~2 s
+    first = post_job(platform, caller.api_key, big)  # holds the whole bucket for ~2 s
+    assert first.status_code == 202
     # the next one needs ~14 s of refill, but may wait only 2 s
     response = post_job(platform, caller.api_key, {**big, "deadline_seconds": 2})
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "deadline_unreachable"
     assert "workload_tpm" in response.json()["error"]["message"]
     assert Job.objects.filter(workload=caller.workload, status="rejected").count() == 1
+    assert wait_final(platform, caller.api_key, first.json()["id"])["status"] == "succeeded"
 
 
 def test_job_idempotency_key_same_body_same_job_other_body_409(platform, make_caller, sim_pool):
@@ -173,25 +175,26 @@ def test_callback_url_receives_the_settled_job(platform, make_caller, sim_pool):
 
 
 def test_scheduled_jobs_leave_through_a_leaky_bucket_at_the_reserved_rate(platform, make_caller, sim_pool):
-    # given a scheduled workload reserved 30,000 TPM (500 tokens/s)
-    caller = make_caller(pool=sim_pool, workload_class="scheduled", reserved_tpm=30_000, prompt_tokens_cap=200,
+    # given a scheduled workload reserved 12,000 TPM (200 tokens/s)
+    caller = make_caller(pool=sim_pool, workload_class="scheduled", reserved_tpm=12_000, prompt_tokens_cap=200,
                          max_tokens_cap=200)
     body = {"model": "sim-small", "messages": HELLO, "max_tokens": 100 - llm_tokens.count_chat_tokens(HELLO),
             "sim": {"output_tokens": 3}}
-    # when eight 100-token jobs arrive at once
-    ids = [post_job(platform, caller.api_key, body).json()["id"] for _ in range(8)]
+    # when six 100-token jobs arrive together
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(6) as executor:
+        ids = list(executor.map(lambda _: post_job(platform, caller.api_key, body).json()["id"], range(6)))
     for job_id in ids:
         assert wait_final(platform, caller.api_key, job_id, timeout=30)["status"] == "succeeded"
-    jobs = sorted(Job.objects.filter(pk__in=ids), key=lambda j: j.release_at or j.created_at)
-    # then their planned releases are spaced exactly cost / rate = 0.2 s
-    planned = [j.release_at.timestamp() for j in jobs if j.release_at is not None]
-    assert len(planned) == 7  # the first leaves at once
+    jobs = list(Job.objects.filter(pk__in=ids))
+    # then the leaky bucket planned their releases exactly cost / rate = 0.5 s apart
+    planned = sorted(j.release_at.timestamp() for j in jobs if j.release_at is not None)
+    assert len(planned) >= 4  # the first leaves at once (and a straggler might find the bucket drained)
     gaps = [b - a for a, b in zip(planned, planned[1:])]
-    assert all(abs(gap - 0.2) < 0.002 for gap in gaps), gaps
-    # and the pacer released each close to its planned time, in order, no burst
-    released = [j.released_at.timestamp() for j in jobs]
-    assert released == sorted(released)
-    actual_gaps = [b - a for a, b in zip(released[1:], released[2:])]
-    assert all(gap > 0.1 for gap in actual_gaps), actual_gaps
+    assert all(abs(gap - 0.5) < 0.002 for gap in gaps), gaps
+    # and the pacer released each close to its planned time: steady, no burst
+    released = sorted(j.released_at.timestamp() for j in jobs)
+    assert all(b - a > 0.3 for a, b in zip(released, released[1:])), released
     lags = [j.released_at.timestamp() - j.release_at.timestamp() for j in jobs if j.release_at is not None]
-    assert all(-0.001 <= lag < 0.5 for lag in lags), lags
+    assert all(-0.001 <= lag < 0.3 for lag in lags), lags
