@@ -37,3 +37,77 @@ class UsageRecordAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+# --- web UI models (issue 5) ----------------------------------------------------------
+from .models import BudgetRequest, BudgetRequestEvent, DailyUsage, Notification, RejectionStat, SpendBudget  # noqa: E402
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """History and read models: viewable, never edited here."""
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(SpendBudget)
+class SpendBudgetAdmin(admin.ModelAdmin):
+    list_display = ("scope_label", "monthly_amount", "currency", "soft_threshold", "hard_cap", "updated_at")
+    list_filter = ("hard_cap",)
+    raw_id_fields = ("tenant", "workload")
+
+
+class BudgetRequestEventInline(admin.TabularInline):
+    model = BudgetRequestEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ("action", "actor_name", "comment", "details", "created_at")
+    fields = readonly_fields
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(BudgetRequest)
+class BudgetRequestAdmin(ReadOnlyAdmin):
+    """Decisions are taken on the review page (/ops/requests/), which checks headroom."""
+
+    list_display = ("id", "tenant", "workload", "new_workload_name", "pool", "reserved_tpm", "ceiling_tpm", "rpm",
+                    "status", "created_at", "decided_at")
+    list_filter = ("status", "pool")
+    inlines = [BudgetRequestEventInline]
+
+
+@admin.register(BudgetRequestEvent)
+class BudgetRequestEventAdmin(ReadOnlyAdmin):
+    list_display = ("request", "action", "actor_name", "created_at")
+    list_filter = ("action",)
+
+
+@admin.register(Notification)
+class NotificationAdmin(ReadOnlyAdmin):
+    list_display = ("tenant", "kind", "message", "created_at")
+    list_filter = ("kind",)
+
+
+@admin.register(DailyUsage)
+class DailyUsageAdmin(ReadOnlyAdmin):
+    list_display = ("day", "tenant", "workload", "pool", "model", "requests", "actual_input_tokens",
+                    "actual_output_tokens", "cost")
+    list_filter = ("pool", "model")
+    date_hierarchy = "day"
+
+
+@admin.register(RejectionStat)
+class RejectionStatAdmin(ReadOnlyAdmin):
+    list_display = ("minute", "tenant", "workload", "pool", "reason", "count")
+    list_filter = ("reason", "pool")

@@ -30,6 +30,7 @@ REASON_MESSAGES = {
     "pool_output_tpm": "The pool's output tokens-per-minute budget is used up.",
     "pool_saturated": "The pool is at its in-flight request limit.",
     "workload_concurrency": "This workload is at its in-flight request limit.",
+    "spend_budget": "This month's spend budget is used up; it renews at the start of next month.",
     "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",
     "request_too_large": "This request is larger than the workload's budget can ever admit at once; lower max_tokens or the prompt.",
 }
@@ -57,7 +58,7 @@ class Settlement:
     borrowed: bool = False
 
 
-def _admit_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
+def _admit_keys(pool_id: int, workload_id: int, request_id: str, spend: SpendCharge) -> list[str]:
     return [
         keys.pool_config(pool_id),
         keys.pool_workloads(pool_id),
@@ -67,10 +68,17 @@ def _admit_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
         keys.lease(pool_id, request_id),
         keys.pool_counters(pool_id),
         keys.pool_capacity(pool_id),
+        spend.month_key if spend.cost_micro > 0 else "",
     ]
 
 
-def _settle_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
+def _admit_args(workload_id: int, request_id: str, input_tokens: int, output_tokens: int, lease_ttl_ms: int,
+                spend: SpendCharge) -> list:
+    return [workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend.cost_micro, spend.tenant_id,
+            spend.month_end_ms]
+
+
+def _settle_keys(pool_id: int, workload_id: int, request_id: str, spend_month_key: str) -> list[str]:
     return [
         keys.pool_config(pool_id),
         keys.pool_buckets(pool_id),
@@ -79,7 +87,21 @@ def _settle_keys(pool_id: int, workload_id: int, request_id: str) -> list[str]:
         keys.lease(pool_id, request_id),
         keys.pool_counters(pool_id),
         keys.pool_capacity(pool_id),
+        spend_month_key,
     ]
+
+
+@dataclass(frozen=True)
+class SpendCharge:
+    """What a request is expected to cost, for the month-to-date spend caps."""
+
+    tenant_id: int
+    cost_micro: int  # currency x 1,000,000
+    month_key: str  # budgets.spend.spend_month_key of the admission's month
+    month_end_ms: float
+
+
+NO_SPEND = SpendCharge(tenant_id=0, cost_micro=0, month_key="", month_end_ms=0)
 
 
 class NotConfigured(Exception):
@@ -120,23 +142,25 @@ def _admission_result(raw, *, pool_id: int, workload_id: int, request_id: str, i
     raise rejected
 
 
-def admit(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int, lease_ttl_ms: int) -> Admission:
+def admit(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int, lease_ttl_ms: int,
+          spend: SpendCharge = NO_SPEND) -> Admission:
     """Admit or raise Rejected; one atomic Redis round trip."""
     client = get_redis()
-    args = [workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms]
+    args = _admit_args(workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend)
     try:
-        raw = lua_script(client, _ADMIT_SRC)(keys=_admit_keys(pool_id, workload_id, request_id), args=args)
+        raw = lua_script(client, _ADMIT_SRC)(keys=_admit_keys(pool_id, workload_id, request_id, spend), args=args)
     except redis.exceptions.ConnectionError as exc:  # includes timeouts
         raise BudgetUnavailable(str(exc)) from exc
     return _admission_result(raw, pool_id=pool_id, workload_id=workload_id, request_id=request_id,
                              input_tokens=input_tokens, output_tokens=output_tokens)
 
 
-async def admit_async(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int, lease_ttl_ms: int) -> Admission:
+async def admit_async(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int,
+                      lease_ttl_ms: int, spend: SpendCharge = NO_SPEND) -> Admission:
     client = get_async_redis()
-    args = [workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms]
+    args = _admit_args(workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend)
     try:
-        raw = await lua_script(client, _ADMIT_SRC)(keys=_admit_keys(pool_id, workload_id, request_id), args=args)
+        raw = await lua_script(client, _ADMIT_SRC)(keys=_admit_keys(pool_id, workload_id, request_id, spend), args=args)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         raise BudgetUnavailable(str(exc)) from exc
     return _admission_result(raw, pool_id=pool_id, workload_id=workload_id, request_id=request_id,
@@ -150,22 +174,24 @@ def _settlement_result(raw) -> Settlement:
 
 
 def settle(*, pool_id: int, workload_id: int, request_id: str, actual_input_tokens: int, actual_output_tokens: int,
-           pool_called: bool = True) -> Settlement:
-    """Refund or charge the estimate's difference from actual usage and release
-    the lease. Safe to call again: the second call changes nothing."""
+           pool_called: bool = True, actual_cost_micro: int = 0, spend_month_key: str = "") -> Settlement:
+    """Refund or charge the estimate's difference from actual usage (tokens and
+    spend) and release the lease. Safe to call again: the second call changes
+    nothing."""
     client = get_redis()
     raw = lua_script(client, _SETTLE_SRC)(
-        keys=_settle_keys(pool_id, workload_id, request_id),
-        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1],
+        keys=_settle_keys(pool_id, workload_id, request_id, spend_month_key),
+        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro],
     )
     return _settlement_result(raw)
 
 
 async def settle_async(*, pool_id: int, workload_id: int, request_id: str, actual_input_tokens: int,
-                       actual_output_tokens: int, pool_called: bool = True) -> Settlement:
+                       actual_output_tokens: int, pool_called: bool = True, actual_cost_micro: int = 0,
+                       spend_month_key: str = "") -> Settlement:
     client = get_async_redis()
     raw = await lua_script(client, _SETTLE_SRC)(
-        keys=_settle_keys(pool_id, workload_id, request_id),
-        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1],
+        keys=_settle_keys(pool_id, workload_id, request_id, spend_month_key),
+        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro],
     )
     return _settlement_result(raw)

@@ -36,9 +36,10 @@ class LedgerEntry:
     error: str = ""
 
 
-def usage_record_write(*, entry: LedgerEntry) -> bool:
-    """Insert the row unless one with the same request id exists. Returns
-    whether this call wrote it."""
+def usage_record_write(*, entry: LedgerEntry) -> None:
+    """Insert the row unless one with the same request id exists: one
+    INSERT ... ON CONFLICT DO NOTHING, so any number of writers (web, worker,
+    a redelivered task) leave exactly one row."""
     price = price_in_force(model=entry.model, at=entry.created_at)
     cost = (
         price.cost(input_tokens=entry.actual_input_tokens, output_tokens=entry.actual_output_tokens)
@@ -46,9 +47,5 @@ def usage_record_write(*, entry: LedgerEntry) -> bool:
         else Decimal("0")
     )
     fields = dict(entry.__dict__)
-    request_id = fields.pop("request_id")
     fields["error"] = fields["error"][:500]
-    # get_or_create inserts inside a savepoint and, on a unique-key race,
-    # re-reads: exactly one row per request id, however many writers.
-    _, created = UsageRecord.objects.get_or_create(request_id=request_id, defaults={"price": price, "cost": cost, **fields})
-    return created
+    UsageRecord.objects.bulk_create([UsageRecord(price=price, cost=cost, **fields)], ignore_conflicts=True)

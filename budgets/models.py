@@ -218,3 +218,10 @@ class UsageRecord(models.Model):
 
     def delete(self, *args, **kwargs):
         raise LedgerImmutable("The ledger is append-only: rows cannot be deleted.")
+
+
+# Models of the web UI and the management API live in their own modules;
+# importing them here registers them with the app.
+from .models_requests import AuditImmutable, BudgetRequest, BudgetRequestEvent  # noqa: E402,F401
+from .models_rollups import DailyUsage, RejectionSample, RejectionStat, RollupState  # noqa: E402,F401
+from .models_spend import Notification, SpendBudget  # noqa: E402,F401

@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.utils import timezone
 
+from budgets.pricing import prices_in_force
 from budgets.selectors import reservation_of_workload
 from tenants.selectors import api_key_lookup
 
@@ -38,6 +40,7 @@ class CallerContext:
     ceiling_tpm: int
     rpm: int
     reserved_tpm: int = 0
+    prices: dict = field(default_factory=dict)  # model -> budgets.pricing.TokenPrice
 
     @property
     def limits(self) -> dict[str, int]:
@@ -78,6 +81,7 @@ def context_for_workload(workload) -> CallerContext:
         ceiling_tpm=reservation.ceiling_tpm if reservation else 0,
         rpm=reservation.rpm if reservation else 0,
         reserved_tpm=reservation.reserved_tpm if reservation else 0,
+        prices=prices_in_force(models=pool.served_models or (), at=timezone.now()) if pool else {},
     )
 
 

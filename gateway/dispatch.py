@@ -22,7 +22,8 @@ from budgets.redis_client import get_async_redis, lua_script
 
 from . import keys
 from .auth import CallerContext
-from .enqueue import budget_unavailable, lease_ttl_ms, no_reservation, pool_config_rebuild, record_build, record_enqueue
+from .enqueue import (budget_unavailable, lease_ttl_ms, no_reservation, pool_config_rebuild, record_build, record_enqueue,
+                      spend_charge)
 from .metrics import departure_record
 from .records import CLAIM_SRC, EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_args
 from .validation import ChatRequest
@@ -46,10 +47,11 @@ def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex
 
 
-async def _admit(ctx: CallerContext, request_id: str, estimate: Estimate) -> Admission:
+async def _admit(ctx: CallerContext, request_id: str, model: str, estimate: Estimate) -> Admission:
     kwargs = dict(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
                   input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens,
-                  lease_ttl_ms=lease_ttl_ms(queue_s=ctx.queue_timeout_s))
+                  lease_ttl_ms=lease_ttl_ms(queue_s=ctx.queue_timeout_s),
+                  spend=spend_charge(ctx, model=model, estimate=estimate))
     try:
         try:
             return await admit_async(**kwargs)
@@ -65,7 +67,8 @@ async def _admit(ctx: CallerContext, request_id: str, estimate: Estimate) -> Adm
 
 async def _refund_and_record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
     await settle_async(pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
-                       actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+                       actual_input_tokens=0, actual_output_tokens=0, pool_called=False,
+                       spend_month_key=record.spend_month_key)
     entry = LedgerEntry(
         request_id=record.request_id,
         created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
@@ -109,7 +112,11 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
         encoding_name=ctx.tokenizer, safety_factor=ctx.safety_factor,
     )
     request_id = new_request_id()
-    admission = await _admit(ctx, request_id, estimate)
+    try:
+        admission = await _admit(ctx, request_id, chat.model, estimate)
+    except Rejected as rejected:
+        rejected.estimated_tokens = estimate.total_tokens  # type: ignore[attr-defined]  (rejection stats)
+        raise
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
     record = record_build(
         ctx, request_id=request_id, model=chat.model, payload=payload, estimate=estimate, admission=admission,

@@ -9,10 +9,13 @@ import logging
 
 from django.conf import settings
 
-from budgets.admission import Admission, NotConfigured, admit, settle
+import time
+
+from budgets.admission import NO_SPEND, Admission, NotConfigured, SpendCharge, admit, settle
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.estimation import Estimate
 from budgets.models import InferencePool
+from budgets.pricing import spend_month
 from budgets.redis_client import get_redis
 from budgets.services import pool_config_push
 from llm_platform.celery import queue_for_lane
@@ -47,9 +50,21 @@ def pool_config_rebuild(pool_id: int) -> None:
     pool_config_push(pool=InferencePool.objects.get(pk=pool_id))
 
 
-def admit_sync(ctx: CallerContext, *, request_id: str, estimate: Estimate, lease_ms: int) -> Admission:
+def spend_charge(ctx: CallerContext, *, model: str, estimate: Estimate) -> SpendCharge:
+    """The request's expected cost for the spend caps (none without a price)."""
+    price = ctx.prices.get(model)
+    if price is None:
+        return NO_SPEND
+    month_key, month_end_ms = spend_month(pool_id=ctx.pool_id, at_ms=time.time() * 1000)
+    return SpendCharge(tenant_id=ctx.tenant_id, month_key=month_key, month_end_ms=month_end_ms,
+                       cost_micro=price.cost_micro(input_tokens=estimate.input_tokens,
+                                                   output_tokens=estimate.output_tokens))
+
+
+def admit_sync(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate, lease_ms: int) -> Admission:
     kwargs = dict(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                  input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms)
+                  input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms,
+                  spend=spend_charge(ctx, model=model, estimate=estimate))
     try:
         try:
             return admit(**kwargs)
@@ -67,6 +82,7 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
                  admission: Admission, deadline_ms: float, retry_deadline_ms: float, session_id: str = "",
                  job_id: str = "") -> RequestRecord:
     lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens, borrowed=admission.borrowed)
+    price = ctx.prices.get(model)
     return RequestRecord(
         request_id=request_id, tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, pool_id=ctx.pool_id,
         pool_base_url=ctx.pool_base_url, pool_api_key_env=ctx.pool_api_key_env, model=model, lane=lane,
@@ -74,6 +90,9 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         estimated_output_tokens=estimate.output_tokens, admitted_ms=admission.admitted_ms,
         deadline_ms=deadline_ms, payload=payload, session_id=session_id, job_id=job_id,
         retry_deadline_ms=retry_deadline_ms,
+        price_input_per_million=str(price.input_per_million) if price else "",
+        price_output_per_million=str(price.output_per_million) if price else "",
+        spend_month_key=spend_month(pool_id=ctx.pool_id, at_ms=admission.admitted_ms)[0] if price else "",
     )
 
 
@@ -93,7 +112,8 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:
             settle(pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
-                   actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+                   actual_input_tokens=0, actual_output_tokens=0, pool_called=False,
+                   spend_month_key=record.spend_month_key)
         except Exception:  # the lease expires by itself
             logger.warning("could not refund %s", record.request_id, exc_info=True)
         raise budget_unavailable() from exc

@@ -138,6 +138,9 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
         actual_input_tokens=outcome.input_tokens,
         actual_output_tokens=outcome.output_tokens,
         pool_called=pool_called,
+        actual_cost_micro=record.actual_cost_micro(input_tokens=outcome.input_tokens,
+                                                   output_tokens=outcome.output_tokens),
+        spend_month_key=record.spend_month_key,
     )
     total_ms = max(0, int(_now_ms() - record.admitted_ms))
     usage_record_write(

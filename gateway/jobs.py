@@ -148,7 +148,7 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Esti
     request_id = new_request_id()
     lease_ms = lease_ttl_ms(queue_s=max(0.0, (deadline_ms - now_ms) / 1000))
     try:
-        admission = admit_sync(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms)
+        admission = admit_sync(ctx, request_id=request_id, model=chat.model, estimate=estimate, lease_ms=lease_ms)
     except Rejected as rejected:
         if rejected.reason in DELAYABLE and rejected.retry_after_ms is not None:
             job.delays += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 from dataclasses import asdict, dataclass
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -40,6 +41,18 @@ class RequestRecord:
     session_id: str = ""  # X-Session-Id: retries are budgeted per session
     job_id: str = ""  # set for async jobs (POST /v1/jobs)
     retry_deadline_ms: float = 0.0  # no retry may start after this (Redis clock)
+    # The price in force at admission: settlement corrects the spend with it.
+    price_input_per_million: str = ""
+    price_output_per_million: str = ""
+    spend_month_key: str = ""
+
+    def actual_cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
+        if not self.price_input_per_million:
+            return 0
+        from budgets.pricing import TokenPrice
+
+        price = TokenPrice(Decimal(self.price_input_per_million), Decimal(self.price_output_per_million))
+        return price.cost_micro(input_tokens=input_tokens, output_tokens=output_tokens)
 
     def to_redis(self) -> dict[str, str]:
         data = asdict(self)
@@ -67,6 +80,9 @@ class RequestRecord:
             session_id=data.get("session_id", ""),
             job_id=data.get("job_id", ""),
             retry_deadline_ms=float(data.get("retry_deadline_ms", 0) or 0),
+            price_input_per_million=data.get("price_input_per_million", ""),
+            price_output_per_million=data.get("price_output_per_million", ""),
+            spend_month_key=data.get("spend_month_key", ""),
         )
 
 

@@ -1,11 +1,27 @@
 from celery import shared_task
+from django.db import InterfaceError, OperationalError, close_old_connections
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .execution import request_execute
 
 
-@shared_task(name="gateway.execute_request", acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+@shared_task(
+    name="gateway.execute_request",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    # PostgreSQL or Redis restarting must not lose an accepted request: every
+    # step of request_execute is idempotent, so run it again (the pool is not
+    # called twice: its answer is kept in Redis). Short, capped backoff.
+    autoretry_for=(OperationalError, InterfaceError, RedisConnectionError),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+    max_retries=40,
+)
 def execute_request(request_id: str) -> str:
     """Run one admitted request (thin: the record lives in Redis, keyed by id)."""
+    close_old_connections()  # a connection broken by a database restart is replaced
     return request_execute(request_id=request_id)
 
 

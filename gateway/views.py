@@ -14,6 +14,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
 from budgets.errors import Rejected
+from budgets.rejections import rejection_count_async
 
 from .auth import CallerContext, bearer_key, caller_context
 from .dispatch import chat_completion
@@ -53,7 +54,16 @@ def _ratelimit_headers(limits: dict[str, int], *, remaining_tokens: int, remaini
     }
 
 
-def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
+# Refusals that mean Redis itself is unreachable: counting them there would
+# only add a timeout to the caller's 503.
+UNCOUNTED_REASONS = {"budget_unavailable", "result_unavailable"}
+
+
+async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
+    if rejected.reason not in UNCOUNTED_REASONS:
+        await rejection_count_async(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
+                                    reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
+                                    estimated_tokens=getattr(rejected, "estimated_tokens", 0))
     extra = {}
     if getattr(rejected, "remaining_tokens", None) is not None:
         extra = _ratelimit_headers(ctx.limits, remaining_tokens=rejected.remaining_tokens,
@@ -113,7 +123,7 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
         _check_chat(ctx, chat)
         idem_key = _idempotency_key(request)
     except Rejected as rejected:
-        return _rejection(ctx, rejected)
+        return await _rejection(ctx, rejected)
 
     digest = body_digest(request.body)
     if idem_key:
@@ -138,7 +148,7 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
     except Rejected as rejected:
         if idem_key:
             await idempotency_release(workload_id=ctx.workload_id, key=idem_key)
-        return _rejection(ctx, rejected)
+        return await _rejection(ctx, rejected)
 
     outcome = dispatched.outcome
     admission = dispatched.admission
@@ -206,7 +216,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     except IdempotencyConflict:
         return _idempotency_conflict()
     except Rejected as rejected:
-        return _rejection(ctx, rejected)
+        return await _rejection(ctx, rejected)
     job = submitted.job
     base_url = f"{request.scheme}://{request.get_host()}"
     view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)

@@ -49,16 +49,39 @@ class ScheduleEntry:
         return out
 
 
+# Named engine calibrations (``--profile``): defaults for the engine's
+# parameters, which any explicit flag or SIM_* variable still overrides.
+# "demo" is the plain defaults below; the others are fitted to published
+# concurrency sweeps (docs/calibration.md has the sources, the fit and the
+# comparison; ``python -m bench.calibration`` redraws it).
+PROFILES: dict[str, dict[str, Any]] = {
+    "demo": {},
+    # Llama-3.1-8B-Instruct bf16 on one A100 (vLLM): ~75 output tok/s at
+    # concurrency 1 and ~6.6x that at 8, for 1,024 prompt / 128 output tokens.
+    "a100-llama3-8b": {"slots": 256, "kv_cache_tokens": 450_000, "decode_base_ms": 12.0,
+                       "decode_per_seq_ms": 0.05, "prefill_ms_per_token": 0.06},
+    # Llama-3.3-70B-Instruct fp8 on 2 x H100 (TP2, NVIDIA NIM): ITL 18.6 ms at
+    # concurrency 1 rising to ~93 ms, throughput flat at ~920 tok/s from ~100
+    # concurrent requests (KV cache full), for 5,000 prompt / 500 output tokens.
+    "h100x2-llama3-70b": {"slots": 256, "kv_cache_tokens": 550_000, "decode_base_ms": 18.0,
+                          "decode_per_seq_ms": 0.05, "prefill_ms_per_token": 0.078},
+}
+OUTPUT_DISTRIBUTIONS = ("lognormal", "pareto")
+
+
 @dataclass
 class SimConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     models: list[str] = field(default_factory=lambda: ["sim-small", "sim-large"])
     encoding: str = "cl100k_base"
-    # Output length: lognormal around the median, truncated at max_tokens.
+    profile: str = "demo"
+    # Output length: heavy-tailed around the median, truncated at max_tokens.
     seed: int = 42
+    output_dist: str = "lognormal"
     output_median: float = 128.0
     output_sigma: float = 1.0
+    output_pareto_alpha: float = 1.5
     default_max_tokens: int = 256
     # Engine (see engine.py for where the defaults come from).
     slots: int = 16
@@ -91,6 +114,12 @@ class SimConfig:
             raise ValueError("time_scale must be > 0")
         if self.output_median <= 0 or self.output_sigma < 0:
             raise ValueError("output_median must be > 0 and output_sigma >= 0")
+        if self.output_dist not in OUTPUT_DISTRIBUTIONS:
+            raise ValueError(f"output_dist must be one of {list(OUTPUT_DISTRIBUTIONS)}")
+        if self.output_pareto_alpha <= 0:
+            raise ValueError("output_pareto_alpha must be > 0")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {sorted(PROFILES)}")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if min(self.decode_base_ms, self.decode_per_seq_ms, self.prefill_ms_per_token) < 0:
@@ -171,9 +200,12 @@ _OPTIONS: dict[str, tuple[Any, str]] = {
     "port": (int, "port to bind (0 = any free port; the ready line names it)"),
     "models": (_parse_models, "comma-separated model ids served"),
     "encoding": (str, "tiktoken encoding used to count tokens"),
+    "profile": (str, f"engine calibration whose values become the defaults: {', '.join(PROFILES)}"),
     "seed": (int, "seed of the output-length sampler (re-applied by /admin/reset)"),
-    "output_median": (float, "median of the lognormal output length, tokens"),
+    "output_dist": (str, f"output-length distribution: {', '.join(OUTPUT_DISTRIBUTIONS)}"),
+    "output_median": (float, "median output length, tokens"),
     "output_sigma": (float, "sigma of the lognormal output length (log space)"),
+    "output_pareto_alpha": (float, "tail index of the Pareto output length (smaller = heavier)"),
     "default_max_tokens": (int, "max output tokens when the request sets none"),
     "slots": (int, "concurrent sequences in a batch"),
     "kv_cache_tokens": (int, "KV-cache budget: prompt+output tokens of running sequences"),
@@ -191,9 +223,16 @@ _OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
-def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+def _profile_of(argv: Sequence[str] | None, environ: Mapping[str, str]) -> str:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--profile", default=environ.get(ENV_PREFIX + "PROFILE", "demo"))
+    known, _ = pre.parse_known_args(argv)
+    return known.profile
+
+
+def build_parser(environ: Mapping[str, str] | None = None, profile: str = "demo") -> argparse.ArgumentParser:
     environ = os.environ if environ is None else environ
-    defaults = SimConfig()
+    defaults = SimConfig(**PROFILES.get(profile, {}))
     parser = argparse.ArgumentParser(
         prog="python -m inference_sim",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -218,7 +257,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
 
 def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> SimConfig:
-    parser = build_parser(environ)
+    environ = os.environ if environ is None else environ
+    profile = _profile_of(argv, environ)
+    if profile not in PROFILES:
+        build_parser(environ).error(f"--profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    parser = build_parser(environ, profile)
     args = parser.parse_args(argv)
     config = SimConfig(**vars(args))
     try:

@@ -51,7 +51,8 @@ class SimulatedPool:
         self.clock = SimClock(config.time_scale)
         self.encoding = llm_tokens.get_encoding(config.encoding)
         check_encoding(self.encoding)
-        self.sampler = OutputLengthSampler(config.seed, config.output_median, config.output_sigma)
+        self.sampler = OutputLengthSampler(config.seed, config.output_median, config.output_sigma,
+                                           config.output_dist, config.output_pareto_alpha)
         self.limiter = SlidingWindowLimiter(self.clock)
         self.engine = BatchEngine(config, self.clock)
         self.counters = Counters()

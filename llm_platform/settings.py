@@ -40,6 +40,9 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_celery_beat",
     "tenants",
     "budgets",
@@ -53,6 +56,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "tenants.middleware.FinanceReadOnlyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -120,12 +124,48 @@ SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # The management API (/api/*): token auth for scripts, the session for the
+    # browsable docs. Every view states its own role rules on top.
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "EXCEPTION_HANDLER": "llm_platform.api_errors.api_exception_handler",
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "PAGE_SIZE": 100,
 }
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Sluice management API",
+    "DESCRIPTION": "Tenants, workloads, API keys, pools, budget-slice requests, usage and the ledger. "
+                   "Authenticate with `Authorization: Token <token>`.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI's assets come from the drf-spectacular-sidecar package (PyPI), not a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "SCHEMA_PATH_PREFIX": r"/api/",
+    "ENUM_NAME_OVERRIDES": {"WorkloadClassEnum": "tenants.models.Workload.WorkloadClass"},
+}
+# Static files (the API docs' assets) are served by WhiteNoise straight from
+# the installed packages, so no collectstatic step is needed to run.
+WHITENOISE_USE_FINDERS = env_bool("SLUICE_STATIC_FROM_FINDERS", True)
+
+# Web UI: the pool overview's live numbers come from the gateway, wired here so
+# budgets/ does not import gateway/ (DESIGN.md, Layout).
+SLUICE_POOL_LIVE_METRICS = os.environ.get("SLUICE_POOL_LIVE_METRICS", "gateway.metrics.pool_live_metrics")
+# Rejections: detailed samples kept per minute per workload and reason, and
+# how long flushed samples are kept.
+SLUICE_REJECTION_SAMPLES_PER_MINUTE = env_int("SLUICE_REJECTION_SAMPLES_PER_MINUTE", 5)
+SLUICE_REJECTION_SAMPLE_RETENTION_DAYS = env_int("SLUICE_REJECTION_SAMPLE_RETENTION_DAYS", 30)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
 LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

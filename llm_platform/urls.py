@@ -1,5 +1,6 @@
 from django.contrib import admin
-from django.urls import path
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
 
 from gateway import views as gateway_views
 
@@ -11,4 +12,10 @@ urlpatterns = [
     path("healthz", gateway_views.healthz, name="healthz"),
     path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
     path("admin/", admin.site.urls),
+    # Web UI and management API (issue 5)
+    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("api/", include("llm_platform.api_urls")),
+    path("", include("tenants.urls")),
+    path("", include("budgets.urls")),
 ]

@@ -18,6 +18,9 @@ class Tenant(models.Model):
 
     class Meta:
         ordering = ["slug"]
+        permissions = [
+            ("audit_all_tenants", "Can read every tenant's usage, spend and ledger (finance auditor, read-only)"),
+        ]
 
     def __str__(self) -> str:
         return self.name

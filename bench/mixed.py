@@ -1,0 +1,242 @@
+"""Scenario 1, mixed short and long (the classic tail-latency case).
+
+10 closed-loop clients send the same seeded stream to each system: 80% short
+(a one-sentence question, max_tokens 64) and 20% long (a ~4,000-token
+document to summarize, max_tokens 512). The simulated pool batches up to 16
+sequences in a 16,384-token KV cache: three long prompts fill it, and a
+fourth at the head of its FIFO waiting queue blocks every short request
+behind it until a long one finishes (vLLM's scheduler without preemption).
+
+Systems, one after the other on a fresh simulator:
+* FIFO: clients straight to the simulator;
+* baseline: bench/baseline_gateway.py (one priority queue, 2 workers, 5 s
+  queue timeout, max_tokens clamped to 1,024);
+* Sluice: its lanes, with the interactive-long lane sized to the pool's
+  long-request capacity (3 workers: the KV cache holds three long prompts);
+* Sluice with the production lane sizes (llm_platform.processes:
+  interactive-long 16), to show what the lane sizing, not the gateway
+  itself, buys.
+
+Latencies are simulated seconds (wall clock x time scale). Run alone:
+``python -m bench.mixed --seed 1``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
+from .http import HttpClient
+from .load import Call, Sampler, calls_to_json, closed_loop, lane_depths, timed_post
+from .platform import Platform, Services
+from .seed import config_push, scaled_pool, scaled_workload
+from .workload import mixed_stream
+
+NAME = "mixed"
+SCALE = TimeScale(6.0)
+CLIENTS = 10
+SIM_ARGS = ["--slots", "16", "--kv-cache-tokens", "16384"]
+LONG_LANE_WORKERS = 3
+WARMUP_SIM_S = 20.0
+SYSTEMS = ("fifo", "baseline", "sluice", "sluice_default_lanes")
+LABELS = {"fifo": "FIFO (direct)", "baseline": "priority baseline", "sluice": "Sluice",
+          "sluice_default_lanes": "Sluice, default lane sizes"}
+
+
+async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: float, probe) -> tuple[list[Call], list[dict], float]:
+    client = HttpClient(base, max_connections=CLIENTS + 2, timeout=600)
+    streams = [mixed_stream(seed, c, 5_000) for c in range(CLIENTS)]
+    calls: list[Call] = []
+    t0 = time.monotonic()
+    sampler = Sampler(probe, 0.25, t0).start()
+
+    async def step(c: int, i: int) -> None:
+        call = streams[c][i]
+        calls.append(await timed_post(client, path, call.body, headers, call.kind, t0))
+
+    await closed_loop(CLIENTS, duration_real, step, max_per_client=5_000)
+    elapsed = time.monotonic() - t0
+    samples = await sampler.stop()
+    await client.aclose()
+    return calls, samples, elapsed
+
+
+def _run_system(services: Services, system: str, seed: int, duration_sim: float) -> dict:
+    services.fresh_redis()
+    seed_args = ["--time-scale", str(SCALE.factor), "--seed", str(seed), *SIM_ARGS]
+    with Platform(services, f"{NAME}-{system}") as platform:
+        platform.start_sim(seed_args)
+        sim = HttpClient(platform.sim_url, max_connections=2)
+        headers: dict[str, str] = {}
+        if system == "fifo":
+            base, path = platform.sim_url, "/v1/chat/completions"
+        elif system == "baseline":
+            platform.start_baseline(time_scale=SCALE.factor)
+            base, path = platform.baseline_url, "/v1/chat/completions"
+            gateway = HttpClient(platform.baseline_url, max_connections=2)
+        else:
+            pool = scaled_pool(scale=SCALE, slug=f"{NAME}-{system}", base_url=f"{platform.sim_url}/v1",
+                               provider_tpm=5_000_000, provider_rpm=20_000)
+            workload = scaled_workload(scale=SCALE, pool=pool, slug=f"{NAME}-{system}-chat",
+                                       workload_class="interactive", reserved_tpm=3_000_000, ceiling_tpm=3_000_000,
+                                       rpm=10_000, queue_timeout_s=180.0, prompt_tokens_cap=8_000,
+                                       max_tokens_cap=1_024, max_tokens_default=256)
+            config_push(pool)
+            lanes = None if system == "sluice_default_lanes" else {
+                "interactive": 16, "interactive-long": LONG_LANE_WORKERS, "batch": 2, "scheduled": 1}
+            platform.start_sluice(lanes=lanes)
+            headers = {"Authorization": f"Bearer {workload.api_key}"}
+            base, path = platform.sluice_url, "/v1/chat/completions"
+
+        async def probe() -> dict:
+            stats = (await sim.get("/admin/stats")).json()
+            sample = {"sim_running": stats["running"], "sim_queued": stats["queued"],
+                      "sim_kv": stats["kv_tokens_in_use"]}
+            if system.startswith("sluice"):
+                sample["lanes"] = lane_depths(services.redis)
+            elif system == "baseline":
+                sample["gateway_queue"] = (await gateway.get("/healthz")).json()["queue_depth"]
+            return sample
+
+        log(f"{NAME}: {LABELS[system]} for {duration_sim:.0f} simulated s ({SCALE.real_s(duration_sim):.0f} s real)")
+        calls, samples, elapsed = asyncio.run(_drive(base, path, headers, seed, SCALE.real_s(duration_sim), probe))
+        platform.assert_alive()
+        lane_sizes = getattr(platform, "lane_sizes", None)
+    return {"calls": calls_to_json(calls), "samples": samples, "elapsed_real_s": elapsed, "lane_sizes": lane_sizes}
+
+
+def _metrics(run: dict) -> dict:
+    f = SCALE.factor
+    measured = [c for c in run["calls"] if c["start"] * f >= WARMUP_SIM_S]
+    window_sim = run["elapsed_real_s"] * f - WARMUP_SIM_S
+    out = {"window_sim_s": window_sim}
+    for kind in ("short", "long"):
+        of_kind = [c for c in measured if c["kind"] == kind]
+        ok = [c for c in of_kind if c["status"] == 200]
+        out[kind] = {**pcts([c["latency"] * f for c in ok]), "sent": len(of_kind), "ok": len(ok),
+                     "error_rate": (len(of_kind) - len(ok)) / len(of_kind) if of_kind else None,
+                     "errors": _codes(of_kind)}
+    ok = [c for c in measured if c["status"] == 200]
+    out["throughput_rps"] = len(ok) / window_sim
+    out["output_tokens_per_s"] = sum((c["usage"] or {}).get("completion_tokens", 0) for c in ok) / window_sim
+    out["error_rate"] = (len(measured) - len(ok)) / len(measured) if measured else None
+    out["lane_wait_sim_s"] = {k: pcts([int(c["headers"]["x-sluice-queue-ms"]) / 1000 * f for c in measured
+                                       if c["status"] == 200 and c["kind"] == k and "x-sluice-queue-ms" in c["headers"]])
+                              for k in ("short", "long")}
+    return out
+
+
+def _codes(calls: list[dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in calls:
+        if c["status"] != 200:
+            out[c["code"] or f"http_{c['status']}"] = out.get(c["code"] or f"http_{c['status']}", 0) + 1
+    return out
+
+
+def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
+    own = services is None
+    services = services or Services().up()
+    duration_sim = 90.0 if quick else 300.0
+    runs = {}
+    try:
+        for system in SYSTEMS:
+            runs[system] = _run_system(services, system, seed, duration_sim)
+            m = _metrics(runs[system])
+            log(f"{NAME}: {LABELS[system]}: short p99 {fmt(m['short']['p99'], 2)} s, long p99 "
+                f"{fmt(m['long']['p99'], 1)} s, {m['throughput_rps']:.2f} req/s, errors {m['error_rate']:.1%}")
+    finally:
+        if own:
+            services.down()
+    metrics = {system: _metrics(run) for system, run in runs.items()}
+    data = {"scenario": NAME, "seed": seed, "quick": quick, "time_scale": SCALE.factor, "clients": CLIENTS,
+            "sim_args": SIM_ARGS, "long_lane_workers": LONG_LANE_WORKERS, "duration_sim_s": duration_sim,
+            "warmup_sim_s": WARMUP_SIM_S, "metrics": metrics, "runs": runs,
+            "clock": "simulated seconds (wall clock x time scale)"}
+    write_result(NAME, data)
+    return data
+
+
+def summarize(data: dict) -> str:
+    m = data["metrics"]
+    rows = []
+    for system in SYSTEMS:
+        if system not in m:
+            continue
+        s, lg = m[system]["short"], m[system]["long"]
+        rows.append([LABELS[system], fmt(s["p50"], 2), fmt(s["p95"], 2), fmt(s["p99"], 2), fmt(lg["p50"], 1),
+                     fmt(lg["p95"], 1), fmt(lg["p99"], 1), fmt(m[system]["throughput_rps"], 2),
+                     fmt(m[system]["output_tokens_per_s"], 0), f"{s['error_rate'] or 0:.1%}",
+                     f"{lg['error_rate'] or 0:.1%}"])
+    p99_ratio = ratio(m["sluice"]["short"]["p99"], m["fifo"]["short"]["p99"])
+    tput_ratio = ratio(m["sluice"]["output_tokens_per_s"], m["fifo"]["output_tokens_per_s"])
+    rps_ratio = ratio(m["sluice"]["throughput_rps"], m["fifo"]["throughput_rps"])
+    base_ratio = ratio(m["baseline"]["short"]["p99"], m["fifo"]["short"]["p99"])
+    base_tput = ratio(m["baseline"]["output_tokens_per_s"], m["fifo"]["output_tokens_per_s"])
+    default_ratio = ratio(m.get("sluice_default_lanes", {}).get("short", {}).get("p99"), m["fifo"]["short"]["p99"])
+    lines = [
+        f"{data['clients']} closed-loop clients, {data['duration_sim_s']:.0f} simulated s per system (first "
+        f"{data['warmup_sim_s']:.0f} s not counted), time scale {data['time_scale']:g}; simulator "
+        f"`{' '.join(data['sim_args'])}`. Latencies in simulated seconds; throughput = completed requests "
+        "(and output tokens) per simulated second.",
+        "",
+        md_table(["system", "short p50", "short p95", "short p99", "long p50", "long p95", "long p99", "req/s",
+                  "out tok/s", "short err", "long err"], rows),
+        "",
+        md_table(["ratio", "value", "target"], [
+            ["Sluice short p99 / FIFO short p99", f"**{fmt(p99_ratio, 2)}**",
+             f"≤ 0.20: {'met' if p99_ratio is not None and p99_ratio <= 0.2 else 'missed'}"],
+            ["Sluice throughput / FIFO (output tokens of completed requests per s)", f"**{fmt(tput_ratio, 2)}**",
+             f"≥ 0.95: {'met' if tput_ratio is not None and tput_ratio >= 0.95 else 'missed'}"],
+            ["Sluice completed requests/s / FIFO", fmt(rps_ratio, 2), "(a system that fails long requests fast "
+             "completes more short ones: tokens are the fair unit)"],
+            ["baseline short p99 / FIFO short p99", fmt(base_ratio, 2), ""],
+            ["baseline throughput (tokens) / FIFO", fmt(base_tput, 2), ""],
+            ["Sluice (default lane sizes) short p99 / FIFO", fmt(default_ratio, 2), ""],
+        ]),
+        "",
+        "Where Sluice's time goes (simulated s, lane wait = x-sluice-queue-ms): short p50/p99 "
+        f"{fmt(m['sluice']['lane_wait_sim_s']['short']['p50'], 2)}/{fmt(m['sluice']['lane_wait_sim_s']['short']['p99'], 2)}, "
+        f"long p50/p99 {fmt(m['sluice']['lane_wait_sim_s']['long']['p50'], 1)}/"
+        f"{fmt(m['sluice']['lane_wait_sim_s']['long']['p99'], 1)}. Errors: "
+        + "; ".join(f"{LABELS[s]} {m[s]['short']['errors'] or {}} / {m[s]['long']['errors'] or {}}"
+                    for s in SYSTEMS if s in m) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
+    from .plots import multi_cdf, timeseries
+
+    f = data["time_scale"]
+    warm = data["warmup_sim_s"]
+    panels = {}
+    for kind in ("short", "long"):
+        panels[f"{kind} requests"] = {
+            LABELS[s]: [c["latency"] * f for c in run["calls"]
+                        if c["kind"] == kind and c["status"] == 200 and c["start"] * f >= warm]
+            for s, run in data["runs"].items()}
+    names = []
+    path = plots_dir / "mixed_latency_cdf.png"
+    multi_cdf(panels, path, title="Mixed short/long: latency CDF per class", xlabel="latency, simulated s")
+    names.append(path.name)
+    # Queue depth: Sluice's lanes and the pool's own waiting queue, per system.
+    lines = {}
+    for system, run in data["runs"].items():
+        samples = [s for s in run["samples"] if "error" not in s]
+        ts = [s["t"] * f for s in samples]
+        lines[f"{LABELS[system]}: pool waiting queue"] = (ts, [s["sim_queued"] for s in samples])
+        if system == "sluice":
+            for lane in ("interactive", "interactive-long"):
+                lines[f"Sluice lane {lane}"] = (ts, [s["lanes"].get(lane, 0) for s in samples])
+        if system == "baseline":
+            lines["baseline gateway queue"] = (ts, [s["gateway_queue"] for s in samples])
+    path = plots_dir / "mixed_queue_depth.png"
+    timeseries(lines, path, title="Mixed short/long: queue depth (requests waiting)", xlabel="simulated s",
+               ylabel="requests waiting", step=True)
+    names.append(path.name)
+    return names
+
+
+if __name__ == "__main__":
+    run_standalone(NAME, main, summarize, plot, __doc__.split("\n")[0])

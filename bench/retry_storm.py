@@ -1,0 +1,274 @@
+"""Scenario 4, retry storm: a 60 s outage of the pool, with naive clients.
+
+User operations arrive at 8 per simulated second (80% of the provider's
+600 RPM). Each is one chat call made by a naive client: up to 3 attempts,
+exponential backoff without jitter (2 s, then 4 s), any error retried,
+Retry-After ignored. From 60 s to 120 s of simulated time the pool answers
+503 to everything (``--schedule`` outage), then recovers.
+
+Two runs on a fresh simulator each: the clients straight to the pool, and
+the same clients through Sluice. Reported: client attempts per operation,
+attempts that reached the pool per operation (the simulator's request
+counter: what the pool had to absorb), operations that failed, and time to
+recover after the outage (until 95% of the operations that start in a 5 s
+bin succeed again). Simulated time; Sluice's retry/capacity time constants
+are scaled to it. Run alone: ``python -m bench.retry_storm``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, ratio, run_standalone, write_result
+from .http import HttpClient, TransportError
+from .load import Sampler, open_loop
+from .platform import Platform, Services, time_scaled_env
+from .seed import config_push, scaled_pool, scaled_workload
+from .workload import short_call
+
+NAME = "retry_storm"
+SCALE = TimeScale(4.0)
+POOL_RPM, POOL_TPM = 600, 200_000
+OPS_PER_S = 8.0
+ATTEMPTS = 3
+BACKOFF_S = 2.0  # simulated: 2 s, then 4 s
+OUTAGE_START, OUTAGE_S = 60.0, 60.0
+SIM_ARGS = ["--slots", "32", "--rpm", str(POOL_RPM), "--tpm", str(POOL_TPM)]
+BIN_S = 5.0
+
+
+@dataclass
+class Operation:
+    start: float  # real seconds from t0
+    attempts: list[tuple[float, int, str | None]] = field(default_factory=list)  # (start, status, code)
+    end: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1][1] == 200
+
+
+async def _naive_op(client: HttpClient, path: str, headers: dict, body: dict, t0: float) -> Operation:
+    op = Operation(start=time.monotonic() - t0)
+    for attempt in range(ATTEMPTS):
+        at = time.monotonic() - t0
+        try:
+            response = await client.post(path, body, headers, timeout=SCALE.real_s(120))
+            status, code = response.status, response.error_code
+        except TransportError:
+            status, code = 0, "transport"
+        op.attempts.append((at, status, code))
+        if status == 200:
+            break
+        if attempt < ATTEMPTS - 1:
+            await asyncio.sleep(SCALE.real_s(BACKOFF_S * 2 ** attempt))  # no jitter, Retry-After ignored
+    op.end = time.monotonic() - t0
+    return op
+
+
+async def _drive(base: str, sim_url: str, headers: dict, seed: int, total_sim: float, redis_client=None,
+                 pool_id: int | None = None) -> tuple[list[Operation], list[dict]]:
+    client = HttpClient(base, max_connections=512, timeout=600)
+    sim = HttpClient(sim_url, max_connections=2)
+    await sim.post("/admin/reset", {})  # the schedule (outage) counts from here
+    rng = random.Random(seed)
+    ops: list[Operation] = []
+    t0 = time.monotonic()
+
+    async def probe() -> dict:
+        stats = (await sim.get("/admin/stats")).json()
+        sample = {"sim_requests": stats["requests_total"], "sim_completed": stats["completed"],
+                  "sim_429": stats["rejected_429"], "sim_running": stats["running"], "sim_queued": stats["queued"]}
+        if pool_id is not None:  # Sluice's adaptive capacity factor (budgets.keys.pool_capacity)
+            capacity = redis_client.hgetall(f"sluice:{{pool:{pool_id}}}:capacity")
+            sample["capacity_factor"] = float(capacity.get("factor", 1.0)) if capacity else 1.0
+        return sample
+
+    sampler = Sampler(probe, 0.25, t0).start()
+
+    async def fire(i: int) -> None:
+        ops.append(await _naive_op(client, "/v1/chat/completions", headers, short_call(rng).body, t0))
+
+    await open_loop(SCALE.real_rate(OPS_PER_S), SCALE.real_s(total_sim), fire, poisson=True,
+                    rng=random.Random(seed + 7))
+    final = await probe()
+    samples = await sampler.stop()
+    samples.append({**final, "t": time.monotonic() - t0})
+    await client.aclose()
+    await sim.aclose()
+    return ops, samples
+
+
+def _run(services: Services, system: str, seed: int, total_sim: float) -> dict:
+    services.fresh_redis()
+    schedule = [{"at_s": OUTAGE_START, "outage_s": OUTAGE_S, "outage_status": 503}]
+    with Platform(services, f"{NAME}-{system}") as platform:
+        platform.start_sim(["--time-scale", str(SCALE.factor), "--seed", str(seed), *SIM_ARGS,
+                            "--schedule", json.dumps(schedule)])
+        headers: dict[str, str] = {}
+        base = platform.sim_url
+        pool_id = None
+        if system == "sluice":
+            pool = scaled_pool(scale=SCALE, slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1",
+                               provider_tpm=POOL_TPM, provider_rpm=POOL_RPM, headroom=0.9, burst_seconds=5.0)
+            app = scaled_workload(scale=SCALE, pool=pool, slug=f"{NAME}-app", workload_class="interactive",
+                                  reserved_tpm=100_000, ceiling_tpm=150_000, rpm=530, queue_timeout_s=30.0,
+                                  prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=64)
+            config_push(pool)
+            platform.start_sluice(lanes={"interactive": 32, "interactive-long": 2, "batch": 4, "scheduled": 1},
+                                  extra_env=time_scaled_env(SCALE.factor))
+            headers = {"Authorization": f"Bearer {app.api_key}"}
+            base = platform.sluice_url
+            pool_id = pool.id
+        log(f"{NAME}: naive clients {'through Sluice' if system == 'sluice' else 'straight to the pool'}")
+        ops, samples = asyncio.run(_drive(base, platform.sim_url, headers, seed, total_sim, services.redis, pool_id))
+        platform.assert_alive()
+    return {"ops": ops, "samples": samples}
+
+
+def _analyse_run(run: dict, total_sim: float) -> dict:
+    f = SCALE.factor
+    ops: list[Operation] = run["ops"]
+    samples = [s for s in run["samples"] if "error" not in s]
+    n = len(ops)
+    attempts = sum(len(op.attempts) for op in ops)
+    pool_requests = samples[-1]["sim_requests"] if samples else 0
+    failed = sum(not op.ok for op in ops)
+    outage_end = OUTAGE_START + OUTAGE_S
+    bins_t = [i * BIN_S for i in range(int(total_sim // BIN_S) + 1)]
+    started, succeeded, att = [0] * len(bins_t), [0] * len(bins_t), [0] * len(bins_t)
+    for op in ops:
+        i = int(op.start * f // BIN_S)
+        if 0 <= i < len(bins_t):
+            started[i] += 1
+            succeeded[i] += op.ok
+        for at, _, _ in op.attempts:
+            j = int(at * f // BIN_S)
+            if 0 <= j < len(bins_t):
+                att[j] += 1
+    # Pool arrivals per bin from the simulator's counter.
+    pool_bins = [0] * len(bins_t)
+    prev = 0
+    for s in samples:
+        j = int(s["t"] * f // BIN_S)
+        if 0 <= j < len(bins_t):
+            pool_bins[j] += max(0, s["sim_requests"] - prev)
+        prev = s["sim_requests"]
+    success = [succeeded[i] / started[i] if started[i] else None for i in range(len(bins_t))]
+    # Recovered: from the first bin after the outage whose operations, and
+    # those of every later full bin, succeed at >= 95%. None: not by the end.
+    full = [i for i, t in enumerate(bins_t) if t >= outage_end and t + BIN_S <= total_sim and success[i] is not None]
+    recover = None
+    for k, i in enumerate(full):
+        if all(success[j] >= 0.95 for j in full[k:]):
+            recover = bins_t[i] - outage_end
+            break
+    codes: dict[str, int] = {}
+    for op in ops:
+        for _, status, code in op.attempts:
+            if status != 200:
+                codes[code or f"http_{status}"] = codes.get(code or f"http_{status}", 0) + 1
+    during = [op for op in ops if OUTAGE_START <= op.start * f < outage_end]
+    return {
+        "ops": n, "attempts": attempts, "attempts_per_op": attempts / n if n else None,
+        "pool_requests": pool_requests, "pool_attempts_per_op": pool_requests / n if n else None,
+        "failed_ops": failed, "failed_fraction": failed / n if n else None,
+        "ops_during_outage": len(during),
+        "attempts_per_op_during_outage": (sum(len(op.attempts) for op in during) / len(during)) if during else None,
+        "time_to_recover_s": recover, "error_codes": codes,
+        "capacity_factor": [(round(s["t"] * f, 2), s["capacity_factor"]) for s in samples if "capacity_factor" in s],
+        "bins": {"t": bins_t, "ops_started": started, "ops_ok": succeeded, "client_attempts": att,
+                 "pool_requests": pool_bins, "success_rate": success},
+    }
+
+
+def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
+    own = services is None
+    services = services or Services().up()
+    total_sim = 170.0 if quick else 200.0
+    runs = {}
+    try:
+        for system in ("direct", "sluice"):
+            runs[system] = _analyse_run(_run(services, system, seed, total_sim), total_sim)
+            r = runs[system]
+            log(f"{NAME}: {system}: {r['attempts_per_op']:.2f} attempts/op, {r['pool_attempts_per_op']:.2f} pool "
+                f"attempts/op, {r['failed_fraction']:.1%} ops failed, recovered after {r['time_to_recover_s']} s")
+    finally:
+        if own:
+            services.down()
+    data = {"scenario": NAME, "seed": seed, "quick": quick, "time_scale": SCALE.factor, "sim_args": SIM_ARGS,
+            "ops_per_s": OPS_PER_S, "attempts": ATTEMPTS, "backoff_s": BACKOFF_S,
+            "outage": [OUTAGE_START, OUTAGE_START + OUTAGE_S], "total_sim_s": total_sim, "bin_s": BIN_S,
+            "clock": "simulated seconds", "runs": runs}
+    write_result(NAME, data)
+    return data
+
+
+def summarize(data: dict) -> str:
+    d, s = data["runs"]["direct"], data["runs"]["sluice"]
+    target_ok = s["pool_attempts_per_op"] is not None and s["pool_attempts_per_op"] <= 1.1
+    rows = []
+    for label, r in (("naive clients → pool", d), ("naive clients → Sluice → pool", s)):
+        rows.append([label, r["ops"], fmt(r["attempts_per_op"], 2), f"**{fmt(r['pool_attempts_per_op'], 2)}**",
+                     fmt(r["attempts_per_op_during_outage"], 2), f"{r['failed_fraction']:.1%}",
+                     (fmt(r["time_to_recover_s"], 0) + " s") if r["time_to_recover_s"] is not None
+                     else "not by the end of the run"])
+    start, end = data["outage"]
+    lines = [
+        f"Operations arrive at {data['ops_per_s']:g}/s (Poisson) for {data['total_sim_s']:.0f} s; the provider "
+        f"(`{' '.join(data['sim_args'])}`) answers 503 to everything from {start:.0f} s to {end:.0f} s. Naive "
+        f"client: {data['attempts']} attempts, backoff {data['backoff_s']:g} s x 2^n without jitter, Retry-After "
+        f"ignored. Time scale {data['time_scale']:g}; simulated time.",
+        "",
+        md_table(["path", "operations", "client attempts/op", "pool attempts/op", "client attempts/op (outage)",
+                  "failed ops", "time to recover"], rows),
+        "",
+        md_table(["check", "value", "target"], [
+            ["pool attempts per operation through Sluice", f"**{fmt(s['pool_attempts_per_op'], 2)}**",
+             f"≤ 1.1: {'met' if target_ok else 'missed'}"],
+            ["pool attempts per operation, direct", fmt(d["pool_attempts_per_op"], 2), ""],
+            ["reduction in load on the pool (direct / Sluice)",
+             fmt(ratio(d["pool_requests"], s["pool_requests"]), 2), ""],
+        ]),
+        "",
+        f"Error codes seen by the clients: direct {d['error_codes']}; through Sluice {s['error_codes']}.",
+    ]
+    return "\n".join(lines)
+
+
+def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
+    from .plots import timeseries
+
+    start, end = data["outage"]
+    names = []
+    lines = {}
+    for label, key in (("direct", "direct"), ("through Sluice", "sluice")):
+        b = data["runs"][key]["bins"]
+        per_s = [v / data["bin_s"] for v in b["pool_requests"]]
+        lines[f"{label}: requests reaching the pool /s"] = (b["t"], per_s)
+        lines[f"{label}: client attempts /s"] = (b["t"], [v / data["bin_s"] for v in b["client_attempts"]])
+    path = plots_dir / "retry_storm_attempts.png"
+    timeseries(lines, path, title="Retry storm: attempts per simulated second", xlabel="simulated s",
+               ylabel="attempts / s", step=True, hlines={"user operations /s": data["ops_per_s"]},
+               spans=[(start, end, "outage")])
+    names.append(path.name)
+    lines = {}
+    for label, key in (("direct", "direct"), ("through Sluice", "sluice")):
+        b = data["runs"][key]["bins"]
+        pts = [(t, s) for t, s in zip(b["t"], b["success_rate"]) if s is not None]
+        lines[label] = ([p[0] for p in pts], [p[1] for p in pts])
+    cap = data["runs"]["sluice"].get("capacity_factor") or []
+    if cap:
+        lines["Sluice adaptive capacity factor"] = ([c[0] for c in cap], [c[1] for c in cap])
+    path = plots_dir / "retry_storm_success.png"
+    timeseries(lines, path, title="Retry storm: operations that succeed (by start time)",
+               xlabel="simulated s", ylabel="success rate / capacity factor", step=True, spans=[(start, end, "outage")])
+    names.append(path.name)
+    return names
+
+
+if __name__ == "__main__":
+    run_standalone(NAME, main, summarize, plot, __doc__.split("\n")[0])

@@ -1,0 +1,98 @@
+"""Seed a scenario's pool, tenant, workloads and reservations straight through
+Django's models and services (no `manage.py shell`). Needs django.setup()
+(bench.platform.Services.up does it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+
+@dataclass(frozen=True)
+class Seeded:
+    workload_id: int
+    slug: str
+    api_key: str
+    reserved_tpm: int
+    ceiling_tpm: int
+    rpm: int
+
+
+def pool_create(*, slug: str, base_url: str, provider_tpm: int, provider_rpm: int, headroom: float = 0.8,
+                burst_seconds: float = 15.0, max_concurrency: int = 1024):
+    from budgets.models import InferencePool, ModelPrice
+    from django.utils import timezone
+
+    pool = InferencePool(name=slug, slug=slug, base_url=base_url, served_models=["sim-small", "sim-large"],
+                         provider_tpm=provider_tpm, provider_rpm=provider_rpm, headroom=headroom,
+                         burst_seconds=burst_seconds, max_concurrency=max_concurrency)
+    pool.full_clean()
+    pool.save()
+    for model, price_in, price_out in (("sim-small", "0.15", "0.60"), ("sim-large", "2.50", "10.00")):
+        ModelPrice.objects.get_or_create(
+            model=model, effective_from=timezone.make_aware(timezone.datetime(2026, 1, 1)),
+            defaults={"input_per_million": Decimal(price_in), "output_per_million": Decimal(price_out)})
+    return pool
+
+
+def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, ceiling_tpm: int, rpm: int,
+                    lend_fraction: float = 0.0, prompt_tokens_cap: int = 8_000, max_tokens_cap: int = 1_024,
+                    max_tokens_default: int = 256, queue_timeout_s: float = 10.0, max_concurrency: int = 0) -> Seeded:
+    from budgets.models import Reservation
+    from tenants.models import Tenant, Workload
+    from tenants.services import api_key_create
+
+    tenant, _ = Tenant.objects.get_or_create(slug=f"{pool.slug}-tenant",
+                                             defaults={"name": f"{pool.slug} tenant", "cost_center": "BENCH"})
+    workload = Workload(tenant=tenant, name=slug, slug=slug, workload_class=workload_class,
+                        prompt_tokens_cap=prompt_tokens_cap, max_tokens_cap=max_tokens_cap,
+                        max_tokens_default=max_tokens_default, queue_timeout_s=queue_timeout_s)
+    workload.full_clean()
+    workload.save()
+    reservation = Reservation(workload=workload, pool=pool, reserved_tpm=reserved_tpm, ceiling_tpm=ceiling_tpm,
+                              lend_fraction=lend_fraction, rpm=rpm, max_concurrency=max_concurrency)
+    reservation.full_clean()
+    reservation.save()
+    key = api_key_create(workload=workload, name="bench")
+    return Seeded(workload_id=workload.id, slug=slug, api_key=key.raw_key, reserved_tpm=reserved_tpm,
+                  ceiling_tpm=ceiling_tpm, rpm=rpm)
+
+
+def config_push(pool) -> None:
+    from budgets.services import pool_config_push
+
+    pool_config_push(pool=pool)
+
+
+def ledger_rows(*, pool_id: int) -> list[dict]:
+    """Every ledger row of the pool, oldest first (admission time)."""
+    from budgets.models import UsageRecord
+
+    rows = UsageRecord.objects.filter(pool_id=pool_id).order_by("created_at").values(
+        "request_id", "created_at", "workload_id", "lane", "status", "borrowed", "estimated_input_tokens",
+        "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "queue_wait_ms", "upstream_ms",
+        "total_ms", "attempts", "error")
+    return [{**row, "created_at": row["created_at"].timestamp()} for row in rows]
+
+
+def scaled_pool(*, scale, slug: str, base_url: str, provider_tpm: int, provider_rpm: int, headroom: float = 0.8,
+                burst_seconds: float = 15.0, max_concurrency: int = 1024):
+    """A pool whose limits are given per *simulated* minute and burst in
+    simulated seconds: the gateway's buckets run on the wall clock, so rates
+    are multiplied and durations divided by the time scale."""
+    return pool_create(slug=slug, base_url=base_url, provider_tpm=round(scale.real_rate(provider_tpm)),
+                       provider_rpm=round(scale.real_rate(provider_rpm)), headroom=headroom,
+                       burst_seconds=scale.real_s(burst_seconds), max_concurrency=max_concurrency)
+
+
+def scaled_workload(*, scale, pool, slug: str, workload_class: str, reserved_tpm: int, ceiling_tpm: int, rpm: int,
+                    queue_timeout_s: float, **caps) -> Seeded:
+    """A workload whose TPM/RPM are per simulated minute and queue timeout in
+    simulated seconds (see scaled_pool). The returned Seeded keeps the
+    simulated-time numbers."""
+    seeded = workload_create(pool=pool, slug=slug, workload_class=workload_class,
+                             reserved_tpm=round(scale.real_rate(reserved_tpm)),
+                             ceiling_tpm=round(scale.real_rate(ceiling_tpm)), rpm=round(scale.real_rate(rpm)),
+                             queue_timeout_s=scale.real_s(queue_timeout_s), **caps)
+    return Seeded(workload_id=seeded.workload_id, slug=slug, api_key=seeded.api_key, reserved_tpm=reserved_tpm,
+                  ceiling_tpm=ceiling_tpm, rpm=rpm)

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from tenants.models import Workload
+
+from ..models import InferencePool, Reservation
+from ..models_requests import BudgetRequest, BudgetRequestEvent
+from ..selectors_usage import GROUPS
+
+
+class ReservationSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = Reservation
+        fields = ["pool", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency", "updated_at"]
+
+
+class WorkloadSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    reservation = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Workload
+        fields = ["id", "tenant", "slug", "name", "workload_class", "prompt_tokens_cap", "max_tokens_cap",
+                  "max_tokens_default", "queue_timeout_s", "is_active", "reservation"]
+
+    def get_reservation(self, workload) -> dict | None:
+        reservation = getattr(workload, "reservation", None)
+        return ReservationSerializer(reservation).data if reservation else None
+
+
+class HeadroomSerializer(serializers.Serializer):
+    admission_tpm = serializers.IntegerField()
+    admission_rpm = serializers.IntegerField()
+    reserved_tpm = serializers.IntegerField()
+    reserved_rpm = serializers.IntegerField()
+    free_tpm = serializers.IntegerField()
+    free_rpm = serializers.IntegerField()
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    admission = serializers.SerializerMethodField(help_text="Admission budget, reserved and free capacity.")
+
+    class Meta:
+        model = InferencePool
+        fields = ["id", "slug", "name", "served_models", "provider_tpm", "provider_rpm", "provider_input_tpm",
+                  "provider_output_tpm", "headroom", "burst_seconds", "max_concurrency", "is_active", "admission"]
+
+    def get_admission(self, pool) -> dict:
+        return HeadroomSerializer(self.context["headroom"][pool.id]).data
+
+
+class PoolReservationSerializer(serializers.ModelSerializer):
+    workload = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant = serializers.CharField(source="workload.tenant.slug", read_only=True)
+
+    class Meta:
+        model = Reservation
+        fields = ["workload", "tenant", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm"]
+
+
+class BudgetRequestEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = BudgetRequestEvent
+        fields = ["action", "actor_name", "comment", "details", "created_at"]
+
+
+class BudgetRequestSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    workload = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    requested_by = serializers.CharField(source="requested_by.username", read_only=True)
+    decided_by = serializers.CharField(source="decided_by.username", read_only=True, default=None)
+    history = BudgetRequestEventSerializer(source="events", many=True, read_only=True)
+
+    class Meta:
+        model = BudgetRequest
+        fields = ["id", "tenant", "pool", "workload", "new_workload_name", "new_workload_class", "reserved_tpm",
+                  "ceiling_tpm", "rpm", "lend_fraction", "monthly_spend_budget", "spend_soft_threshold",
+                  "spend_hard_cap", "justification", "ends_on", "status", "requested_by", "created_at",
+                  "decided_by", "decided_at", "decision_comment", "history"]
+
+
+class BudgetRequestCreateSerializer(serializers.Serializer):
+    tenant = serializers.SlugField()
+    pool = serializers.SlugField()
+    workload_id = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    new_workload_name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    new_workload_class = serializers.ChoiceField(choices=Workload.WorkloadClass.choices, required=False,
+                                                 allow_blank=True, default="")
+    reserved_tpm = serializers.IntegerField(min_value=1, max_value=2_000_000_000)
+    ceiling_tpm = serializers.IntegerField(min_value=1, max_value=2_000_000_000)
+    rpm = serializers.IntegerField(min_value=1, max_value=2_000_000_000)
+    lend_fraction = serializers.FloatField(min_value=0.0, max_value=1.0, default=0.0)
+    justification = serializers.CharField(max_length=5000)
+    ends_on = serializers.DateField(required=False, allow_null=True)
+    monthly_spend_budget = serializers.DecimalField(max_digits=18, decimal_places=6, min_value=Decimal("0.000001"),
+                                                    required=False, allow_null=True)
+    spend_soft_threshold = serializers.FloatField(min_value=0.01, max_value=1.0, default=0.8)
+    spend_hard_cap = serializers.BooleanField(default=False)
+
+    def validate(self, data):
+        if data["ceiling_tpm"] < data["reserved_tpm"]:
+            raise serializers.ValidationError({"ceiling_tpm": ["The ceiling must be at least the reserved rate."]})
+        if not data.get("workload_id") and not (data.get("new_workload_name") or "").strip():
+            raise serializers.ValidationError({"workload_id": ["Give a workload id or a new workload name."]})
+        if data.get("ends_on") and data["ends_on"] <= timezone.now().date():
+            raise serializers.ValidationError({"ends_on": ["The end date must be in the future."]})
+        return data
+
+
+class BudgetRequestQuerySerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=BudgetRequest.Status.choices, required=False)
+    tenant = serializers.SlugField(required=False)
+
+
+class DecisionSerializer(serializers.Serializer):
+    comment = serializers.CharField(max_length=5000, required=False, allow_blank=True, default="")
+
+
+class UsageQuerySerializer(serializers.Serializer):
+    start = serializers.DateField()
+    end = serializers.DateField()
+    group_by = serializers.MultipleChoiceField(choices=GROUPS, required=False)
+    tenant = serializers.SlugField(required=False)
+    cost_center = serializers.CharField(required=False, max_length=100)
+    workload = serializers.SlugField(required=False)
+    model = serializers.CharField(required=False, max_length=200)
+    pool = serializers.SlugField(required=False)
+
+    MAX_DAYS = 400
+
+    def validate(self, data):
+        if data["end"] < data["start"]:
+            raise serializers.ValidationError({"end": ["The end date is before the start date."]})
+        if (data["end"] - data["start"]).days > self.MAX_DAYS:
+            raise serializers.ValidationError({"start": [f"Choose at most {self.MAX_DAYS} days."]})
+        return data
+
+
+class UsageRowSerializer(serializers.Serializer):
+    key = serializers.DictField()
+    label = serializers.CharField()
+    requests = serializers.IntegerField()
+    ok_requests = serializers.IntegerField()
+    estimated_input_tokens = serializers.IntegerField()
+    estimated_output_tokens = serializers.IntegerField()
+    actual_input_tokens = serializers.IntegerField()
+    actual_output_tokens = serializers.IntegerField()
+    cost = serializers.DecimalField(max_digits=24, decimal_places=8)
+
+
+class UsageSummarySerializer(serializers.Serializer):
+    group_by = serializers.ListField(child=serializers.CharField())
+    rows = UsageRowSerializer(many=True)
+    total = UsageRowSerializer()
+
+
+class SpendStatusSerializer(serializers.Serializer):
+    id = serializers.IntegerField(source="budget.id")
+    tenant = serializers.SerializerMethodField()
+    workload = serializers.SerializerMethodField()
+    monthly_amount = serializers.DecimalField(source="budget.monthly_amount", max_digits=18, decimal_places=6)
+    currency = serializers.CharField(source="budget.currency")
+    soft_threshold = serializers.FloatField(source="budget.soft_threshold")
+    hard_cap = serializers.BooleanField(source="budget.hard_cap")
+    month_to_date = serializers.DecimalField(max_digits=18, decimal_places=6)
+    projected_month_end = serializers.DecimalField(source="projected", max_digits=18, decimal_places=6)
+    state = serializers.CharField()
+
+    def get_tenant(self, status) -> str:
+        budget = status.budget
+        return budget.tenant.slug if budget.tenant_id else budget.workload.tenant.slug
+
+    def get_workload(self, status) -> str | None:
+        return status.budget.workload.slug if status.budget.workload_id else None
+
+
+class SpendBudgetWriteSerializer(serializers.Serializer):
+    tenant = serializers.SlugField(required=False)
+    workload_id = serializers.IntegerField(required=False, min_value=1)
+    monthly_amount = serializers.DecimalField(max_digits=18, decimal_places=6, min_value=Decimal("0.000001"))
+    soft_threshold = serializers.FloatField(min_value=0.01, max_value=1.0, default=0.8)
+    hard_cap = serializers.BooleanField(default=False)
+
+    def validate(self, data):
+        if bool(data.get("tenant")) == bool(data.get("workload_id")):
+            raise serializers.ValidationError({"non_field_errors": ["Give exactly one of tenant or workload_id."]})
+        return data

@@ -1,0 +1,74 @@
+"""On PostgreSQL, keep budget-request history honest below the ORM: events
+are append-only, a request's contents never change, a decision is final
+(pending -> approved/rejected, approved -> expired), and nothing is deleted."""
+
+from django.db import migrations
+
+CREATE = """
+CREATE OR REPLACE FUNCTION sluice_request_event_append_only() RETURNS trigger AS $$
+BEGIN
+    RAISE EXCEPTION 'budgets_budgetrequestevent is append-only: %% refused', TG_OP;
+END;
+$$ LANGUAGE plpgsql;
+DROP TRIGGER IF EXISTS sluice_request_event_append_only ON budgets_budgetrequestevent;
+CREATE TRIGGER sluice_request_event_append_only
+    BEFORE UPDATE OR DELETE ON budgets_budgetrequestevent
+    FOR EACH ROW EXECUTE FUNCTION sluice_request_event_append_only();
+
+CREATE OR REPLACE FUNCTION sluice_budget_request_guard() RETURNS trigger AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'budgets_budgetrequest is audit history: DELETE refused';
+    END IF;
+    IF (NEW.tenant_id, NEW.requested_by_id, NEW.pool_id, NEW.new_workload_name, NEW.new_workload_class,
+        NEW.reserved_tpm, NEW.ceiling_tpm, NEW.rpm, NEW.lend_fraction, NEW.monthly_spend_budget,
+        NEW.spend_soft_threshold, NEW.spend_hard_cap, NEW.justification, NEW.ends_on, NEW.created_at)
+       IS DISTINCT FROM
+       (OLD.tenant_id, OLD.requested_by_id, OLD.pool_id, OLD.new_workload_name, OLD.new_workload_class,
+        OLD.reserved_tpm, OLD.ceiling_tpm, OLD.rpm, OLD.lend_fraction, OLD.monthly_spend_budget,
+        OLD.spend_soft_threshold, OLD.spend_hard_cap, OLD.justification, OLD.ends_on, OLD.created_at) THEN
+        RAISE EXCEPTION 'budgets_budgetrequest: what was requested cannot change';
+    END IF;
+    IF OLD.workload_id IS NOT NULL AND NEW.workload_id IS DISTINCT FROM OLD.workload_id THEN
+        RAISE EXCEPTION 'budgets_budgetrequest: the workload cannot change once set';
+    END IF;
+    IF NOT ((OLD.status = NEW.status)
+            OR (OLD.status = 'pending' AND NEW.status IN ('approved', 'rejected'))
+            OR (OLD.status = 'approved' AND NEW.status = 'expired')) THEN
+        RAISE EXCEPTION 'budgets_budgetrequest: %% -> %% refused', OLD.status, NEW.status;
+    END IF;
+    IF OLD.decided_at IS NOT NULL
+       AND (NEW.decided_by_id, NEW.decided_at, NEW.decision_comment)
+           IS DISTINCT FROM (OLD.decided_by_id, OLD.decided_at, OLD.decision_comment) THEN
+        RAISE EXCEPTION 'budgets_budgetrequest: a decision cannot be rewritten';
+    END IF;
+    RETURN NEW;
+END;
+$$ LANGUAGE plpgsql;
+DROP TRIGGER IF EXISTS sluice_budget_request_guard ON budgets_budgetrequest;
+CREATE TRIGGER sluice_budget_request_guard
+    BEFORE UPDATE OR DELETE ON budgets_budgetrequest
+    FOR EACH ROW EXECUTE FUNCTION sluice_budget_request_guard();
+"""
+
+DROP = """
+DROP TRIGGER IF EXISTS sluice_request_event_append_only ON budgets_budgetrequestevent;
+DROP FUNCTION IF EXISTS sluice_request_event_append_only();
+DROP TRIGGER IF EXISTS sluice_budget_request_guard ON budgets_budgetrequest;
+DROP FUNCTION IF EXISTS sluice_budget_request_guard();
+"""
+
+
+def forwards(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(CREATE)
+
+
+def backwards(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(DROP)
+
+
+class Migration(migrations.Migration):
+    dependencies = [("budgets", "0003_ui_requests_spend_rollups")]
+    operations = [migrations.RunPython(forwards, backwards)]

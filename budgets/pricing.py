@@ -1,0 +1,40 @@
+"""What tokens cost, in micro-units of the price table's currency (currency x
+1,000,000) so Redis can add them up exactly as integers. A price per million
+tokens times a token count *is* a micro-unit amount."""
+
+from __future__ import annotations
+
+import calendar
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone as dt_timezone
+from decimal import ROUND_HALF_UP, Decimal
+
+from . import keys
+from .ledger import price_in_force
+
+
+@dataclass(frozen=True)
+class TokenPrice:
+    input_per_million: Decimal
+    output_per_million: Decimal
+
+    def cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
+        amount = self.input_per_million * input_tokens + self.output_per_million * output_tokens
+        return int(amount.to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def prices_in_force(*, models, at: datetime) -> dict[str, TokenPrice]:
+    prices = {}
+    for model in models:
+        price = price_in_force(model=model, at=at)
+        if price is not None:
+            prices[model] = TokenPrice(price.input_per_million, price.output_per_million)
+    return prices
+
+
+def spend_month(*, pool_id: int, at_ms: float) -> tuple[str, float]:
+    """The month-to-date spend hash for a moment, and when that month ends (ms)."""
+    at = datetime.fromtimestamp(at_ms / 1000, tz=dt_timezone.utc)
+    start = at.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = start + timedelta(days=calendar.monthrange(at.year, at.month)[1])
+    return keys.spend_month(pool_id, f"{at:%Y-%m}"), end.timestamp() * 1000

@@ -1,0 +1,251 @@
+"""Rejections counted in Redis per minute, flushed to the database in batches.
+
+A storm of 429s must not become a storm of database writes (DESIGN.md,
+Ledger). The gateway's rejection path calls ``rejection_count`` (or its async
+twin): one Lua call that increments the minute's counter for the workload and
+reason, and keeps the first few rejections of each minute as detailed
+samples. A beat task (``budgets.flush_rejections``) moves closed minutes into
+``RejectionStat`` / ``RejectionSample`` with a couple of bulk statements.
+
+Exact and idempotent: the flush writes each minute's *total* (an upsert that
+sets the count), then takes the minute off the pending list only if its total
+did not move meanwhile (``rejection_ack.lua``). A late rejection for a flushed
+minute puts it back on the list; the hash is still there (kept for
+``MINUTE_TTL_S``), so the next flush rewrites the full count. A flush that dies
+half-way is simply run again."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from . import keys
+from .redis_client import get_async_redis, get_redis, lua_script
+
+logger = logging.getLogger(__name__)
+
+_COUNT_SRC = importlib.resources.files(__package__).joinpath("rejection_count.lua").read_text()
+_ACK_SRC = importlib.resources.files(__package__).joinpath("rejection_ack.lua").read_text()
+
+# Minutes stay in Redis this long after their last rejection: long enough for
+# the flush to catch up after an outage, short enough to bound memory.
+MINUTE_TTL_S = 6 * 3600
+# A minute is flushed once it ended this long ago (late arrivals after that
+# are still counted exactly, they just cost another flush).
+FLUSH_GRACE_S = 5
+NO_POOL = 0
+
+
+def _minute_epoch(now_s: float) -> int:
+    return int(now_s // 60) * 60
+
+
+def _count_call(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str, estimated_tokens: int,
+                retry_after_ms: int | None, now_s: float) -> tuple[list[str], list]:
+    pool = pool_id or NO_POOL
+    minute = _minute_epoch(now_s)
+    sample = json.dumps({
+        "id": uuid.uuid4().hex, "at": round(now_s, 3), "wid": workload_id, "tid": tenant_id, "pid": pool,
+        "reason": reason, "tokens": max(0, int(estimated_tokens or 0)),
+        "retry_after_ms": None if retry_after_ms is None else max(0, int(retry_after_ms)),
+    }, separators=(",", ":"))
+    call_keys = [
+        keys.rejection_minute_counts(pool, minute),
+        keys.rejection_minute_samples(pool, minute),
+        keys.rejection_pending_minutes(pool),
+    ]
+    args = [f"{workload_id}|{tenant_id}|{reason}", minute, settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE, MINUTE_TTL_S,
+            sample]
+    return call_keys, args
+
+
+def rejection_count(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str, estimated_tokens: int,
+                    retry_after_ms: int | None) -> None:
+    """Count one rejection (one Redis round trip). Never raises: losing a
+    counter is better than failing the rejected caller's response."""
+    try:
+        call_keys, args = _count_call(pool_id=pool_id, workload_id=workload_id, tenant_id=tenant_id, reason=reason,
+                                      estimated_tokens=estimated_tokens, retry_after_ms=retry_after_ms,
+                                      now_s=time.time())
+        client = get_redis()
+        lua_script(client, _COUNT_SRC)(keys=call_keys, args=args)
+    except Exception:  # noqa: BLE001 - by contract
+        logger.warning("could not count a %s rejection of workload %s", reason, workload_id, exc_info=True)
+
+
+async def rejection_count_async(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str,
+                                estimated_tokens: int, retry_after_ms: int | None) -> None:
+    """``rejection_count`` for the async gateway views."""
+    try:
+        call_keys, args = _count_call(pool_id=pool_id, workload_id=workload_id, tenant_id=tenant_id, reason=reason,
+                                      estimated_tokens=estimated_tokens, retry_after_ms=retry_after_ms,
+                                      now_s=time.time())
+        client = get_async_redis()
+        await lua_script(client, _COUNT_SRC)(keys=call_keys, args=args)
+    except Exception:  # noqa: BLE001 - by contract
+        logger.warning("could not count a %s rejection of workload %s", reason, workload_id, exc_info=True)
+
+
+# --- flush ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    minutes: int
+    stats: int
+    samples: int
+    pending: int  # minutes left pending (a rejection arrived during the flush)
+
+
+def _known_pool_ids() -> list[int]:
+    from .models import InferencePool
+
+    return [NO_POOL, *InferencePool.objects.values_list("id", flat=True)]
+
+
+def _parse_field(field: str) -> tuple[int, int, str] | None:
+    try:
+        wid, tid, reason = field.split("|", 2)
+        return int(wid), int(tid), reason
+    except ValueError:
+        return None
+
+
+def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> FlushResult:
+    """Move closed minutes of every pool from Redis into the database."""
+    from .models import RejectionSample, RejectionStat
+    from tenants.models import Workload
+
+    client = get_redis()
+    now_s = time.time() if now_s is None else now_s
+    due_before = _minute_epoch(now_s) - FLUSH_GRACE_S - 60  # the minute has ended, plus grace
+    minutes_done = stats_written = samples_written = still_pending = 0
+    for pool_id in _known_pool_ids():
+        pending_key = keys.rejection_pending_minutes(pool_id)
+        minutes = [int(float(m)) for m in client.zrangebyscore(pending_key, "-inf", due_before, start=0, num=max_minutes)]
+        if not minutes:
+            continue
+        pipe = client.pipeline(transaction=False)
+        for minute in minutes:
+            pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
+            pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
+        replies = pipe.execute()
+        counts_by_minute = {m: replies[2 * i] for i, m in enumerate(minutes)}
+        samples_by_minute = {m: replies[2 * i + 1] for i, m in enumerate(minutes)}
+
+        workload_ids = set()
+        for counts in counts_by_minute.values():
+            for field in counts:
+                parsed = _parse_field(field)
+                if parsed:
+                    workload_ids.add(parsed[0])
+        # Rejections of workloads deleted since are dropped (nothing to show them on).
+        existing = set(Workload.objects.filter(pk__in=workload_ids).values_list("id", flat=True))
+        db_pool_id = pool_id or None
+        stats: list[RejectionStat] = []
+        samples: list[RejectionSample] = []
+        for minute, counts in counts_by_minute.items():
+            at = datetime.fromtimestamp(minute, tz=dt_timezone.utc)
+            for field, count in counts.items():
+                parsed = _parse_field(field)
+                if parsed is None or parsed[0] not in existing:
+                    continue
+                wid, tid, reason = parsed
+                stats.append(RejectionStat(minute=at, tenant_id=tid, workload_id=wid, pool_id=db_pool_id,
+                                           reason=reason, count=int(count)))
+            for raw in samples_by_minute[minute]:
+                try:
+                    data = json.loads(raw)
+                except ValueError:
+                    continue
+                if data.get("wid") not in existing:
+                    continue
+                samples.append(RejectionSample(
+                    sample_id=data["id"], at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
+                    tenant_id=data["tid"], workload_id=data["wid"], pool_id=db_pool_id, reason=data["reason"][:64],
+                    estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
+                ))
+        with transaction.atomic():
+            if stats:
+                RejectionStat.objects.bulk_create(
+                    stats, batch_size=1000, update_conflicts=True,
+                    unique_fields=["minute", "pool", "workload", "reason"], update_fields=["count"],
+                )
+            if samples:
+                RejectionSample.objects.bulk_create(samples, batch_size=1000, ignore_conflicts=True)
+        ack = lua_script(client, _ACK_SRC)
+        for minute, counts in counts_by_minute.items():
+            acked = ack(keys=[keys.rejection_minute_counts(pool_id, minute), pending_key],
+                        args=[minute, counts.get("_n", "0")])
+            if int(acked) != 1:
+                still_pending += 1
+        minutes_done += len(minutes)
+        stats_written += len(stats)
+        samples_written += len(samples)
+    return FlushResult(minutes=minutes_done, stats=stats_written, samples=samples_written, pending=still_pending)
+
+
+def rejection_samples_prune(*, now=None) -> int:
+    """Drop detailed samples older than the retention (counts are kept)."""
+    from .models import RejectionSample
+
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.SLUICE_REJECTION_SAMPLE_RETENTION_DAYS)
+    deleted, _ = RejectionSample.objects.filter(at__lt=cutoff).delete()
+    return deleted
+
+
+# --- reading the minutes not yet flushed (live pages) -----------------------------------
+
+
+@dataclass(frozen=True)
+class PendingRejections:
+    counts: dict[tuple[datetime, int, str], int]  # (minute, workload id, reason) -> count
+    samples: list[dict]
+
+
+def rejections_pending(*, pool_ids: list[int], since: datetime, workload_ids: set[int] | None = None) -> PendingRejections:
+    """Counts and samples still in Redis for minutes from ``since`` on. Pages
+    merge them over the flushed rows so the last minute shows at once."""
+    counts: dict[tuple[datetime, int, str], int] = defaultdict(int)
+    samples: list[dict] = []
+    try:
+        client = get_redis()
+        since_s = _minute_epoch(since.timestamp())
+        for pool_id in pool_ids:
+            minutes = [int(float(m)) for m in client.zrangebyscore(keys.rejection_pending_minutes(pool_id), since_s, "+inf")]
+            if not minutes:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for minute in minutes:
+                pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
+                pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
+            replies = pipe.execute()
+            for i, minute in enumerate(minutes):
+                at = datetime.fromtimestamp(minute, tz=dt_timezone.utc)
+                for field, count in replies[2 * i].items():
+                    parsed = _parse_field(field)
+                    if parsed is None or (workload_ids is not None and parsed[0] not in workload_ids):
+                        continue
+                    counts[(at, parsed[0], parsed[2])] = int(count)
+                for raw in replies[2 * i + 1]:
+                    try:
+                        data = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if workload_ids is not None and data.get("wid") not in workload_ids:
+                        continue
+                    samples.append(data)
+    except Exception:  # noqa: BLE001 - a page shows flushed data when Redis is away
+        logger.warning("could not read pending rejections", exc_info=True)
+    return PendingRejections(counts=dict(counts), samples=samples)

@@ -1,0 +1,34 @@
+"""The management API (/api/*): DRF views of tenants and budgets, token
+authentication, the OpenAPI schema and its browsable docs."""
+
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework.authtoken.views import ObtainAuthToken
+
+from budgets.api import views as budgets_api
+from tenants import api as tenants_api
+
+urlpatterns = [
+    path("auth/token/", ObtainAuthToken.as_view(), name="api-token"),
+    path("tenants/", tenants_api.TenantList.as_view(), name="api-tenant-list"),
+    path("tenants/<slug:slug>/", tenants_api.TenantDetail.as_view(), name="api-tenant-detail"),
+    path("tenants/<slug:slug>/keys/", tenants_api.ApiKeyList.as_view(), name="api-key-list"),
+    path("tenants/<slug:slug>/keys/<int:key_id>/revoke/", tenants_api.ApiKeyRevoke.as_view(), name="api-key-revoke"),
+    path("tenants/<slug:slug>/workloads/", budgets_api.WorkloadList.as_view(), name="api-workload-list"),
+    path("tenants/<slug:slug>/workloads/<int:workload_id>/", budgets_api.WorkloadDetail.as_view(),
+         name="api-workload-detail"),
+    path("pools/", budgets_api.PoolList.as_view(), name="api-pool-list"),
+    path("pools/<slug:slug>/", budgets_api.PoolDetail.as_view(), name="api-pool-detail"),
+    path("budget-requests/", budgets_api.BudgetRequestList.as_view(), name="api-budget-request-list"),
+    path("budget-requests/<int:request_id>/", budgets_api.BudgetRequestDetail.as_view(),
+         name="api-budget-request-detail"),
+    path("budget-requests/<int:request_id>/approve/", budgets_api.BudgetRequestDecision.as_view(decision="approve"),
+         name="api-budget-request-approve"),
+    path("budget-requests/<int:request_id>/reject/", budgets_api.BudgetRequestDecision.as_view(decision="reject"),
+         name="api-budget-request-reject"),
+    path("spend-budgets/", budgets_api.SpendBudgetList.as_view(), name="api-spend-budget-list"),
+    path("usage/summary/", budgets_api.UsageSummaryView.as_view(), name="api-usage-summary"),
+    path("ledger/export/", budgets_api.LedgerExportView.as_view(), name="api-ledger-export"),
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+]

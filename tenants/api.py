@@ -1,0 +1,107 @@
+"""Management API for tenants and their API keys."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from .access import api_key_of_tenant, api_keys_of_tenant, tenant_for_user, tenant_for_writer, tenants_for_user, workload_of_tenant
+from .api_permissions import ReadOnlyForFinance
+from .models import ApiKey, Tenant, Workload
+from .services import api_key_create, api_key_revoke
+
+
+class TenantSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Tenant
+        fields = ["id", "slug", "name", "cost_center", "created_at"]
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    workload = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    is_active = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = ApiKey
+        fields = ["id", "workload", "name", "prefix", "created_at", "revoked_at", "last_used_at", "is_active"]
+
+
+class ApiKeyCreateSerializer(serializers.Serializer):
+    workload_id = serializers.IntegerField(min_value=1)
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="The full key. Shown once; store it now.")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+def readable_tenant(request, slug: str) -> Tenant:
+    try:
+        return tenant_for_user(user=request.user, slug=slug)
+    except Tenant.DoesNotExist:
+        raise NotFound()
+
+
+def writable_tenant(request, slug: str) -> Tenant:
+    try:
+        return tenant_for_writer(user=request.user, slug=slug)
+    except Tenant.DoesNotExist:
+        raise NotFound()
+
+
+class TenantList(APIView):
+    @extend_schema(responses=TenantSerializer(many=True), summary="Tenants you can see")
+    def get(self, request):
+        return Response(TenantSerializer(tenants_for_user(user=request.user).order_by("slug"), many=True).data)
+
+
+class TenantDetail(APIView):
+    @extend_schema(responses=TenantSerializer)
+    def get(self, request, slug: str):
+        return Response(TenantSerializer(readable_tenant(request, slug)).data)
+
+
+class ApiKeyList(APIView):
+    permission_classes = [IsAuthenticated, ReadOnlyForFinance]
+
+    @extend_schema(responses=ApiKeySerializer(many=True), summary="The tenant's API keys (prefixes only)")
+    def get(self, request, slug: str):
+        tenant = readable_tenant(request, slug)
+        return Response(ApiKeySerializer(api_keys_of_tenant(tenant=tenant), many=True).data)
+
+    @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer},
+                   summary="Create an API key (the full key is in this response only)")
+    def post(self, request, slug: str):
+        tenant = writable_tenant(request, slug)
+        payload = ApiKeyCreateSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        try:
+            workload = workload_of_tenant(tenant=tenant, workload_id=payload.validated_data["workload_id"])
+        except Workload.DoesNotExist:
+            raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
+        created = api_key_create(workload=workload, name=payload.validated_data["name"])
+        data = ApiKeySerializer(created.api_key).data
+        data["key"] = created.raw_key
+        response = Response(data, status=201)
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+class ApiKeyRevoke(APIView):
+    permission_classes = [IsAuthenticated, ReadOnlyForFinance]
+
+    @extend_schema(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
+    def post(self, request, slug: str, key_id: int):
+        tenant = writable_tenant(request, slug)
+        try:
+            key = api_key_of_tenant(tenant=tenant, key_id=key_id)
+        except ApiKey.DoesNotExist:
+            raise NotFound()
+        return Response(ApiKeySerializer(api_key_revoke(api_key=key)).data)

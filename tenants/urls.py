@@ -1,0 +1,8 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("t/<slug:slug>/keys/new", views.api_key_new, name="api-key-new"),
+    path("t/<slug:slug>/keys/<int:key_id>/revoke", views.api_key_revoke_view, name="api-key-revoke"),
+]

@@ -1,0 +1,49 @@
+"""API keys in the web UI: create (the raw key is shown once, on the response
+to the POST, never stored or put in a cookie) and revoke."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_POST
+
+from .access import api_key_of_tenant, tenant_for_writer, workload_of_tenant
+from .models import ApiKey, Tenant, Workload
+from .services import api_key_create, api_key_revoke
+
+
+def _writable_tenant(request, slug: str) -> Tenant:
+    try:
+        return tenant_for_writer(user=request.user, slug=slug)
+    except Tenant.DoesNotExist:
+        raise Http404("No such tenant.")
+
+
+@login_required
+@require_POST
+@never_cache
+def api_key_new(request, slug: str):
+    tenant = _writable_tenant(request, slug)
+    try:
+        workload = workload_of_tenant(tenant=tenant, workload_id=int(request.POST.get("workload", "")))
+    except (ValueError, Workload.DoesNotExist):
+        return render(request, "tenants/api_key_created.html",
+                      {"tenant": tenant, "error": "Choose one of this tenant's workloads."}, status=400)
+    name = (request.POST.get("name") or "").strip()[:200]
+    created = api_key_create(workload=workload, name=name)
+    return render(request, "tenants/api_key_created.html", {"tenant": tenant, "created": created})
+
+
+@login_required
+@require_POST
+def api_key_revoke_view(request, slug: str, key_id: int):
+    tenant = _writable_tenant(request, slug)
+    try:
+        key = api_key_of_tenant(tenant=tenant, key_id=key_id)
+    except ApiKey.DoesNotExist:
+        raise Http404("No such key.")
+    api_key_revoke(api_key=key)
+    return redirect(reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys")

@@ -1,0 +1,226 @@
+"""The management API: token auth, role rules, DRF-shaped 400s for bad
+input (never a 500), the same flows as the pages, and an OpenAPI schema."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from budgets.models import BudgetRequest, Reservation, SpendBudget
+from budgets.rollups import daily_usage_refresh
+from tenants.models import ApiKey
+from tests.people import PASSWORD, ledger_spread
+
+pytestmark = pytest.mark.django_db
+
+
+def as_user(user) -> APIClient:
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.get_or_create(user=user)[0].key}")
+    return api
+
+
+def slice_body(world, **overrides):
+    body = {"tenant": world.tenant_a.slug, "pool": world.pool.slug, "workload_id": world.wl_a.id,
+            "reserved_tpm": 120_000, "ceiling_tpm": 200_000, "rpm": 700, "justification": "more traffic"}
+    body.update(overrides)
+    return body
+
+
+def test_schema_and_docs_are_served(world):
+    api = APIClient()
+    schema = api.get("/api/schema/?format=json")
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    for path in ["/api/tenants/", "/api/budget-requests/", "/api/budget-requests/{request_id}/approve/",
+                 "/api/usage/summary/", "/api/ledger/export/", "/api/pools/", "/api/spend-budgets/"]:
+        assert path in paths, path
+    docs = api.get("/api/docs/")
+    assert docs.status_code == 200 and b"swagger" in docs.content.lower()
+
+
+def test_schema_is_valid_openapi():
+    from drf_spectacular.generators import SchemaGenerator
+    from drf_spectacular.validation import validate_schema
+
+    validate_schema(SchemaGenerator().get_schema(request=None, public=True))
+
+
+def test_token_is_obtained_with_a_password_and_required(world):
+    anonymous = APIClient()
+    assert anonymous.get("/api/tenants/").status_code == 401
+    response = anonymous.post("/api/auth/token/", {"username": world.member_a.username, "password": PASSWORD})
+    assert response.status_code == 200
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Token {response.json()['token']}")
+    assert [t["slug"] for t in api.get("/api/tenants/").json()] == [world.tenant_a.slug]
+    bad = anonymous.post("/api/auth/token/", {"username": world.member_a.username, "password": "nope"})
+    assert bad.status_code == 400 and "non_field_errors" in bad.json()
+
+
+def test_member_flow_request_then_admin_approves(world, django_capture_on_commit_callbacks):
+    member = as_user(world.member_a)
+    created = member.post("/api/budget-requests/", slice_body(world, monthly_spend_budget="99.5"), format="json")
+    assert created.status_code == 201, created.content
+    request_id = created.json()["id"]
+    assert created.json()["history"][0]["action"] == "submitted"
+    assert member.post(f"/api/budget-requests/{request_id}/approve/").status_code == 403
+    admin = as_user(world.admin)
+    detail = admin.get(f"/api/budget-requests/{request_id}/").json()
+    assert detail["preview"]["fits"] is True and detail["preview"]["headroom_after"]["free_tpm"] == 630_000
+    with django_capture_on_commit_callbacks(execute=True):
+        approved = admin.post(f"/api/budget-requests/{request_id}/approve/", {"comment": "go"}, format="json")
+    assert approved.status_code == 200 and approved.json()["status"] == "approved"
+    assert Reservation.objects.get(workload=world.wl_a).reserved_tpm == 120_000
+    assert SpendBudget.objects.get(workload=world.wl_a).monthly_amount == Decimal("99.5")
+    again = admin.post(f"/api/budget-requests/{request_id}/approve/", {}, format="json")
+    assert again.status_code == 400 and "status" in again.json()
+
+
+def test_oversubscribing_approval_is_a_400_with_the_reason(world):
+    member = as_user(world.member_a)
+    request_id = member.post("/api/budget-requests/", slice_body(world, reserved_tpm=760_000, ceiling_tpm=760_000),
+                             format="json").json()["id"]
+    response = as_user(world.admin).post(f"/api/budget-requests/{request_id}/approve/", {}, format="json")
+    assert response.status_code == 400 and "reserved_tpm" in response.json()
+    assert BudgetRequest.objects.get().status == "pending"
+
+
+def test_reject_needs_a_comment(world):
+    request_id = as_user(world.member_a).post("/api/budget-requests/", slice_body(world), format="json").json()["id"]
+    admin = as_user(world.admin)
+    assert admin.post(f"/api/budget-requests/{request_id}/reject/", {}, format="json").json() == {
+        "comment": ["Say why the request is rejected."]}
+    assert admin.post(f"/api/budget-requests/{request_id}/reject/", {"comment": "no"}, format="json").status_code == 200
+
+
+BAD_SLICES = [
+    {"reserved_tpm": "many"},
+    {"reserved_tpm": -1},
+    {"reserved_tpm": 10**30},
+    {"ceiling_tpm": 1},
+    {"rpm": None},
+    {"pool": "no-such-pool"},
+    {"pool": "x" * 500},
+    {"tenant": "../../etc"},
+    {"workload_id": "abc"},
+    {"workload_id": 10**12},
+    {"workload_id": None, "new_workload_name": ""},
+    {"workload_id": None, "new_workload_name": "x", "new_workload_class": "wizard"},
+    {"justification": ""},
+    {"lend_fraction": 2},
+    {"ends_on": "yesterday"},
+    {"ends_on": "2001-01-01"},
+    {"monthly_spend_budget": "-5"},
+    {"monthly_spend_budget": "1e999"},
+    {"spend_soft_threshold": 0},
+]
+
+
+@pytest.mark.parametrize("overrides", BAD_SLICES)
+def test_bad_slice_requests_get_400_with_field_errors(world, overrides):
+    response = as_user(world.member_a).post("/api/budget-requests/", slice_body(world, **overrides), format="json")
+    assert response.status_code in (400, 404), response.content
+    if response.status_code == 400:
+        assert isinstance(response.json(), dict) and response.json()
+    assert BudgetRequest.objects.count() == 0
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[]", b"null", b'"text"', b"{}"])
+def test_malformed_bodies_get_400(world, body):
+    api = as_user(world.member_a)
+    for url in ["/api/budget-requests/", f"/api/tenants/{world.tenant_a.slug}/keys/"]:
+        response = api.post(url, body, content_type="application/json")
+        assert response.status_code == 400, (url, body, response.content)
+
+
+@pytest.mark.parametrize("query", [
+    "", "start=2026-01-01", "start=x&end=y", "start=2026-02-01&end=2026-01-01", "start=2020-01-01&end=2026-01-01",
+    "start=2026-01-01&end=2026-01-31&group_by=wizard", "start=2026-01-01&end=2026-01-31&workload=nope",
+    "start=2026-01-01&end=2026-01-31&pool=nope",
+])
+def test_bad_usage_queries_get_400(world, query):
+    api = as_user(world.finance)
+    assert api.get(f"/api/usage/summary/?{query}").status_code == 400
+    assert api.get(f"/api/ledger/export/?{query}").status_code == 400
+
+
+def test_usage_summary_totals_equal_the_export(world):
+    now = timezone.now()
+    ledger_spread(world=world, now=now, days=5, per_day=2)
+    daily_usage_refresh(now=now - timedelta(days=2))
+    api = as_user(world.finance)
+    window = f"start={(now - timedelta(days=4)).date()}&end={now.date()}"
+    summary = api.get(f"/api/usage/summary/?{window}&group_by=cost_center&group_by=model").json()
+    assert {tuple(sorted(r["key"])) for r in summary["rows"]} == {("cost_center", "model")}
+    export = api.get(f"/api/ledger/export/?{window}")
+    rows = list(csv.DictReader(io.StringIO(b"".join(export.streaming_content).decode())))
+    assert len(rows) == summary["total"]["requests"] == 20
+    assert sum(Decimal(r["cost"]) for r in rows) == Decimal(summary["total"]["cost"])
+
+
+def test_member_usage_is_limited_to_their_tenants(world):
+    now = timezone.now()
+    ledger_spread(world=world, now=now, days=2, per_day=1)
+    api = as_user(world.member_a)
+    window = f"start={(now - timedelta(days=3)).date()}&end={now.date()}"
+    summary = api.get(f"/api/usage/summary/?{window}&group_by=tenant").json()
+    assert [r["key"]["tenant"] for r in summary["rows"]] == [str(world.tenant_a.id)]
+    export = b"".join(api.get(f"/api/ledger/export/?{window}").streaming_content).decode()
+    assert world.wl_a.slug in export and world.wl_b.slug not in export
+
+
+def test_finance_reads_everything_and_writes_nothing(world):
+    api = as_user(world.finance)
+    assert len(api.get("/api/tenants/").json()) >= 2
+    assert api.get(f"/api/tenants/{world.tenant_a.slug}/keys/").status_code == 200
+    for url, body in [("/api/budget-requests/", slice_body(world)),
+                      (f"/api/tenants/{world.tenant_a.slug}/keys/", {"workload_id": world.wl_a.id}),
+                      ("/api/spend-budgets/", {"tenant": world.tenant_a.slug, "monthly_amount": "5"})]:
+        assert api.post(url, body, format="json").status_code == 403, url
+    assert BudgetRequest.objects.count() == 0 and ApiKey.objects.count() == 2
+
+
+def test_api_keys_created_once_and_revoked(world):
+    api = as_user(world.member_a)
+    created = api.post(f"/api/tenants/{world.tenant_a.slug}/keys/", {"workload_id": world.wl_a.id, "name": "ci"},
+                       format="json")
+    assert created.status_code == 201 and created.json()["key"].startswith(created.json()["prefix"])
+    listed = api.get(f"/api/tenants/{world.tenant_a.slug}/keys/").json()
+    assert all("key" not in k for k in listed)
+    revoked = api.post(f"/api/tenants/{world.tenant_a.slug}/keys/{created.json()['id']}/revoke/")
+    assert revoked.status_code == 200 and revoked.json()["is_active"] is False
+    assert api.post(f"/api/tenants/{world.tenant_a.slug}/keys/", {"workload_id": world.wl_b.id}, format="json").json() == {
+        "workload_id": ["Unknown workload."]}
+
+
+def test_workloads_and_pools(world):
+    api = as_user(world.member_a)
+    workloads = api.get(f"/api/tenants/{world.tenant_a.slug}/workloads/").json()
+    assert workloads[0]["reservation"]["reserved_tpm"] == 100_000
+    pool = api.get(f"/api/pools/{world.pool.slug}/").json()
+    assert pool["admission"]["free_tpm"] == 650_000 and "reservations" not in pool
+    admin_view = as_user(world.admin).get(f"/api/pools/{world.pool.slug}/").json()
+    assert {r["workload"] for r in admin_view["reservations"]} == {world.wl_a.slug, world.wl_b.slug}
+    assert "available" in admin_view["live"]
+
+
+def test_spend_budgets_set_by_admins_with_month_to_date(world):
+    admin = as_user(world.admin)
+    response = admin.post("/api/spend-budgets/", {"workload_id": world.wl_a.id, "monthly_amount": "12.5",
+                                                  "hard_cap": True}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["workload"] == world.wl_a.slug and response.json()["month_to_date"] == "0.000000"
+    assert as_user(world.member_a).post("/api/spend-budgets/", {"tenant": world.tenant_a.slug, "monthly_amount": "1"},
+                                        format="json").status_code == 403
+    assert admin.post("/api/spend-budgets/", {"tenant": world.tenant_a.slug, "workload_id": 1, "monthly_amount": "1"},
+                      format="json").status_code == 400
+    listed = as_user(world.member_a).get("/api/spend-budgets/").json()
+    assert [b["workload"] for b in listed] == [world.wl_a.slug]

@@ -1,0 +1,193 @@
+"""Rejections counted in Redis per minute and flushed to the database in
+batches, against a real Redis and PostgreSQL: exact counts, a handful of
+writes for a storm, idempotent and crash-safe flushes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import pytest
+import redis as redis_lib
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from budgets import keys, rejections
+from budgets.models import RejectionSample, RejectionStat
+from budgets.rejections import rejection_count, rejection_count_async, rejections_flush
+from tests.people import world  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.django_db
+
+AFTER = 3600  # flush as if an hour had passed: every minute is closed
+
+
+def count(world, *, reason="workload_tpm", workload=None, tokens=120, retry_after_ms=1500):
+    workload = workload or world.wl_a
+    rejection_count(pool_id=world.pool.id, workload_id=workload.id, tenant_id=workload.tenant_id, reason=reason,
+                    estimated_tokens=tokens, retry_after_ms=retry_after_ms)
+
+
+def flush():
+    return rejections_flush(now_s=time.time() + AFTER)
+
+
+def stat_totals() -> Counter:
+    totals: Counter = Counter()
+    for wid, reason, n in RejectionStat.objects.values_list("workload_id", "reason", "count"):
+        totals[(wid, reason)] += n
+    return totals
+
+
+def test_one_rejection_becomes_one_stat_and_one_sample(world):
+    count(world, tokens=321, retry_after_ms=2500)
+    result = flush()
+    assert (result.stats, result.samples, result.pending) == (1, 1, 0)
+    stat = RejectionStat.objects.get()
+    assert (stat.workload_id, stat.tenant_id, stat.pool_id, stat.reason, stat.count) == (
+        world.wl_a.id, world.tenant_a.id, world.pool.id, "workload_tpm", 1)
+    assert stat.minute.second == 0 and stat.minute.microsecond == 0
+    sample = RejectionSample.objects.get()
+    assert (sample.reason, sample.estimated_tokens, sample.retry_after_ms) == ("workload_tpm", 321, 2500)
+
+
+def test_open_minute_is_not_flushed_yet(world):
+    count(world)
+    assert rejections_flush().minutes == 0  # the current minute has not ended
+    assert RejectionStat.objects.count() == 0
+
+
+def test_storm_of_5000_rejections_is_a_handful_of_writes_with_exact_counts(world, settings):
+    # given a storm: 5,000 rejections over two workloads and three reasons
+    plan = Counter()
+    reasons = ["workload_tpm", "pool_tpm", "workload_rpm"]
+    for i in range(5_000):
+        workload = world.wl_a if i % 3 else world.wl_b
+        reason = reasons[i % len(reasons)]
+        count(world, workload=workload, reason=reason)
+        plan[(workload.id, reason)] += 1
+    # when one flush moves it to the database
+    with CaptureQueriesContext(connection) as queries:
+        result = flush()
+    writes = [q["sql"] for q in queries.captured_queries if q["sql"].lstrip().upper().startswith(("INSERT", "UPDATE", "DELETE"))]
+    # then the counts are exact, the samples capped, and the writes few
+    assert stat_totals() == plan
+    assert sum(plan.values()) == 5_000
+    assert len(writes) <= 4, writes
+    per_minute_field = Counter((s.at.replace(second=0, microsecond=0), s.workload_id, s.reason)
+                               for s in RejectionSample.objects.all())
+    assert per_minute_field and max(per_minute_field.values()) <= settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE
+    assert result.pending == 0
+
+
+def test_flush_is_idempotent(world):
+    for _ in range(7):
+        count(world)
+    flush()
+    # a flush that died after writing leaves the minute pending: redo it
+    minute = RejectionStat.objects.get().minute
+    pending_key = keys.rejection_pending_minutes(world.pool.id)
+    from budgets.redis_client import get_redis
+
+    get_redis().zadd(pending_key, {str(int(minute.timestamp())): int(minute.timestamp())})
+    flush()
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 7})
+    assert RejectionSample.objects.count() == 5
+
+
+def test_late_rejection_for_a_flushed_minute_is_counted_exactly(world, redis_client):
+    # given a minute already flushed with 3 rejections
+    for _ in range(3):
+        count(world)
+    flush()
+    minute = int(RejectionStat.objects.get().minute.timestamp())
+    # when a late rejection for that same minute arrives (e.g. a slow web process)
+    call_keys = [keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
+                 keys.rejection_pending_minutes(world.pool.id)]
+    from budgets.redis_client import lua_script
+
+    lua_script(redis_client, rejections._COUNT_SRC)(
+        keys=call_keys, args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
+    flush()
+    # then the database holds the minute's full count, not the late part alone
+    assert RejectionStat.objects.get().count == 4
+
+
+def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_client, monkeypatch):
+    for _ in range(2):
+        count(world)
+    real_bulk_create = RejectionStat.objects.bulk_create
+
+    def bulk_create_then_a_rejection_arrives(*args, **kwargs):
+        created = real_bulk_create(*args, **kwargs)
+        minute = int(args[0][0].minute.timestamp())
+        from budgets.redis_client import lua_script
+
+        lua_script(redis_client, rejections._COUNT_SRC)(
+            keys=[keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
+                  keys.rejection_pending_minutes(world.pool.id)],
+            args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
+        return created
+
+    monkeypatch.setattr(RejectionStat.objects, "bulk_create", bulk_create_then_a_rejection_arrives)
+    assert flush().pending == 1
+    monkeypatch.undo()
+    assert flush().pending == 0
+    assert RejectionStat.objects.get().count == 3
+
+
+def test_async_twin_counts_the_same_way(world):
+    async def storm():
+        await asyncio.gather(*[
+            rejection_count_async(pool_id=world.pool.id, workload_id=world.wl_b.id, tenant_id=world.tenant_b.id,
+                                  reason="pool_saturated", estimated_tokens=10, retry_after_ms=None)
+            for _ in range(50)
+        ])
+
+    asyncio.run(storm())
+    flush()
+    assert stat_totals() == Counter({(world.wl_b.id, "pool_saturated"): 50})
+    assert set(RejectionSample.objects.values_list("retry_after_ms", flat=True)) == {None}
+
+
+def test_rejections_without_a_pool_are_kept_too(world):
+    rejection_count(pool_id=None, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id, reason="no_reservation",
+                    estimated_tokens=0, retry_after_ms=None)
+    flush()
+    stat = RejectionStat.objects.get()
+    assert (stat.pool_id, stat.reason, stat.count) == (None, "no_reservation", 1)
+    # and a second flush of the same minute upserts the same row (NULL pool is one key)
+    rejection_count(pool_id=None, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id, reason="no_reservation",
+                    estimated_tokens=0, retry_after_ms=None)
+    flush()
+    assert RejectionStat.objects.get().count in (1, 2)  # 2 when both fell in one minute
+    assert sum(RejectionStat.objects.values_list("count", flat=True)) == 2
+
+
+def test_counting_never_raises_when_redis_is_away(world, monkeypatch):
+    dead = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
+    monkeypatch.setattr(rejections, "get_redis", lambda: dead)
+    count(world)  # no exception
+
+    async def dead_async():
+        import redis.asyncio as aioredis
+
+        monkeypatch.setattr(rejections, "get_async_redis",
+                            lambda: aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2))
+        await rejection_count_async(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                                    reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
+
+    asyncio.run(dead_async())
+
+
+def test_samples_of_deleted_workloads_are_dropped(world):
+    from tenants.models import Workload
+
+    orphan = Workload.objects.create(tenant=world.tenant_a, name="gone", slug=f"gone-{world.pool.slug}")
+    count(world, workload=orphan)
+    count(world)
+    Workload.objects.filter(pk=orphan.pk).delete()
+    flush()
+    assert list(RejectionStat.objects.values_list("workload_id", flat=True)) == [world.wl_a.id]

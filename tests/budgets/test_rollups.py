@@ -1,0 +1,109 @@
+"""Daily rollups: rebuilt from the ledger idempotently and incrementally;
+pages read them for final days and the ledger only for the last day or two,
+so their totals equal the raw rows."""
+
+from __future__ import annotations
+
+from datetime import date, datetime, timedelta, timezone as dt_timezone
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.db.models import Count, F, Sum
+from django.test.utils import CaptureQueriesContext
+
+from budgets.models import DailyUsage, RollupState, UsageRecord
+from budgets.rollups import daily_usage_refresh, final_through_at
+from budgets.selectors_usage import UsageFilters, ledger_rows, usage_summary
+from tests.people import ledger_add, ledger_spread, world  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.django_db
+
+NOW = datetime(2026, 11, 20, 15, 0, tzinfo=dt_timezone.utc)
+
+
+def ledger_totals(queryset):
+    return queryset.aggregate(n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")),
+                              cost=Sum("cost"))
+
+
+def test_refresh_builds_one_row_per_day_workload_and_model(world):
+    ledger_spread(world=world, now=NOW, days=4, per_day=3)
+    result = daily_usage_refresh(now=NOW)
+    assert DailyUsage.objects.count() == 8  # 4 days x 2 workloads (one model each)
+    assert sorted(result.days) == [date(2026, 11, 17), date(2026, 11, 18), date(2026, 11, 19), date(2026, 11, 20)]
+    assert result.final_through == date(2026, 11, 19)
+    row = DailyUsage.objects.get(day=date(2026, 11, 18), workload=world.wl_a)
+    direct = ledger_totals(UsageRecord.objects.filter(workload=world.wl_a, created_at__date=date(2026, 11, 18)))
+    assert row.requests == direct["n"] == 3
+    assert row.actual_input_tokens + row.actual_output_tokens == direct["tokens"]
+    assert row.cost == direct["cost"]
+
+
+def test_refresh_is_idempotent_and_incremental(world):
+    ledger_spread(world=world, now=NOW, days=2, per_day=2)
+    daily_usage_refresh(now=NOW)
+    snapshot = list(DailyUsage.objects.order_by("id").values())
+    daily_usage_refresh(now=NOW)
+    assert list(DailyUsage.objects.order_by("id").values()) == snapshot
+    # a new row for today updates today's rollup only
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(minutes=1), input_tokens=1000, output_tokens=1)
+    daily_usage_refresh(now=NOW + timedelta(minutes=1))
+    today = DailyUsage.objects.get(day=NOW.date(), workload=world.wl_a)
+    assert today.requests == 3 and today.actual_input_tokens == 100 + 101 + 1000
+    assert RollupState.objects.get().last_ledger_id == UsageRecord.objects.order_by("-id").first().id
+
+
+def test_a_day_becomes_final_only_after_the_lag():
+    assert final_through_at(datetime(2026, 11, 20, 5, 59, tzinfo=dt_timezone.utc)) == date(2026, 11, 18)
+    assert final_through_at(datetime(2026, 11, 20, 6, 1, tzinfo=dt_timezone.utc)) == date(2026, 11, 19)
+
+
+def test_late_row_for_a_recent_day_is_picked_up(world):
+    ledger_spread(world=world, now=NOW, days=2, per_day=1)
+    daily_usage_refresh(now=NOW)
+    # a row stamped yesterday (not final yet) but written now
+    ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(days=1, hours=2), model="sim-large",
+               input_tokens=7, output_tokens=0)
+    daily_usage_refresh(now=NOW)
+    row = DailyUsage.objects.get(day=(NOW - timedelta(days=1, hours=2)).date(), workload=world.wl_b)
+    assert row.requests == 2
+
+
+@pytest.mark.parametrize("group_by", [("tenant",), ("cost_center",), ("workload",), ("model",), ("day",), ("month",),
+                                      ("tenant", "model")])
+def test_summary_equals_the_ledger_rows_across_final_and_live_days(world, group_by):
+    # given 10 days of ledger, rolled up yesterday (so the last days are live)
+    ledger_spread(world=world, now=NOW, days=10, per_day=2)
+    daily_usage_refresh(now=NOW - timedelta(days=1))
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(minutes=3), input_tokens=5, output_tokens=5)
+    filters = UsageFilters(start=NOW.date() - timedelta(days=6), end=NOW.date())
+    # when the summary is asked
+    summary = usage_summary(filters=filters, group_by=group_by)
+    # then its totals are those of the raw rows the export streams
+    direct = ledger_totals(ledger_rows(filters=filters))
+    assert summary.total.requests == direct["n"]
+    assert summary.total.actual_tokens == direct["tokens"]
+    assert summary.total.cost == direct["cost"]
+    assert summary.final_through == final_through_at(NOW - timedelta(days=1))
+    assert sum(r.cost for r in summary.rows) == direct["cost"]
+
+
+def test_summary_reads_final_days_from_rollups_not_the_ledger(world):
+    ledger_spread(world=world, now=NOW, days=10, per_day=2)
+    daily_usage_refresh(now=NOW)
+    filters = UsageFilters(start=NOW.date() - timedelta(days=9), end=NOW.date() - timedelta(days=2))  # all final
+    with CaptureQueriesContext(connection) as queries:
+        summary = usage_summary(filters=filters, group_by=("tenant",))
+    assert summary.total.requests == 8 * 2 * 2
+    assert not any("budgets_usagerecord" in q["sql"] for q in queries.captured_queries)
+
+
+def test_scope_limits_a_summary_to_the_callers_tenants(world):
+    ledger_spread(world=world, now=NOW, days=3, per_day=1)
+    daily_usage_refresh(now=NOW)
+    filters = UsageFilters(start=NOW.date() - timedelta(days=5), end=NOW.date(), tenant_ids=frozenset({world.tenant_a.id}))
+    summary = usage_summary(filters=filters, group_by=("tenant",))
+    assert [row.key["tenant"] for row in summary.rows] == [world.tenant_a.id]
+    assert summary.total.cost == ledger_totals(UsageRecord.objects.filter(tenant=world.tenant_a))["cost"]
+    assert summary.total.cost > Decimal(0)

@@ -1,0 +1,142 @@
+"""Spend budgets: the Redis contract with admission (keys, caps in
+micro-units), month-to-date reads with the ledger as fallback,
+reconciliation from the ledger, projections and threshold notifications."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone as dt_timezone
+from decimal import Decimal
+
+import pytest
+
+from budgets.models import InferencePool, Notification, SpendBudget, UsageRecord
+from budgets.spend import (
+    from_micro,
+    spend_caps_for_pool,
+    spend_month_key,
+    spend_month_to_date,
+    spend_projected_month_end,
+    spend_reconcile,
+    spend_threshold_crossed,
+    to_micro,
+)
+from tests.people import build_world, ledger_add, world  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.django_db
+
+NOW = datetime(2026, 11, 16, 0, 0, tzinfo=dt_timezone.utc)  # half-way through a 30-day month
+
+
+def test_month_key_follows_the_contract():
+    at = datetime(2026, 3, 5, 23, 59, tzinfo=dt_timezone.utc)
+    assert spend_month_key(pool_id=7, at=at) == "sluice:{pool:7}:spend:2026-03"
+    # a local time is read as the UTC month it falls in
+    later = datetime(2026, 4, 1, 1, 0, tzinfo=dt_timezone(timedelta(hours=2)))
+    assert spend_month_key(pool_id=7, at=later) == "sluice:{pool:7}:spend:2026-03"
+
+
+def test_micro_units_round_half_up_and_back():
+    assert to_micro(Decimal("1.25")) == 1_250_000
+    assert to_micro(Decimal("0.0000005")) == 1
+    assert to_micro(Decimal("0.00000049")) == 0
+    assert from_micro(1_250_000) == Decimal("1.25")
+    assert from_micro("42") == Decimal("0.000042")
+
+
+def test_caps_for_pool_are_hard_caps_of_its_tenants_and_workloads(world):
+    other = build_world()
+    SpendBudget.objects.create(tenant=world.tenant_a, monthly_amount=Decimal("100"), hard_cap=True)
+    SpendBudget.objects.create(workload=world.wl_b, monthly_amount=Decimal("12.345678"), hard_cap=True)
+    SpendBudget.objects.create(tenant=world.tenant_b, monthly_amount=Decimal("5"), hard_cap=False)  # soft only
+    SpendBudget.objects.create(tenant=other.tenant_a, monthly_amount=Decimal("9"), hard_cap=True)  # another pool
+    assert spend_caps_for_pool(pool=world.pool) == {
+        f"T{world.tenant_a.id}.spend.cap": "100000000",
+        f"{world.wl_b.id}.spend.cap": "12345678",
+    }
+
+
+def test_month_to_date_sums_redis_over_pools(world, redis_client):
+    second = InferencePool.objects.create(name="second", slug=f"second-{world.pool.slug}", base_url="http://x/v1",
+                                          provider_tpm=1000, provider_rpm=10)
+    redis_client.hset(spend_month_key(pool_id=world.pool.id, at=NOW), mapping={f"T{world.tenant_a.id}": 1_500_000,
+                                                                             str(world.wl_a.id): 1_000_000})
+    redis_client.hset(spend_month_key(pool_id=second.id, at=NOW), mapping={f"T{world.tenant_a.id}": 250_000})
+    assert spend_month_to_date(tenant=world.tenant_a, at=NOW) == Decimal("1.75")
+    assert spend_month_to_date(workload=world.wl_a, at=NOW) == Decimal("1")
+
+
+def test_month_to_date_falls_back_to_the_ledger(world):
+    # given ledger rows this month and one last month, and nothing in Redis
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(days=2), input_tokens=1_000_000, output_tokens=0)
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW.replace(day=1, hour=0) - timedelta(seconds=1),
+               input_tokens=1_000_000, output_tokens=0)
+    # then month-to-date is this month's ledger cost (1M input tokens of sim-small = 0.15)
+    assert spend_month_to_date(tenant=world.tenant_a, at=NOW) == Decimal("0.15")
+    assert spend_month_to_date(workload=world.wl_a, at=NOW) == Decimal("0.15")
+    assert spend_month_to_date(tenant=world.tenant_b, at=NOW) == Decimal("0")
+
+
+def test_projection_is_linear_over_the_month():
+    assert spend_projected_month_end(month_to_date=Decimal("10"), at=NOW) == Decimal("20.000000")
+    # the first hour counts as a full hour
+    start = NOW.replace(day=1, hour=0)
+    assert spend_projected_month_end(month_to_date=Decimal("1"), at=start + timedelta(minutes=1)) == Decimal("720.000000")
+
+
+def test_reconcile_overwrites_redis_from_the_ledger(world, redis_client):
+    # given Redis drifted from the ledger
+    key = spend_month_key(pool_id=world.pool.id, at=NOW)
+    redis_client.hset(key, mapping={f"T{world.tenant_a.id}": 999_999_999, str(world.wl_a.id): 1})
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(hours=1), input_tokens=2_000_000, output_tokens=0)
+    ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(hours=1), model="sim-large",
+               input_tokens=0, output_tokens=1_000_000)
+    # when reconciliation runs
+    result = spend_reconcile(at=NOW)
+    # then the fields hold the ledger's sums in micro-units
+    assert redis_client.hgetall(key) == {
+        f"T{world.tenant_a.id}": "300000", str(world.wl_a.id): "300000",
+        f"T{world.tenant_b.id}": "10000000", str(world.wl_b.id): "10000000",
+    }
+    assert (result.pools, result.fields) == (1, 4)
+    ledger_total = sum(UsageRecord.objects.values_list("cost", flat=True))
+    assert spend_month_to_date(tenant=world.tenant_a, at=NOW) + spend_month_to_date(tenant=world.tenant_b, at=NOW) == ledger_total
+
+
+def test_soft_threshold_notifies_once_per_month_and_fires_the_hook(world):
+    # given a tenant budget of 1.00 with a soft threshold at 50%
+    SpendBudget.objects.create(tenant=world.tenant_b, monthly_amount=Decimal("1.00"), soft_threshold=0.5)
+    received = []
+    spend_threshold_crossed.connect(lambda sender, **kw: received.append(kw), weak=False, dispatch_uid="t-soft")
+    try:
+        ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(hours=1), model="sim-large",
+                   input_tokens=0, output_tokens=40_000)  # 0.40: under
+        spend_reconcile(at=NOW)
+        assert Notification.objects.count() == 0
+        ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(hours=1), model="sim-large",
+                   input_tokens=0, output_tokens=20_000)  # 0.60: past 50%
+        spend_reconcile(at=NOW)
+        spend_reconcile(at=NOW)
+    finally:
+        spend_threshold_crossed.disconnect(dispatch_uid="t-soft")
+    note = Notification.objects.get()
+    assert note.kind == "spend_soft_threshold" and note.tenant_id == world.tenant_b.id
+    assert "0.60 of 1.00 USD" in note.message
+    assert len(received) == 1 and received[0]["month_to_date"] == Decimal("0.6")
+
+
+def test_spent_budget_notifies_the_hard_cap(world):
+    SpendBudget.objects.create(workload=world.wl_a, monthly_amount=Decimal("0.10"), hard_cap=True)
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(hours=1), input_tokens=1_000_000, output_tokens=0)
+    spend_reconcile(at=NOW)
+    note = Notification.objects.get()
+    assert note.kind == "spend_hard_cap" and note.workload_id == world.wl_a.id
+    assert "new requests are refused" in note.message
+
+
+def test_a_budget_has_exactly_one_scope(world):
+    from django.db import IntegrityError, transaction
+
+    with pytest.raises(IntegrityError), transaction.atomic():
+        SpendBudget.objects.create(tenant=world.tenant_a, workload=world.wl_a, monthly_amount=Decimal("1"))
+    with pytest.raises(IntegrityError), transaction.atomic():
+        SpendBudget.objects.create(monthly_amount=Decimal("1"))

@@ -1,0 +1,182 @@
+"""Faults that must lose no accepted work and charge nothing twice: Redis
+losing its state, leases whose worker vanished, the database going away
+under a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from budgets import keys
+from budgets.admission import admit
+from budgets.models import UsageRecord
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HELLO = [{"role": "user", "content": "still there?"}]
+
+
+def test_bucket_config_lost_by_redis_is_rebuilt_on_the_next_request(platform, make_caller, redis_client):
+    caller = make_caller(pool=make_caller.pool(base_url=f"{platform.sim_url}/v1"))
+    # given Redis restarted empty (the pool's config and buckets are gone)
+    redis_client.delete(keys.pool_config(caller.pool.id), keys.pool_workloads(caller.pool.id),
+                        keys.pool_buckets(caller.pool.id))
+    # then the next request rebuilds them from the database and goes through
+    response = httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {caller.api_key}"},
+                          json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
+    assert response.status_code == 200, response.text
+    assert redis_client.hget(keys.pool_config(caller.pool.id), f"{caller.workload.id}.E.tok.rate") is not None
+
+
+def test_expired_leases_are_reaped_once_and_recorded(make_caller, redis_client):
+    from gateway.execution import leases_reap
+    from gateway.records import RequestRecord
+    from gateway import keys as gateway_keys
+
+    caller = make_caller()
+    admission = admit(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id="req_lost", input_tokens=10,
+                      output_tokens=20, lease_ttl_ms=1)
+    record = RequestRecord(
+        request_id="req_lost", tenant_id=caller.tenant.id, workload_id=caller.workload.id, pool_id=caller.pool.id,
+        pool_base_url=caller.pool.base_url, pool_api_key_env="", model="sim-small", lane="interactive", borrowed=False,
+        estimated_input_tokens=10, estimated_output_tokens=20, admitted_ms=admission.admitted_ms,
+        deadline_ms=admission.admitted_ms + 1, payload={},
+    )
+    redis_client.hset(gateway_keys.request_record("req_lost"), mapping=record.to_redis())
+    time.sleep(0.01)
+    assert leases_reap(pool_ids=[caller.pool.id]) == 1
+    assert leases_reap(pool_ids=[caller.pool.id]) == 0
+    row = UsageRecord.objects.get(request_id="req_lost")
+    assert row.status == "lease_expired"
+    # the estimate stays charged (the pool may have served it), nothing more
+    counters = redis_client.hgetall(keys.pool_counters(caller.pool.id))
+    assert int(counters[f"{caller.workload.id}.debited_tok"]) == 30
+    assert redis_client.zcard(keys.pool_leases(caller.pool.id)) == 0
+    # a late redelivery finds no record and does not call the pool
+    from gateway.execution import request_execute
+
+    assert request_execute(request_id="req_lost") == "missing"
+
+
+class CuttableProxy:
+    """A TCP proxy to PostgreSQL that the test can cut and restore: the
+    database going away, for one worker only."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.port = 0
+        self.open = threading.Event()
+        self.open.set()
+        self._writers: set = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader, writer):
+        if not self.open.is_set():
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.open.clear()
+
+        def close_all():
+            for writer in list(self._writers):
+                writer.close()
+            self._writers.clear()
+
+        self._loop.call_soon_threadsafe(close_all)
+
+    def restore(self) -> None:
+        self.open.set()
+
+    def stop(self) -> None:
+        self.cut()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def test_database_outage_under_a_worker_loses_nothing(platform, make_caller, redis_client, tmp_path):
+    from django.conf import settings
+
+    from gateway.models import Job
+    from llm_platform import processes
+    from tests.platform_harness import Process
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, workload_class="batch")
+    db = settings.DATABASES["default"]
+    proxy = CuttableProxy(int(db.get("PORT") or 5432))
+    # given the batch lane's only worker reaches PostgreSQL through the proxy
+    platform.stop_worker("batch")
+    worker_url = f"postgres://{db.get('USER') or 'postgres'}@127.0.0.1:{proxy.port}/{db['NAME']}"
+    hostname = f"batch@{socket.gethostname()}"
+    redis_client.hdel("sluice:workers:ready", hostname)
+    worker = Process("batch-proxied", processes.worker_command(lane="batch", concurrency=2),
+                     {**platform.env, "DATABASE_URL": worker_url, "DB_CONN_MAX_AGE": "60"}, tmp_path).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not redis_client.hexists("sluice:workers:ready", hostname):
+            worker.assert_alive()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        platform.sim_reset()
+        # when the database goes away while jobs are accepted and running
+        proxy.cut()
+        ids = []
+        for n in range(3):
+            response = httpx.post(f"{platform.base_url}/v1/jobs", timeout=30,
+                                  headers={"Authorization": f"Bearer {caller.api_key}"},
+                                  json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
+                                        "sim": {"output_tokens": 4 + n}})
+            assert response.status_code == 202
+            ids.append(response.json()["id"])
+        time.sleep(3)  # the worker calls the pool, then fails to write the ledger
+        assert UsageRecord.objects.filter(workload=caller.workload).count() == 0
+        # and comes back
+        proxy.restore()
+        deadline = time.monotonic() + 60
+        while Job.objects.filter(pk__in=ids, status="succeeded").count() < 3:
+            assert time.monotonic() < deadline, list(Job.objects.filter(pk__in=ids).values_list("status", flat=True))
+            time.sleep(0.2)
+    finally:
+        worker.stop()
+        proxy.stop()
+        platform.start_worker("batch")
+        platform.wait_workers_ready(["batch"])
+    # then every job ran once: the pool was called three times, not more
+    rows = list(UsageRecord.objects.filter(workload=caller.workload))
+    assert len(rows) == 3
+    assert sorted(r.actual_output_tokens for r in rows) == [4, 5, 6]
+    assert platform.sim_stats()["completed"] == 3
+    counters = redis_client.hgetall(keys.pool_counters(pool.id))
+    assert int(counters[f"{caller.workload.id}.debited_tok"]) == sum(r.actual_input_tokens + r.actual_output_tokens
+                                                                     for r in rows)
