@@ -72,8 +72,15 @@ local function level(name)
   return v
 end
 
+-- A request bigger than a bucket shrunk by adaptive capacity (or shedding)
+-- fits again once capacity recovers: a short hint, not 'never'.
+local CAPACITY_RECOVERY_HINT_MS = 1000
+
 local function wait_for(name, lvl, k)
-  if k > cap_of(name) then return INF end
+  if k > cap_of(name) then
+    if k > (cfg[name .. '.cap'] or 0) then return INF end
+    return CAPACITY_RECOVERY_HINT_MS
+  end
   if lvl >= k then return 0 end
   local rate = rate_of(name)
   if rate <= 0 then return INF end
@@ -115,7 +122,12 @@ local function wait_for_free(d, p, k)
       end
     end
   end
-  if k > full_cap_gap then return INF end
+  if k > full_cap_gap then
+    local unscaled_gap = cfg[pname .. '.cap'] or 0
+    for _, w in ipairs(wids) do unscaled_gap = unscaled_gap - (cfg[w .. '.Q.' .. d .. '.cap'] or 0) end
+    if k > unscaled_gap then return INF end
+    return CAPACITY_RECOVERY_HINT_MS
+  end
   local f = p - s
   if f >= k then return 0 end
   table.sort(events, function(a, b) return a[1] < b[1] end)

@@ -10,7 +10,8 @@
 --       token (ms, 'ok' only), 3 retry-after from upstream (ms, 'throttle'),
 --       4 decrease factor, 5 recovery per second, 6 minimum factor,
 --       7 cooldown (ms), 8 latency ratio that counts as a throttle,
---       9 how long (ms) the level of the last throttle is remembered
+--       9 how long (ms) the level of the last throttle is remembered,
+--       10 latency per token (ms) below which latency growth is ignored
 --
 -- Recovery is fast up to 90% of the factor at which the pool last pushed
 -- back, then ten times slower (a gentle probe), so a pool whose capacity
@@ -47,7 +48,10 @@ local function decrease()
 end
 
 if event == 'throttle' then
-  decrease()
+  -- 429s that arrive while the pool's last Retry-After still runs answer
+  -- requests sent before we slowed down (a provider's window drains slowly):
+  -- they are the same signal, not a new one.
+  if now >= (cap['blocked_until_ms'] or 0) then decrease() end
   local retry_after = tonumber(ARGV[3]) or 0
   if retry_after > 0 then
     local until_ms = now + retry_after
@@ -65,7 +69,9 @@ elseif event == 'ok' then
     fast = fast + 0.2 * (per_token - fast)
     slow = slow + 0.01 * (per_token - slow)
     redis.call('HSET', KEYS[3], 'lat_fast', tostring(fast), 'lat_slow', tostring(slow), 'lat_samples', samples)
-    if samples > 50 and fast > latency_ratio * slow then decrease() end
+    -- Below a floor per token, latency is our own queueing and noise, not
+    -- a saturated engine (decode steps take tens of ms).
+    if samples > 50 and fast > latency_ratio * slow and fast > (tonumber(ARGV[10]) or 5) then decrease() end
   end
   if now - last_decrease >= hint_memory then hint = 1 end
   if not changed and factor < 1 and now - last_decrease >= cooldown then

@@ -25,6 +25,8 @@ MIN_FACTOR = float(os.environ.get("SLUICE_CAPACITY_MIN_FACTOR", 0.05))
 COOLDOWN_MS = int(os.environ.get("SLUICE_CAPACITY_COOLDOWN_MS", 2000))
 # Latency per token this many times its slow baseline counts as a throttle.
 LATENCY_RATIO = float(os.environ.get("SLUICE_CAPACITY_LATENCY_RATIO", 3.0))
+# Latency per token below this is never a throttle signal (ms).
+LATENCY_FLOOR_MS = float(os.environ.get("SLUICE_CAPACITY_LATENCY_FLOOR_MS", 5.0))
 # How long the factor at the last throttle caps fast recovery.
 HINT_MEMORY_MS = int(os.environ.get("SLUICE_CAPACITY_HINT_MEMORY_MS", 60_000))
 
@@ -43,7 +45,7 @@ def capacity_signal(*, pool_id: int, event: str, latency_per_token_ms: float = 0
     factor, _ = lua_script(client, _SRC)(
         keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id), keys.pool_capacity(pool_id)],
         args=[event, latency_per_token_ms, retry_after_ms, DECREASE_FACTOR, RECOVERY_PER_S, MIN_FACTOR,
-              COOLDOWN_MS, LATENCY_RATIO, HINT_MEMORY_MS],
+              COOLDOWN_MS, LATENCY_RATIO, HINT_MEMORY_MS, LATENCY_FLOOR_MS],
     )
     return float(factor)
 

@@ -33,10 +33,11 @@ class RetryPolicy:
         return min(self.cap_ms, self.base_ms * (2 ** (attempt - 1)))
 
     def delay_ms(self, attempt: int, *, upstream_retry_after_ms: int | None, rng: random.Random) -> float:
-        # Full jitter: uniform over the whole window, so clients that failed
-        # together do not come back together. Upstream Retry-After is a floor.
-        jittered = rng.uniform(0, self.backoff_window_ms(attempt))
-        return max(float(upstream_retry_after_ms or 0), jittered)
+        # Full jitter: uniform over the whole window, so calls that failed
+        # together do not come back together. Upstream Retry-After is a floor
+        # the window starts from: capping at the floor instead would send
+        # every waiting retry at the same instant the pool reopens.
+        return float(upstream_retry_after_ms or 0) + rng.uniform(0, self.backoff_window_ms(attempt))
 
 
 RETRYABLE_STATUSES = {429, 500, 502, 503, 504}

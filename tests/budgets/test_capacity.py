@@ -98,3 +98,39 @@ def test_recovery_is_slow_near_the_level_that_was_throttled(make_caller, redis_c
     slow = capacity_signal(pool_id=pool_id, event="ok")
     # one second at a tenth of 2%/s
     assert slow == pytest.approx(0.952, abs=0.0005)
+
+
+def test_throttles_inside_the_pools_retry_after_are_one_signal(make_caller, redis_client):
+    caller = make_caller()
+    pool_id = caller.pool.id
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.5
+    # past the cooldown, but still inside the pool's Retry-After
+    redis_client.hset(keys.pool_capacity(pool_id), "last_decrease_ms", 0)
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.5
+    # once the Retry-After has passed, a new 429 is a new signal
+    redis_client.hset(keys.pool_capacity(pool_id), mapping={"last_decrease_ms": 0, "blocked_until_ms": 0})
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=0) == 0.25
+
+
+def test_fast_calls_getting_slower_are_not_a_saturated_engine(make_caller):
+    caller = make_caller()
+    for _ in range(60):
+        capacity_signal(pool_id=caller.pool.id, event="ok", latency_per_token_ms=0.05)
+    for _ in range(20):
+        factor = capacity_signal(pool_id=caller.pool.id, event="ok", latency_per_token_ms=1.5)
+    assert factor == 1.0
+
+
+def test_a_request_too_big_for_a_shrunk_bucket_waits_rather_than_413(make_caller):
+    pool = make_caller.pool(provider_tpm=100_000)  # pool bucket 80,000 x 15 s = 20,000
+    caller = make_caller(pool=pool, workload_class="batch", reserved_tpm=10_000, ceiling_tpm=80_000,
+                         prompt_tokens_cap=100, max_tokens_cap=10_000)
+    for _ in range(5):  # 1.0 -> 0.03: the pool bucket holds ~600 tokens
+        capacity_signal(pool_id=pool.id, event="throttle")
+        from budgets.redis_client import get_redis
+        get_redis().hset(keys.pool_capacity(pool.id), "last_decrease_ms", 0)
+    with pytest.raises(Rejected) as excinfo:
+        admit(pool_id=pool.id, workload_id=caller.workload.id, request_id="big", input_tokens=0,
+              output_tokens=8_000, lease_ttl_ms=60_000)
+    assert excinfo.value.reason != "request_too_large"
+    assert excinfo.value.status == 429 and excinfo.value.retry_after_ms is not None
