@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from . import keys
@@ -177,10 +177,7 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
                 ))
         with transaction.atomic():
             if stats:
-                RejectionStat.objects.bulk_create(
-                    stats, batch_size=1000, update_conflicts=True,
-                    unique_fields=["minute", "pool", "workload", "reason"], update_fields=["count"],
-                )
+                _stats_upsert(stats)
             if samples:
                 RejectionSample.objects.bulk_create(samples, batch_size=1000, ignore_conflicts=True)
         ack = lua_script(client, _ACK_SRC)
@@ -193,6 +190,25 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
         stats_written += len(stats)
         samples_written += len(samples)
     return FlushResult(minutes=minutes_done, stats=stats_written, samples=samples_written, pending=still_pending)
+
+
+def _stats_upsert(stats: list[RejectionStat]) -> None:
+    """Write each minute's exact count, replacing an earlier flush of it."""
+    from .models import RejectionStat
+
+    if connection.vendor == "postgresql":
+        RejectionStat.objects.bulk_create(
+            stats, batch_size=1000, update_conflicts=True,
+            unique_fields=["minute", "pool", "workload", "reason"], update_fields=["count"],
+        )
+        return
+    # SQLite (the `make run` demo) cannot enforce a unique constraint over a
+    # nullable pool, so ON CONFLICT has nothing to match: upsert row by row.
+    for stat in stats:
+        RejectionStat.objects.update_or_create(
+            minute=stat.minute, pool_id=stat.pool_id, workload_id=stat.workload_id, reason=stat.reason,
+            defaults={"count": stat.count, "tenant_id": stat.tenant_id},
+        )
 
 
 def rejection_samples_prune(*, now=None) -> int:

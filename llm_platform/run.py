@@ -129,16 +129,21 @@ def main() -> None:
         failed = supervisor.check()
         if failed:
             raise SystemExit(f"[sluice] {failed} exited; see {log_dir / (failed + '.log')}")
-        password_file = var_dir / "admin-password.txt"
-        password = password_file.read_text().strip() if password_file.exists() else "(set earlier; reset with manage.py changepassword admin)"
+        logins_file = var_dir / "demo-logins.json"
+        logins = json.loads(logins_file.read_text()) if logins_file.exists() else {}
+        login_lines = "\n".join(f"    {user:11s} / {password}" for user, password in logins.items())
         chat = demo["workloads"]["acme-chat"]
         print(f"""
 Sluice is up.
 
-  Web UI / admin : http://127.0.0.1:{port}/admin/   (admin / {password})
+  Web UI         : http://127.0.0.1:{port}/          (Django admin at /admin/)
+  API docs       : http://127.0.0.1:{port}/api/docs/
   OpenAI API     : {demo['base_url']}
   Health         : http://127.0.0.1:{port}/healthz
   Logs           : {log_dir}/
+
+Demo logins (platform admin, finance auditor, a member of each tenant; kept in {logins_file}):
+{login_lines}
 
 Try it (acme-chat, an interactive workload):
 

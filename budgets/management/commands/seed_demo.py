@@ -58,7 +58,7 @@ class Command(BaseCommand):
         parser.add_argument("--pool-url", default=None, help="The pool's base URL (default SLUICE_SIM_URL).")
 
     @transaction.atomic
-    def _seed(self, pool_url: str) -> tuple[dict, str | None]:
+    def _seed(self, pool_url: str) -> tuple[dict, dict[str, str]]:
         pool, _ = InferencePool.objects.update_or_create(slug=POOL["slug"], defaults={**POOL, "base_url": pool_url})
         for model, input_price, output_price in PRICES:
             ModelPrice.objects.get_or_create(
@@ -88,33 +88,43 @@ class Command(BaseCommand):
                     "ceiling_tpm": ceiling, "lend_fraction": lend, "rpm": rpm, "prompt_tokens_cap": prompt_cap,
                     "max_tokens_cap": max_cap, "pool": pool.slug,
                 }
-        admin_password = self._ensure_users()
-        return workloads, admin_password
+        logins = self._ensure_users()
+        return workloads, logins
 
-    def _ensure_users(self) -> str | None:
+    def _ensure_users(self) -> dict[str, str]:
+        """Demo logins, one per role: a platform admin, a finance auditor and a
+        member of each tenant. Passwords are random, made once per machine and
+        kept in var/demo-logins.json (mode 600), never in the repository."""
+        from django.contrib.auth.models import Group
+
         User = get_user_model()
-        password_file = settings.VAR_DIR / "admin-password.txt"
-        admin = User.objects.filter(username="admin").first()
-        password = None
-        if admin is None:
-            password = secrets.token_urlsafe(12)
-            User.objects.create_superuser("admin", "admin@sluice.local", password)
-            settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
-            password_file.write_text(password + "\n")
-            password_file.chmod(0o600)
-        elif password_file.exists():
-            password = password_file.read_text().strip()
-        for tenant_slug in ("acme", "globex"):
-            user, created = User.objects.get_or_create(username=f"{tenant_slug}-dev", defaults={"email": f"dev@{tenant_slug}.example"})
-            if created:
-                user.set_unusable_password()
+        logins_file = settings.VAR_DIR / "demo-logins.json"
+        logins: dict[str, str] = json.loads(logins_file.read_text()) if logins_file.exists() else {}
+        people = [
+            ("admin", {"is_staff": True, "is_superuser": True}, None),
+            ("finance", {}, "Finance auditors"),
+            ("acme-dev", {}, None),
+            ("globex-dev", {}, None),
+        ]
+        for username, flags, group in people:
+            user, created = User.objects.get_or_create(username=username, defaults={"email": f"{username}@sluice.local", **flags})
+            if created or username not in logins:
+                logins[username] = logins.get(username) or secrets.token_urlsafe(12)
+                user.set_password(logins[username])
                 user.save()
-            Membership.objects.get_or_create(tenant=Tenant.objects.get(slug=tenant_slug), user=user)
-        return password
+            if group:
+                user.groups.add(Group.objects.get(name=group))
+        for tenant_slug in ("acme", "globex"):
+            Membership.objects.get_or_create(tenant=Tenant.objects.get(slug=tenant_slug),
+                                             user=User.objects.get(username=f"{tenant_slug}-dev"))
+        settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
+        logins_file.write_text(json.dumps(logins, indent=2) + "\n")
+        logins_file.chmod(0o600)
+        return logins
 
     def handle(self, *args, **options):
         pool_url = options["pool_url"] or settings.SLUICE_SIM_URL
-        workloads, admin_password = self._seed(pool_url)
+        workloads, logins = self._seed(pool_url)
         pool_config_push(pool=InferencePool.objects.get(slug=POOL["slug"]))
         import os
 
@@ -125,5 +135,5 @@ class Command(BaseCommand):
         self.stdout.write(f"Seeded pool {POOL['slug']} and {len(workloads)} workloads.")
         for slug, info in workloads.items():
             self.stdout.write(f"  {slug:18s} {info['class']:12s} key {info['api_key']}")
-        if admin_password:
-            self.stdout.write(f"Admin login: admin / {admin_password}")
+        for username, password in logins.items():
+            self.stdout.write(f"Login: {username} / {password}")
