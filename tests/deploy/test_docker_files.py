@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_compose_has_every_part_of_the_platform():
     compose = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"postgres", "redis", "web", "beat", "sim", "migrate"} <= set(services)
+    assert {"postgres", "redis", "web", "beat", "pacer", "sim", "migrate"} <= set(services)
+    assert services["pacer"]["command"][-1] == "run_pacer"
     for lane, queue in LANE_QUEUES.items():
         command = services[f"worker-{lane}"]["command"]
         assert command[command.index("-Q") + 1] == queue
