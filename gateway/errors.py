@@ -18,11 +18,13 @@ def format_duration_ms(ms: int) -> str:
     return f"{minutes}m{rest}s"
 
 
+def error_body(*, message: str, error_type: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
 def openai_error(*, status: int, message: str, error_type: str, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None) -> JsonResponse:
-    response = JsonResponse(
-        {"error": {"message": message, "type": error_type, "param": param, "code": code}}, status=status
-    )
+    response = JsonResponse(error_body(message=message, error_type=error_type, code=code, param=param), status=status)
     for name, value in (headers or {}).items():
         response[name] = value
     return response

@@ -19,6 +19,7 @@ from budgets.ledger import LedgerEntry, usage_record_write
 from budgets.redis_client import get_redis, lua_script
 
 from . import keys
+from .errors import error_body
 from .metrics import departure_record
 from .pool_client import pool_client
 from .retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
@@ -56,8 +57,8 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
         return Outcome(
             status="upstream_error",
             http_status=status,
-            body={"error": {"message": f"The inference pool answered {exc.status_code}.", "type": "upstream_error",
-                            "param": None, "code": "upstream_rate_limited" if status == 429 else "upstream_error"}},
+            body=error_body(message=f"The inference pool answered {exc.status_code}.", error_type="upstream_error",
+                            code="upstream_rate_limited" if status == 429 else "upstream_error"),
             upstream_ms=upstream_ms,
             retry_after_ms=_retry_after_ms(exc),
             attempts=1,
@@ -71,9 +72,9 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
         return Outcome(
             status="upstream_error",
             http_status=504 if timed_out else 502,
-            body={"error": {"message": "The inference pool timed out." if timed_out else "The inference pool is unreachable.",
-                            "type": "upstream_error", "param": None,
-                            "code": "upstream_timeout" if timed_out else "upstream_unreachable"}},
+            body=error_body(message="The inference pool timed out." if timed_out else "The inference pool is unreachable.",
+                            error_type="upstream_error",
+                            code="upstream_timeout" if timed_out else "upstream_unreachable"),
             upstream_ms=upstream_ms,
             attempts=1,
         ), not timed_out
@@ -194,8 +195,8 @@ def request_execute(*, request_id: str) -> str:
         outcome = Outcome(
             status="queue_timeout",
             http_status=503,
-            body={"error": {"message": "The request waited in its lane past its queue timeout.",
-                            "type": "queue_timeout", "param": None, "code": "queue_timeout"}},
+            body=error_body(message="The request waited in its lane past its queue timeout.",
+                            error_type="queue_timeout", code="queue_timeout"),
             queue_wait_ms=queue_wait_ms,
         )
         request_finish(record=record, outcome=outcome, pool_called=False)
@@ -209,8 +210,8 @@ def request_execute(*, request_id: str) -> str:
         # reads. A provider does not bill a call whose client hung up.
         outcome = Outcome(
             status="upstream_error", http_status=502, queue_wait_ms=queue_wait_ms,
-            body={"error": {"message": "The worker running this request was lost.", "type": "upstream_error",
-                            "param": None, "code": "worker_lost"}},
+            body=error_body(message="The worker running this request was lost.", error_type="upstream_error",
+                            code="worker_lost"),
         )
         request_finish(record=record, outcome=outcome, pool_called=False)
         return "abandoned"

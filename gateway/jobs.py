@@ -27,8 +27,9 @@ from budgets.redis_client import get_redis, lua_script
 
 from . import keys
 from .auth import CallerContext
-from .enqueue import admit_sync, lease_ttl_ms, record_build, record_enqueue
 from .dispatch import new_request_id
+from .enqueue import admit_sync, lease_ttl_ms, record_build, record_enqueue
+from .errors import error_body
 from .models import Job
 from .records import Outcome
 from .validation import ChatRequest
@@ -115,8 +116,8 @@ def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None
         job.status = Job.Status.REJECTED if at_submit else Job.Status.EXPIRED
         job.reason = "deadline_unreachable"
         job.finished_at = timezone.now()
-        job.result = {"error": {"message": f"Budget ({reason}) would hold this job past its deadline.",
-                                "type": "rate_limit_error", "param": None, "code": "deadline_unreachable"}}
+        job.result = error_body(message=f"Budget ({reason}) would hold this job past its deadline.",
+                                error_type="rate_limit_error", code="deadline_unreachable")
         job.save(update_fields=["status", "reason", "finished_at", "result"])
         return
     job.status = Job.Status.DELAYED
@@ -191,8 +192,8 @@ def job_release(*, job_id: str) -> str:
         job.status = Job.Status.REJECTED
         job.reason = rejected.reason
         job.finished_at = timezone.now()
-        job.result = {"error": {"message": rejected.message, "type": rejected.error_type, "param": rejected.param,
-                                "code": rejected.reason}}
+        job.result = error_body(message=rejected.message, error_type=rejected.error_type, param=rejected.param,
+                                code=rejected.reason)
         job.save(update_fields=["status", "reason", "finished_at", "result"])
     return job.status
 

@@ -218,3 +218,17 @@ def test_protected_reservation_survives_a_borrower(make_caller):
     # and the strict and lender workloads still get their protected parts in full
     assert not isinstance(try_admit(strict, tokens=20_000), Rejected)
     assert not isinstance(try_admit(lender, tokens=10_000), Rejected)
+
+
+def test_workload_concurrency_limit_and_leases_that_expire_by_themselves(make_caller):
+    pool = make_caller.pool()
+    caller = make_caller(pool=pool, max_concurrency=2)
+    # two in flight, each on a 300 ms lease (as if their worker died)
+    for n in range(2):
+        admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=f"lease-{n}", input_tokens=0,
+              output_tokens=10, lease_ttl_ms=300)
+    third = try_admit(caller, tokens=10)
+    assert isinstance(third, Rejected) and third.reason == "workload_concurrency"
+    # once their leases expire the slots count as free, even before the reaper runs
+    time.sleep(0.35)
+    assert not isinstance(try_admit(caller, tokens=10), Rejected)
