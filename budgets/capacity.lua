@@ -48,10 +48,17 @@ local function decrease()
 end
 
 if event == 'throttle' then
-  -- 429s that arrive while the pool's last Retry-After still runs answer
-  -- requests sent before we slowed down (a provider's window drains slowly):
-  -- they are the same signal, not a new one.
-  if now >= (cap['blocked_until_ms'] or 0) then decrease() end
+  -- 429s that arrive while the pool's last Retry-After still runs mostly
+  -- answer requests sent before we slowed down (a provider's sliding window
+  -- drains slowly): within that window the factor may fall at most two
+  -- halvings below where this episode of throttling began; once the
+  -- Retry-After has passed, a 429 is news again.
+  local episode_start = cap['episode_start'] or factor
+  if now - last_decrease >= hint_memory then episode_start = factor end
+  redis.call('HSET', KEYS[3], 'episode_start', tostring(episode_start))
+  if now >= (cap['blocked_until_ms'] or 0) or factor * beta >= episode_start * beta * beta - 1e-9 then
+    decrease()
+  end
   local retry_after = tonumber(ARGV[3]) or 0
   if retry_after > 0 then
     local until_ms = now + retry_after

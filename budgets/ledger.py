@@ -9,9 +9,12 @@ from decimal import Decimal
 
 from .models import ModelPrice, UsageRecord
 
+MILLION = Decimal(1_000_000)
+
 
 def price_in_force(*, model: str, at: datetime) -> ModelPrice | None:
     return ModelPrice.objects.filter(model=model, effective_from__lte=at).order_by("-effective_from").first()
+
 
 
 @dataclass(frozen=True)
@@ -34,18 +37,25 @@ class LedgerEntry:
     total_ms: int = 0
     attempts: int = 0
     error: str = ""
+    # The price the gateway resolved at admission (the price in force when the
+    # request arrived), so settlement needs no lookup: (id, input, output per
+    # million), or None when the model had no price. Unset: look it up.
+    price: tuple[int, Decimal, Decimal] | None | bool = False
 
 
 def usage_record_write(*, entry: LedgerEntry) -> None:
     """Insert the row unless one with the same request id exists: one
     INSERT ... ON CONFLICT DO NOTHING, so any number of writers (web, worker,
     a redelivered task) leave exactly one row."""
-    price = price_in_force(model=entry.model, at=entry.created_at)
-    cost = (
-        price.cost(input_tokens=entry.actual_input_tokens, output_tokens=entry.actual_output_tokens)
-        if price is not None
-        else Decimal("0")
-    )
     fields = dict(entry.__dict__)
+    known = fields.pop("price")
     fields["error"] = fields["error"][:500]
-    UsageRecord.objects.bulk_create([UsageRecord(price=price, cost=cost, **fields)], ignore_conflicts=True)
+    if known is False:
+        price = price_in_force(model=entry.model, at=entry.created_at)
+        known = (price.pk, price.input_per_million, price.output_per_million) if price is not None else None
+    price_id, cost = None, Decimal("0")
+    if known is not None:
+        price_id, input_per_million, output_per_million = known
+        cost = (Decimal(entry.actual_input_tokens) * input_per_million
+                + Decimal(entry.actual_output_tokens) * output_per_million) / MILLION
+    UsageRecord.objects.bulk_create([UsageRecord(price_id=price_id, cost=cost, **fields)], ignore_conflicts=True)

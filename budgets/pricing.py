@@ -17,6 +17,7 @@ from .ledger import price_in_force
 class TokenPrice:
     input_per_million: Decimal
     output_per_million: Decimal
+    price_id: int | None = None  # the ModelPrice version
 
     def cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
         amount = self.input_per_million * input_tokens + self.output_per_million * output_tokens
@@ -28,7 +29,7 @@ def prices_in_force(*, models, at: datetime) -> dict[str, TokenPrice]:
     for model in models:
         price = price_in_force(model=model, at=at)
         if price is not None:
-            prices[model] = TokenPrice(price.input_per_million, price.output_per_million)
+            prices[model] = TokenPrice(price.input_per_million, price.output_per_million, price.pk)
     return prices
 
 

@@ -75,7 +75,7 @@ async def _refund_and_record_timeout(record: RequestRecord, queue_wait_ms: int) 
         tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
         model=record.model, lane=record.lane, status="queue_timeout", borrowed=record.borrowed,
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
-        queue_wait_ms=queue_wait_ms, total_ms=queue_wait_ms, error="queue_timeout",
+        queue_wait_ms=queue_wait_ms, total_ms=queue_wait_ms, error="queue_timeout", price=record.ledger_price,
     )
     await sync_to_async(usage_record_write, thread_sensitive=False)(entry=entry)
     await sync_to_async(departure_record, thread_sensitive=False)(

@@ -92,6 +92,7 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         retry_deadline_ms=retry_deadline_ms,
         price_input_per_million=str(price.input_per_million) if price else "",
         price_output_per_million=str(price.output_per_million) if price else "",
+        price_id=(price.price_id or 0) if price else 0,
         spend_month_key=spend_month(pool_id=ctx.pool_id, at_ms=admission.admitted_ms)[0] if price else "",
     )
 

@@ -5,6 +5,7 @@ task whose worker died)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -50,7 +51,10 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     sim = payload.pop("sim", None)
     started = time.monotonic()
     try:
-        completion = client.chat.completions.create(**payload, extra_body={"sim": sim} if sim is not None else None)
+        # The raw response: the pool's JSON is relayed as it came, and the
+        # SDK's model parsing (a fifth of a worker's CPU) is skipped.
+        raw = client.chat.completions.with_raw_response.create(
+            **payload, extra_body={"sim": sim} if sim is not None else None)
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         status = 429 if exc.status_code == 429 else 502
@@ -79,13 +83,21 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
             attempts=1,
         ), not timed_out
     upstream_ms = int((time.monotonic() - started) * 1000)
-    body = completion.model_dump(exclude_unset=True)
-    usage = completion.usage
+    try:
+        body = json.loads(raw.text)
+        usage = body.get("usage") or {}
+        input_tokens, output_tokens = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    except (ValueError, TypeError, AttributeError):
+        return Outcome(
+            status="upstream_error", http_status=502, upstream_ms=upstream_ms, attempts=1,
+            body=error_body(message="The inference pool answered with something that is not a chat completion.",
+                            error_type="upstream_error", code="upstream_invalid_response"),
+        ), False
     return Outcome(
         status="ok",
         body=body,
-        input_tokens=usage.prompt_tokens if usage else 0,
-        output_tokens=usage.completion_tokens if usage else 0,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
         upstream_ms=upstream_ms,
         attempts=1,
         upstream_status=200,
@@ -164,6 +176,7 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
             total_ms=total_ms,
             attempts=outcome.attempts,
             error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+            price=record.ledger_price,
         )
     )
     departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,

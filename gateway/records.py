@@ -44,7 +44,14 @@ class RequestRecord:
     # The price in force at admission: settlement corrects the spend with it.
     price_input_per_million: str = ""
     price_output_per_million: str = ""
+    price_id: int = 0  # 0: the model had no price at admission
     spend_month_key: str = ""
+
+    @property
+    def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
+        if not self.price_id:
+            return None
+        return self.price_id, Decimal(self.price_input_per_million), Decimal(self.price_output_per_million)
 
     def actual_cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
         if not self.price_input_per_million:
@@ -83,6 +90,7 @@ class RequestRecord:
             price_input_per_million=data.get("price_input_per_million", ""),
             price_output_per_million=data.get("price_output_per_million", ""),
             spend_month_key=data.get("spend_month_key", ""),
+            price_id=int(data.get("price_id", 0) or 0),
         )
 
 

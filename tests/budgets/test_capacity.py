@@ -100,16 +100,24 @@ def test_recovery_is_slow_near_the_level_that_was_throttled(make_caller, redis_c
     assert slow == pytest.approx(0.952, abs=0.0005)
 
 
-def test_throttles_inside_the_pools_retry_after_are_one_signal(make_caller, redis_client):
+def test_throttles_inside_the_pools_retry_after_fall_at_most_two_halvings(make_caller, redis_client):
     caller = make_caller()
     pool_id = caller.pool.id
+    key = keys.pool_capacity(pool_id)
+
+    def after_cooldown(**fields):
+        redis_client.hset(key, mapping={"last_decrease_ms": time.time() * 1000 - 2_500, **fields})
+
     assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.5
-    # past the cooldown, but still inside the pool's Retry-After
-    redis_client.hset(keys.pool_capacity(pool_id), "last_decrease_ms", 0)
-    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.5
-    # once the Retry-After has passed, a new 429 is a new signal
-    redis_client.hset(keys.pool_capacity(pool_id), mapping={"last_decrease_ms": 0, "blocked_until_ms": 0})
-    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=0) == 0.25
+    # past the cooldown but inside the pool's Retry-After: one more halving...
+    after_cooldown()
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.25
+    # ...and no further: these 429s answer what was sent before we slowed down
+    after_cooldown()
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=10_000) == 0.25
+    # once the Retry-After has passed, a new 429 is news again
+    after_cooldown(blocked_until_ms=0)
+    assert capacity_signal(pool_id=pool_id, event="throttle", retry_after_ms=0) == 0.125
 
 
 def test_fast_calls_getting_slower_are_not_a_saturated_engine(make_caller):
