@@ -155,53 +155,44 @@ a 15 s burst: a window that starts with a full bucket can admit ceiling x 1.25; 
 windows stay at or under the ceiling. Closing the p99 gap would take pacing batch admissions
 (e.g. spreading them with the scheduled lane's leaky bucket) or a per-step prefill budget on the
 pool side (chunked prefill).""",
-    "brownout": """**Reading it.** The simulated provider counts TPM over a sliding 60 s window, like hosted
-providers do. When its limit halves, the window already holds about the old minute's traffic,
-so *every* call is refused until enough of it slides out, whatever the gateway does next; 429s
-that keep arriving during that drain are not new information. Sluice's multiplicative decrease
-(one halving per cooldown) treats each as a fresh throttle and falls to its floor
-(`SLUICE_CAPACITY_MIN_FACTOR` 0.05); its recovery above 90% of the factor at the last throttle
-is ten times slower, so the factor stays near that floor for most of the brownout and the
-protected interactive reservation is scaled down with it. Batch requests (1,330 tokens) meanwhile
-get `request_too_large` (413, no Retry-After) because the shrunken pool bucket's capacity is
-below one request (see scenario 5). What would close the gap: treat
-upstream 429s within the upstream's Retry-After as one signal, block (not decrease) until that
-Retry-After, never scale a strictly protected interactive reservation below what the reduced
-pool still covers, and base the recovery hint on the provider's remaining-tokens headers rather
-than on the factor at the last 429.""",
+    "brownout": """**Reading it.** The simulated provider counts TPM over a sliding 60 s window, as hosted
+providers do (BACKGROUND.md). When its limit halves, the window already holds the last minute's
+traffic at the old rate, so the provider refuses *every* call until enough of it slides out:
+at 80% of the old limit that is at least (0.8 - 0.5) / 0.8 x 60 = 22.5 s, whatever the gateway
+does from the first 429 on. That drain is the 25 s burst of 429s in the plot, and the chat
+goodput of the worst bins: no request of anyone's gets through it. After it, Sluice's admission
+rate sits at the reduced capacity (the adaptive factor falls at most two halvings within the
+provider's Retry-After, then recovers additively, slowly near the level that was throttled) and
+chat, covered first by the shedding order, runs at its reservation; the one later 429 near the
+end of the brownout is the additive recovery probing. "Time to adapt" as measured (brownout start
+to the *last* 429) counts that probe. The 10 s target would need the gateway to know the new
+limit before the provider refuses: reading the provider's `x-ratelimit-limit-tokens` /
+`-remaining-tokens` headers on every answer and setting the factor from them, instead of
+inferring it from 429s, is the change that would close it.""",
     "retry_storm": """**Reading it.** Direct, every naive operation during the outage makes its 3 attempts and
-all of them reach the pool. Through Sluice far fewer reach it: the simulator's 503s carry a
-Retry-After, which Sluice keeps as a floor, so admitted requests wait in their lane until the
-outage ends and then succeed (operations started in the last 35 s of the outage succeed
-through Sluice, none do directly). The target is met. The cost shows afterwards: the requests
-admitted during the outage are all released when the block ends, on top of new operations and
-the naive clients' retries, so Sluice sends the pool ~14-17 requests/s against a provider limit
-of 10/s (the buckets were debited at admission, when the pool could not use them). The
-provider's sliding window fills, its 429s drive the adaptive factor to its floor (0.05, see the
-plot) and Sluice refuses most operations (`pool_rpm`) for the rest of the run: after the outage
-it has not recovered when the run ends, while the direct clients recover at once. Releasing held
-requests through a pacer at the provider's rate (or admitting at dispatch, not before the wait)
-and treating a sliding-window 429 burst as one signal would close it.""",
-    "overhead": """**Reading it / hotspots.** One uvicorn process cannot sustain 100 requests/s through the full
-path on this 2-core machine (it completes ~60/s closed-loop, sharing the cores with the Celery
-workers, Redis, PostgreSQL and the simulator), so the paced 100/s run queues and its added
-latency is queueing; the 20/s row is the per-request cost without a queue. Two further findings:
-(1) once the path is overloaded, Sluice's own queueing raises upstream latency per token, the
-adaptive capacity reads it as a throttle and shrinks the buckets, and the fast-path workload
-(20 RPM, 31-token requests) is then refused with `request_too_large` (413, no Retry-After)
-instead of 429: a transient capacity cut turned into a permanent-looking client error
-(budgets/admit.lua: `wait_for` returns INF when k > `cap_of(name)`, and `cap_of` scales the
-buckets by the adaptive factor / shed scale; INF becomes `request_too_large`). (2) A py-spy
-profile of the web process under a rejection-only load (no pool call; `py-spy record -r 200`,
-8 s) puts ~50% of its samples in thread hand-offs: `WhiteNoiseMiddleware` (6.12) is sync-only,
-so Django adapts the async `/v1` view through `async_to_sync`/`sync_to_async`, and with Django's
-per-request `ThreadSensitiveContext` every request starts a thread
-(`ThreadPoolExecutor._adjust_thread_count` -> `Thread.start`, ~18% alone); each other
-`MiddlewareMixin` middleware adds a `sync_to_async` hop; each 4xx is also logged by
-`django.request` at WARNING. Serving `/v1/*` outside the Django middleware stack (a thin ASGI
-router in `llm_platform/asgi.py` sending `/v1/` straight to the async views) is the first thing
-to change; the Celery hop (enqueue, worker dequeue, BLPOP hand-back: lane wait p99 130 ms real
-in scenario 1 with idle workers) is the second.""",
+all of them reach the pool. Through Sluice, each admitted call is tried at most twice, the
+second try only after the pool's Retry-After plus full jitter and only while the pool-wide
+retry budget (10% of first attempts) and the session's budget allow, so the pool sees about one
+attempt per operation. Naive clients still retry Sluice's own 429s and 503s, which cost the pool
+nothing. Recovery after the outage is slower through Sluice than direct: the provider's
+sliding window fills with the burst of operations that arrive when it reopens, its 429s lower
+the adaptive factor, and Sluice refuses at the door (`pool_rpm`) until the window drains and the
+factor recovers. Admitting held work at the provider's reported remaining rate (its
+`x-ratelimit-remaining-*` headers) rather than at the configured one would shorten that.""",
+    "overhead": """**Reading it / hotspots.** The API runs on a middleware-free ASGI handler (`llm_platform/asgi.py`):
+Django's session/CSRF/auth middleware each cost a thread hop per request in an async stack, about
+a third of the web process's CPU under a 429 storm, and removing them doubled the refusals per
+second. Unloaded (the 20 req/s row), Sluice adds ~17 ms: the Celery hop (record in Redis,
+publish, the lane worker's BRPOP, the deadline claim) is ~4 ms, the worker's own path (the SDK
+call, settlement, the ledger INSERT that is committed before the caller is answered, the outcome
+hand-back by BLPOP) most of the rest. At a paced 100 req/s, one web process, the lane workers,
+Redis, PostgreSQL, the simulator and the load generator share 2 cores and the full path
+completes ~95-100 requests/s, so that run queues: its added latency is queueing, not per-request
+cost. The fast path (Lua admission, a 429 and its per-minute counter) is bounded by Django's
+request handling in one process on a shared core. What would close the gap: more web processes
+(uvicorn `--workers`, linear until the cores are used), answering the caller before the ledger
+INSERT (safe: every step after settlement is idempotent and a redelivered task writes the row),
+and a lighter hand-off than a Celery message for the interactive lane.""",
     "accuracy": """**Reading it.** Every window of every length stays within the bucket's own bound (capacity +
 rate x window), so 4 processes admit no more than one would: the Lua script is atomic. The 60 s
 row is the one the target names; its bound includes the 1 s burst capacity (1,000 tokens,
