@@ -9,6 +9,8 @@ everything else straight on."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.http import HttpRequest
@@ -25,6 +27,9 @@ class StaticFilesMiddleware:
 
     def __init__(self, get_response):
         self.get_response = get_response
+        # Assets are found in the installed apps (WHITENOISE_USE_FINDERS) until
+        # collectstatic fills STATIC_ROOT; an absent root only makes WhiteNoise warn.
+        Path(settings.STATIC_ROOT).mkdir(parents=True, exist_ok=True)
         self.whitenoise = WhiteNoiseMiddleware(_no_view)
         self.prefix = "/" + settings.STATIC_URL.lstrip("/")
         if iscoroutinefunction(self.get_response):
