@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
@@ -31,6 +32,9 @@ from django.utils import timezone
 
 from . import keys
 from .redis_client import get_async_redis, get_redis, lua_script
+
+if TYPE_CHECKING:
+    from .models import RejectionStat
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,16 @@ def _known_pool_ids() -> list[int]:
     return [NO_POOL, *InferencePool.objects.values_list("id", flat=True)]
 
 
+def _minutes_read(client, pool_id: int, minutes: list[int]) -> list[tuple[dict, list]]:
+    """Counts and samples of each minute, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for minute in minutes:
+        pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
+        pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
+    replies = pipe.execute()
+    return [(replies[2 * i], replies[2 * i + 1]) for i in range(len(minutes))]
+
+
 def _parse_field(field: str) -> tuple[int, int, str] | None:
     try:
         wid, tid, reason = field.split("|", 2)
@@ -135,13 +149,9 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
         minutes = [int(float(m)) for m in client.zrangebyscore(pending_key, "-inf", due_before, start=0, num=max_minutes)]
         if not minutes:
             continue
-        pipe = client.pipeline(transaction=False)
-        for minute in minutes:
-            pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
-            pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
-        replies = pipe.execute()
-        counts_by_minute = {m: replies[2 * i] for i, m in enumerate(minutes)}
-        samples_by_minute = {m: replies[2 * i + 1] for i, m in enumerate(minutes)}
+        read = _minutes_read(client, pool_id, minutes)
+        counts_by_minute = {m: counts for m, (counts, _) in zip(minutes, read)}
+        samples_by_minute = {m: samples for m, (_, samples) in zip(minutes, read)}
 
         workload_ids = set()
         for counts in counts_by_minute.values():
@@ -242,19 +252,15 @@ def rejections_pending(*, pool_ids: list[int], since: datetime, workload_ids: se
             minutes = [int(float(m)) for m in client.zrangebyscore(keys.rejection_pending_minutes(pool_id), since_s, "+inf")]
             if not minutes:
                 continue
-            pipe = client.pipeline(transaction=False)
-            for minute in minutes:
-                pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
-                pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
-            replies = pipe.execute()
+            read = _minutes_read(client, pool_id, minutes)
             for i, minute in enumerate(minutes):
                 at = datetime.fromtimestamp(minute, tz=dt_timezone.utc)
-                for field, count in replies[2 * i].items():
+                for field, count in read[i][0].items():
                     parsed = _parse_field(field)
                     if parsed is None or (workload_ids is not None and parsed[0] not in workload_ids):
                         continue
                     counts[(at, parsed[0], parsed[2])] = int(count)
-                for raw in replies[2 * i + 1]:
+                for raw in read[i][1]:
                     try:
                         data = json.loads(raw)
                     except ValueError:
