@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
-from rest_framework.exceptions import NotFound
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from .access import api_key_of_tenant, api_keys_of_tenant, tenant_for_user, tenant_for_writer, tenants_for_user, workload_of_tenant
-from .api_permissions import ReadOnlyForFinance
-from .models import ApiKey, Tenant, Workload
-from .services import api_key_create, api_key_revoke
+from tenants.access import (
+    api_key_of_tenant,
+    api_keys_of_tenant,
+    tenant_for_user_or_404,
+    tenants_for_user,
+    workload_of_tenant,
+)
+from tenants.api_permissions import ReadOnlyForFinance
+from tenants.models import ApiKey, Tenant, Workload
+from tenants.services import api_key_create, api_key_revoke
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -31,8 +36,17 @@ class ApiKeySerializer(serializers.ModelSerializer):
 
 
 class ApiKeyCreateSerializer(serializers.Serializer):
+    """Needs ``context["tenant"]``; adds ``workload`` (one of that tenant's)."""
+
     workload_id = serializers.IntegerField(min_value=1)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+    def validate(self, data):
+        try:
+            data["workload"] = workload_of_tenant(tenant=self.context["tenant"], workload_id=data["workload_id"])
+        except Workload.DoesNotExist:
+            raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
+        return data
 
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):
@@ -40,20 +54,6 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields = [*ApiKeySerializer.Meta.fields, "key"]
-
-
-def readable_tenant(request, slug: str) -> Tenant:
-    try:
-        return tenant_for_user(user=request.user, slug=slug)
-    except Tenant.DoesNotExist:
-        raise NotFound()
-
-
-def writable_tenant(request, slug: str) -> Tenant:
-    try:
-        return tenant_for_writer(user=request.user, slug=slug)
-    except Tenant.DoesNotExist:
-        raise NotFound()
 
 
 class TenantList(APIView):
@@ -65,7 +65,7 @@ class TenantList(APIView):
 class TenantDetail(APIView):
     @extend_schema(responses=TenantSerializer)
     def get(self, request, slug: str):
-        return Response(TenantSerializer(readable_tenant(request, slug)).data)
+        return Response(TenantSerializer(tenant_for_user_or_404(user=request.user, slug=slug)).data)
 
 
 class ApiKeyList(APIView):
@@ -73,20 +73,16 @@ class ApiKeyList(APIView):
 
     @extend_schema(responses=ApiKeySerializer(many=True), summary="The tenant's API keys (prefixes only)")
     def get(self, request, slug: str):
-        tenant = readable_tenant(request, slug)
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug)
         return Response(ApiKeySerializer(api_keys_of_tenant(tenant=tenant), many=True).data)
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer},
                    summary="Create an API key (the full key is in this response only)")
     def post(self, request, slug: str):
-        tenant = writable_tenant(request, slug)
-        payload = ApiKeyCreateSerializer(data=request.data)
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+        payload = ApiKeyCreateSerializer(data=request.data, context={"tenant": tenant})
         payload.is_valid(raise_exception=True)
-        try:
-            workload = workload_of_tenant(tenant=tenant, workload_id=payload.validated_data["workload_id"])
-        except Workload.DoesNotExist:
-            raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
-        created = api_key_create(workload=workload, name=payload.validated_data["name"])
+        created = api_key_create(workload=payload.validated_data["workload"], name=payload.validated_data["name"])
         data = ApiKeySerializer(created.api_key).data
         data["key"] = created.raw_key
         response = Response(data, status=201)
@@ -99,9 +95,7 @@ class ApiKeyRevoke(APIView):
 
     @extend_schema(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
     def post(self, request, slug: str, key_id: int):
-        tenant = writable_tenant(request, slug)
-        try:
-            key = api_key_of_tenant(tenant=tenant, key_id=key_id)
-        except ApiKey.DoesNotExist:
-            raise NotFound()
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+        # Another tenant's key raises DoesNotExist: the exception handler's 404.
+        key = api_key_of_tenant(tenant=tenant, key_id=key_id)
         return Response(ApiKeySerializer(api_key_revoke(api_key=key)).data)

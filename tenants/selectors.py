@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from .keys import api_key_hash
-from .models import ApiKey, Tenant, Workload
+from tenants.keys import api_key_hash
+from tenants.models import ApiKey
 
 
 def api_key_lookup(*, raw_key: str) -> ApiKey | None:
@@ -11,12 +11,3 @@ def api_key_lookup(*, raw_key: str) -> ApiKey | None:
         .filter(key_hash=api_key_hash(raw_key), revoked_at__isnull=True, workload__is_active=True)
         .first()
     )
-
-
-def workload_get(*, tenant: Tenant, workload_id: int) -> Workload:
-    """A workload of ``tenant``; another tenant's id raises DoesNotExist."""
-    return Workload.objects.get(tenant=tenant, pk=workload_id)
-
-
-def workloads_of_tenant(*, tenant: Tenant):
-    return Workload.objects.filter(tenant=tenant)

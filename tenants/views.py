@@ -10,23 +10,16 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from .access import api_key_of_tenant, tenant_for_writer, workload_of_tenant
-from .models import ApiKey, Tenant, Workload
-from .services import api_key_create, api_key_revoke
-
-
-def _writable_tenant(request, slug: str) -> Tenant:
-    try:
-        return tenant_for_writer(user=request.user, slug=slug)
-    except Tenant.DoesNotExist:
-        raise Http404("No such tenant.")
+from tenants.access import api_key_of_tenant, tenant_for_user_or_404, workload_of_tenant
+from tenants.models import ApiKey, Workload
+from tenants.services import api_key_create, api_key_revoke
 
 
 @login_required
 @require_POST
 @never_cache
 def api_key_new(request, slug: str):
-    tenant = _writable_tenant(request, slug)
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
     try:
         workload = workload_of_tenant(tenant=tenant, workload_id=int(request.POST.get("workload", "")))
     except (ValueError, Workload.DoesNotExist):
@@ -40,7 +33,7 @@ def api_key_new(request, slug: str):
 @login_required
 @require_POST
 def api_key_revoke_view(request, slug: str, key_id: int):
-    tenant = _writable_tenant(request, slug)
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
     try:
         key = api_key_of_tenant(tenant=tenant, key_id=key_id)
     except ApiKey.DoesNotExist:

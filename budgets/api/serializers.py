@@ -5,11 +5,19 @@ from decimal import Decimal
 from django.utils import timezone
 from rest_framework import serializers
 
+from tenants.access import (
+    tenant_for_user_or_404,
+    tenant_ids_for_user,
+    workload_for_user,
+    workload_for_user_by_slug,
+    workload_of_tenant,
+)
 from tenants.models import Workload
 
-from ..models import InferencePool, Reservation
-from ..models_requests import BudgetRequest, BudgetRequestEvent
-from ..selectors_usage import GROUPS
+from budgets.models import InferencePool, Reservation
+from budgets.models import BudgetRequest, BudgetRequestEvent
+from budgets.selectors.pools import pool_active_by_slug, pool_by_slug
+from budgets.selectors.usage import GROUPS, UsageFilters
 
 
 class ReservationSerializer(serializers.ModelSerializer):
@@ -87,6 +95,10 @@ class BudgetRequestSerializer(serializers.ModelSerializer):
 
 
 class BudgetRequestCreateSerializer(serializers.Serializer):
+    """Needs ``context["user"]``. Once the fields are valid, ``tenant`` and
+    ``pool`` become the objects and ``workload`` is added (None: a new one);
+    a tenant the user may not change is a 404, like on every other endpoint."""
+
     tenant = serializers.SlugField()
     pool = serializers.SlugField()
     workload_id = serializers.IntegerField(min_value=1, required=False, allow_null=True)
@@ -111,6 +123,17 @@ class BudgetRequestCreateSerializer(serializers.Serializer):
             raise serializers.ValidationError({"workload_id": ["Give a workload id or a new workload name."]})
         if data.get("ends_on") and data["ends_on"] <= timezone.now().date():
             raise serializers.ValidationError({"ends_on": ["The end date must be in the future."]})
+        data["tenant"] = tenant_for_user_or_404(user=self.context["user"], slug=data["tenant"], write=True)
+        try:
+            data["pool"] = pool_active_by_slug(slug=data["pool"])
+        except InferencePool.DoesNotExist:
+            raise serializers.ValidationError({"pool": ["Unknown or inactive pool."]})
+        data["workload"] = None
+        if data.get("workload_id"):
+            try:
+                data["workload"] = workload_of_tenant(tenant=data["tenant"], workload_id=data["workload_id"])
+            except Workload.DoesNotExist:
+                raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
         return data
 
 
@@ -124,6 +147,10 @@ class DecisionSerializer(serializers.Serializer):
 
 
 class UsageQuerySerializer(serializers.Serializer):
+    """Needs ``context["user"]``; adds ``filters`` (UsageFilters, scoped to
+    the tenants the user may read) and turns ``group_by`` into an ordered
+    tuple (default: by tenant)."""
+
     start = serializers.DateField()
     end = serializers.DateField()
     group_by = serializers.MultipleChoiceField(choices=GROUPS, required=False)
@@ -140,6 +167,27 @@ class UsageQuerySerializer(serializers.Serializer):
             raise serializers.ValidationError({"end": ["The end date is before the start date."]})
         if (data["end"] - data["start"]).days > self.MAX_DAYS:
             raise serializers.ValidationError({"start": [f"Choose at most {self.MAX_DAYS} days."]})
+        user = self.context["user"]
+        scope = tenant_ids_for_user(user=user)
+        tenant_id = workload_id = pool_id = None
+        if data.get("tenant"):
+            tenant_id = tenant_for_user_or_404(user=user, slug=data["tenant"]).id
+        if data.get("workload"):
+            try:
+                workload_id = workload_for_user_by_slug(user=user, slug=data["workload"]).id
+            except Workload.DoesNotExist:
+                raise serializers.ValidationError({"workload": ["Unknown workload."]})
+        if data.get("pool"):
+            try:
+                pool_id = pool_by_slug(slug=data["pool"]).id
+            except InferencePool.DoesNotExist:
+                raise serializers.ValidationError({"pool": ["Unknown pool."]})
+        data["filters"] = UsageFilters(
+            start=data["start"], end=data["end"], tenant_ids=frozenset(scope) if scope is not None else None,
+            tenant_id=tenant_id, cost_center=data.get("cost_center") or None, workload_id=workload_id,
+            model=data.get("model") or None, pool_id=pool_id,
+        )
+        data["group_by"] = tuple(g for g in GROUPS if g in (data.get("group_by") or {"tenant"}))
         return data
 
 
@@ -182,6 +230,9 @@ class SpendStatusSerializer(serializers.Serializer):
 
 
 class SpendBudgetWriteSerializer(serializers.Serializer):
+    """Needs ``context["user"]``; ``tenant`` becomes the Tenant (or None) and
+    ``workload`` (the Workload, or None) is added."""
+
     tenant = serializers.SlugField(required=False)
     workload_id = serializers.IntegerField(required=False, min_value=1)
     monthly_amount = serializers.DecimalField(max_digits=18, decimal_places=6, min_value=Decimal("0.000001"))
@@ -191,4 +242,14 @@ class SpendBudgetWriteSerializer(serializers.Serializer):
     def validate(self, data):
         if bool(data.get("tenant")) == bool(data.get("workload_id")):
             raise serializers.ValidationError({"non_field_errors": ["Give exactly one of tenant or workload_id."]})
+        user = self.context["user"]
+        data["workload"] = None
+        if data.get("tenant"):
+            data["tenant"] = tenant_for_user_or_404(user=user, slug=data["tenant"])
+        else:
+            data["tenant"] = None
+            try:
+                data["workload"] = workload_for_user(user=user, workload_id=data["workload_id"])
+            except Workload.DoesNotExist:
+                raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
         return data

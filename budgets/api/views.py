@@ -2,32 +2,30 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import serializers
-from rest_framework.exceptions import NotFound, PermissionDenied
+from rest_framework.exceptions import PermissionDenied
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from tenants.access import tenant_ids_for_user, tenant_for_user, tenant_for_writer, tenants_for_user, workload_of_tenant, workloads_of_tenant
+from tenants.access import tenant_for_user_or_404, tenant_ids_for_user, workload_of_tenant, workloads_of_tenant
 from tenants.api_permissions import IsPlatformAdmin, ReadOnlyForFinance
-from tenants.models import Tenant, Workload
 from tenants.roles import user_is_platform_admin
 
-from ..budget_requests import budget_request_approve, budget_request_reject, budget_request_submit
-from ..dashboards import spend_statuses_all
-from ..ledger_export import ledger_csv_response
-from ..live_metrics import pool_live_metrics
-from ..models import InferencePool, Reservation
-from ..models_requests import BudgetRequest
-from ..models_spend import SpendBudget
-from ..selectors_pool import budget_request_preview, pool_headroom
-from ..selectors_usage import UsageFilters, ledger_rows, usage_summary
-from ..spend import spend_statuses
-from .serializers import (
+from budgets.services.budget_requests import budget_request_approve, budget_request_reject, budget_request_submit
+from budgets.services.spend_budgets import spend_budget_set
+from budgets.web.dashboards import spend_statuses_all
+from budgets.ledger.export import ledger_csv_response
+from budgets.web.live_metrics import pool_live_metrics
+from budgets.models import BudgetRequest
+from budgets.selectors.pools import budget_request_preview, pool_for_user, pool_headrooms, pools_for_user
+from budgets.selectors.requests import budget_request_for_review, budget_request_for_user, budget_requests_for_user
+from budgets.selectors.reservations import reservations_of_pool
+from budgets.selectors.usage import ledger_rows, usage_summary
+from budgets.ledger.spend import spend_statuses
+from budgets.api.serializers import (
     BudgetRequestCreateSerializer,
     BudgetRequestQuerySerializer,
     BudgetRequestSerializer,
@@ -42,21 +40,11 @@ from .serializers import (
     WorkloadSerializer,
 )
 
+# A tenant, workload, pool or request the caller may not see raises Http404 or
+# DoesNotExist from its selector; llm_platform/api_errors.py answers both with
+# DRF's 404 (see tenants/access.py for why never 403).
+
 WRITERS = [IsAuthenticated, ReadOnlyForFinance]
-
-
-def _readable_tenant(request, slug: str) -> Tenant:
-    try:
-        return tenant_for_user(user=request.user, slug=slug)
-    except Tenant.DoesNotExist:
-        raise NotFound()
-
-
-def _writable_tenant(request, slug: str) -> Tenant:
-    try:
-        return tenant_for_writer(user=request.user, slug=slug)
-    except Tenant.DoesNotExist:
-        raise NotFound()
 
 
 # --- workloads ---------------------------------------------------------------------
@@ -65,20 +53,15 @@ def _writable_tenant(request, slug: str) -> Tenant:
 class WorkloadList(APIView):
     @extend_schema(responses=WorkloadSerializer(many=True), summary="The tenant's workloads and their reservations")
     def get(self, request, slug: str):
-        tenant = _readable_tenant(request, slug)
-        workloads = workloads_of_tenant(tenant=tenant).select_related("tenant", "reservation", "reservation__pool")
-        return Response(WorkloadSerializer(workloads, many=True).data)
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug)
+        return Response(WorkloadSerializer(workloads_of_tenant(tenant=tenant), many=True).data)
 
 
 class WorkloadDetail(APIView):
     @extend_schema(responses=WorkloadSerializer)
     def get(self, request, slug: str, workload_id: int):
-        tenant = _readable_tenant(request, slug)
-        try:
-            workload = workload_of_tenant(tenant=tenant, workload_id=workload_id)
-        except Workload.DoesNotExist:
-            raise NotFound()
-        return Response(WorkloadSerializer(workload).data)
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug)
+        return Response(WorkloadSerializer(workload_of_tenant(tenant=tenant, workload_id=workload_id)).data)
 
 
 # --- pools ------------------------------------------------------------------------------
@@ -87,11 +70,8 @@ class WorkloadDetail(APIView):
 class PoolList(APIView):
     @extend_schema(responses=PoolSerializer(many=True), summary="Active pools and their free capacity")
     def get(self, request):
-        pools = InferencePool.objects.order_by("slug")
-        if not user_is_platform_admin(request.user):
-            pools = pools.filter(is_active=True)
-        pools = list(pools)
-        context = {"headroom": {p.id: pool_headroom(pool=p) for p in pools}}
+        pools = list(pools_for_user(user=request.user))
+        context = {"headroom": pool_headrooms(pools=pools)}
         return Response(PoolSerializer(pools, many=True, context=context).data)
 
 
@@ -99,26 +79,15 @@ class PoolDetail(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT,
                    summary="A pool; platform admins also get its reservations and live metrics")
     def get(self, request, slug: str):
-        pool = InferencePool.objects.filter(slug=slug).first()
-        if pool is None or (not pool.is_active and not user_is_platform_admin(request.user)):
-            raise NotFound()
-        data = PoolSerializer(pool, context={"headroom": {pool.id: pool_headroom(pool=pool)}}).data
+        pool = pool_for_user(user=request.user, slug=slug)
+        data = PoolSerializer(pool, context={"headroom": pool_headrooms(pools=[pool])}).data
         if user_is_platform_admin(request.user):
-            reservations = Reservation.objects.filter(pool=pool).select_related("workload", "workload__tenant")
-            data["reservations"] = PoolReservationSerializer(reservations, many=True).data
+            data["reservations"] = PoolReservationSerializer(reservations_of_pool(pool=pool), many=True).data
             data["live"] = asdict(pool_live_metrics(pool_id=pool.id))
         return Response(data)
 
 
 # --- budget requests ---------------------------------------------------------------------
-
-
-def _requests_for(user):
-    queryset = BudgetRequest.objects.select_related("tenant", "pool", "workload", "requested_by", "decided_by")
-    tenant_ids = tenant_ids_for_user(user=user)
-    if tenant_ids is not None:
-        queryset = queryset.filter(tenant_id__in=tenant_ids)
-    return queryset.prefetch_related("events").order_by("-created_at")
 
 
 class BudgetRequestList(APIView):
@@ -132,47 +101,33 @@ class BudgetRequestList(APIView):
     def get(self, request):
         query = BudgetRequestQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        queryset = _requests_for(request.user)
-        if query.validated_data.get("status"):
-            queryset = queryset.filter(status=query.validated_data["status"])
-        if query.validated_data.get("tenant"):
-            queryset = queryset.filter(tenant__slug=query.validated_data["tenant"])
+        queryset = budget_requests_for_user(user=request.user, status=query.validated_data.get("status"),
+                                            tenant_slug=query.validated_data.get("tenant"))
         return Response(BudgetRequestSerializer(queryset[:500], many=True).data)
 
     @extend_schema(request=BudgetRequestCreateSerializer, responses={201: BudgetRequestSerializer},
                    summary="Ask for a budget slice")
     def post(self, request):
-        payload = BudgetRequestCreateSerializer(data=request.data)
+        payload = BudgetRequestCreateSerializer(data=request.data, context={"user": request.user})
         payload.is_valid(raise_exception=True)
         data = payload.validated_data
-        tenant = _writable_tenant(request, data["tenant"])
-        pool = InferencePool.objects.filter(slug=data["pool"], is_active=True).first()
-        if pool is None:
-            raise serializers.ValidationError({"pool": ["Unknown or inactive pool."]})
-        workload = None
-        if data.get("workload_id"):
-            try:
-                workload = workload_of_tenant(tenant=tenant, workload_id=data["workload_id"])
-            except Workload.DoesNotExist:
-                raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
         created = budget_request_submit(
-            tenant=tenant, user=request.user, pool=pool, workload=workload,
+            tenant=data["tenant"], user=request.user, pool=data["pool"], workload=data["workload"],
             new_workload_name=data.get("new_workload_name") or "", new_workload_class=data.get("new_workload_class") or "",
             reserved_tpm=data["reserved_tpm"], ceiling_tpm=data["ceiling_tpm"], rpm=data["rpm"],
             lend_fraction=data["lend_fraction"], justification=data["justification"], ends_on=data.get("ends_on"),
             monthly_spend_budget=data.get("monthly_spend_budget"), spend_soft_threshold=data["spend_soft_threshold"],
             spend_hard_cap=data["spend_hard_cap"],
         )
-        return Response(BudgetRequestSerializer(_requests_for(request.user).get(pk=created.pk)).data, status=201)
+        return Response(BudgetRequestSerializer(budget_request_for_user(user=request.user, request_id=created.pk)).data,
+                        status=201)
 
 
 class BudgetRequestDetail(APIView):
     @extend_schema(responses=OpenApiTypes.OBJECT,
                    summary="A budget request with its history; admins also get the approval preview")
     def get(self, request, request_id: int):
-        budget_request = _requests_for(request.user).filter(pk=request_id).first()
-        if budget_request is None:
-            raise NotFound()
+        budget_request = budget_request_for_user(user=request.user, request_id=request_id)
         data = BudgetRequestSerializer(budget_request).data
         if user_is_platform_admin(request.user):
             preview = budget_request_preview(request=budget_request)
@@ -193,46 +148,26 @@ class BudgetRequestDecision(APIView):
     def post(self, request, request_id: int):
         payload = DecisionSerializer(data=request.data)
         payload.is_valid(raise_exception=True)
-        if not BudgetRequest.objects.filter(pk=request_id).exists():
-            raise NotFound()
+        # A missing request is a 404 before the decision's own checks (a
+        # rejection without a comment would otherwise answer 400).
+        budget_request_for_review(request_id=request_id)
         comment = payload.validated_data["comment"]
         if self.decision == "approve":
             budget_request_approve(request_id=request_id, approver=request.user, comment=comment)
         else:
             budget_request_reject(request_id=request_id, reviewer=request.user, comment=comment)
-        return Response(BudgetRequestSerializer(_requests_for(request.user).get(pk=request_id)).data)
+        return Response(BudgetRequestSerializer(budget_request_for_user(user=request.user, request_id=request_id)).data)
 
 
 # --- usage, ledger, spend ------------------------------------------------------------
 
 
-def _usage_filters(request) -> tuple[UsageFilters, tuple[str, ...]]:
-    query = UsageQuerySerializer(data={**request.query_params.dict(),
-                                       "group_by": request.query_params.getlist("group_by")})
+def _usage_query(request) -> dict:
+    """The usage filters of the query string, resolved for the caller."""
+    query = UsageQuerySerializer(data={**request.query_params.dict(), "group_by": request.query_params.getlist("group_by")},
+                                 context={"user": request.user})
     query.is_valid(raise_exception=True)
-    data = query.validated_data
-    scope = tenant_ids_for_user(user=request.user)
-    tenant_id = workload_id = pool_id = None
-    if data.get("tenant"):
-        tenant_id = _readable_tenant(request, data["tenant"]).id
-    if data.get("workload"):
-        workload = Workload.objects.filter(slug=data["workload"], tenant__in=tenants_for_user(user=request.user)).first()
-        if workload is None:
-            raise serializers.ValidationError({"workload": ["Unknown workload."]})
-        workload_id = workload.id
-    if data.get("pool"):
-        pool = InferencePool.objects.filter(slug=data["pool"]).first()
-        if pool is None:
-            raise serializers.ValidationError({"pool": ["Unknown pool."]})
-        pool_id = pool.id
-    filters = UsageFilters(
-        start=data["start"], end=data["end"], tenant_ids=frozenset(scope) if scope is not None else None,
-        tenant_id=tenant_id, cost_center=data.get("cost_center") or None, workload_id=workload_id,
-        model=data.get("model") or None, pool_id=pool_id,
-    )
-    order = ["tenant", "cost_center", "workload", "model", "pool", "day", "month"]
-    group_by = tuple(g for g in order if g in (data.get("group_by") or {"tenant"}))
-    return filters, group_by
+    return query.validated_data
 
 
 USAGE_PARAMETERS = [
@@ -250,7 +185,8 @@ class UsageSummaryView(APIView):
         responses=UsageSummarySerializer, summary="Tokens and spend, grouped (from the daily rollups)",
     )
     def get(self, request):
-        filters, group_by = _usage_filters(request)
+        query = _usage_query(request)
+        filters, group_by = query["filters"], query["group_by"]
         summary = usage_summary(filters=filters, group_by=group_by)
         rows = [{**row.__dict__, "key": {k: (str(v) if v is not None else None) for k, v in row.key.items()}}
                 for row in summary.rows]
@@ -262,7 +198,7 @@ class LedgerExportView(APIView):
     @extend_schema(parameters=USAGE_PARAMETERS, responses={(200, "text/csv"): OpenApiTypes.STR},
                    summary="Ledger rows as CSV, streamed (same filters as the usage summary)")
     def get(self, request):
-        filters, _group_by = _usage_filters(request)
+        filters = _usage_query(request)["filters"]
         return ledger_csv_response(request=request._request, queryset=ledger_rows(filters=filters),
                                    filename=f"sluice-ledger-{filters.start:%Y%m%d}-{filters.end:%Y%m%d}.csv")
 
@@ -281,18 +217,9 @@ class SpendBudgetList(APIView):
     def post(self, request):
         if not user_is_platform_admin(request.user):
             raise PermissionDenied("Platform admins only.")
-        payload = SpendBudgetWriteSerializer(data=request.data)
+        payload = SpendBudgetWriteSerializer(data=request.data, context={"user": request.user})
         payload.is_valid(raise_exception=True)
         data = payload.validated_data
-        values = {"monthly_amount": data["monthly_amount"], "soft_threshold": data["soft_threshold"],
-                  "hard_cap": data["hard_cap"]}
-        if data.get("tenant"):
-            tenant = _readable_tenant(request, data["tenant"])
-            budget, _ = SpendBudget.objects.update_or_create(tenant=tenant, defaults=values)
-        else:
-            workload = Workload.objects.filter(pk=data["workload_id"]).first()
-            if workload is None:
-                raise serializers.ValidationError({"workload_id": ["Unknown workload."]})
-            budget, _ = SpendBudget.objects.update_or_create(workload=workload, defaults=values)
-        budget = SpendBudget.objects.select_related("tenant", "workload", "workload__tenant").get(pk=budget.pk)
+        budget = spend_budget_set(tenant=data["tenant"], workload=data["workload"], monthly_amount=data["monthly_amount"],
+                                  soft_threshold=data["soft_threshold"], hard_cap=data["hard_cap"])
         return Response(SpendStatusSerializer(spend_statuses(budgets=[budget])[0]).data)

@@ -14,7 +14,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from budgets.models import BudgetRequest, Reservation, SpendBudget
-from budgets.rollups import daily_usage_refresh
+from budgets.ledger.rollups import daily_usage_refresh
 from tenants.models import ApiKey
 from tests.people import PASSWORD, ledger_spread
 
@@ -224,3 +224,66 @@ def test_spend_budgets_set_by_admins_with_month_to_date(world):
                       format="json").status_code == 400
     listed = as_user(world.member_a).get("/api/spend-budgets/").json()
     assert [b["workload"] for b in listed] == [world.wl_a.slug]
+
+
+NOT_FOUND = {"detail": "Not found."}
+
+
+def test_what_a_caller_may_not_see_is_the_same_drf_404(world):
+    # given tenant A's request and key, asked for by tenant B's member
+    member_a, member_b, admin = as_user(world.member_a), as_user(world.member_b), as_user(world.admin)
+    request_id = member_a.post("/api/budget-requests/", slice_body(world), format="json").json()["id"]
+    key_a = ApiKey.objects.get(workload=world.wl_a)
+    today = timezone.now().date()
+    window = f"start={today - timedelta(days=3)}&end={today}"
+    a, b = world.tenant_a.slug, world.tenant_b.slug
+    # then every lookup the caller may not make answers exactly DRF's 404
+    answers = [
+        member_b.get(f"/api/tenants/{a}/"),
+        member_b.get(f"/api/tenants/{a}/workloads/"),
+        member_b.get(f"/api/tenants/{b}/workloads/{world.wl_a.id}/"),
+        member_b.get(f"/api/tenants/{a}/keys/"),
+        member_b.post(f"/api/tenants/{a}/keys/", {"workload_id": world.wl_a.id}, format="json"),
+        member_b.post(f"/api/tenants/{b}/keys/{key_a.id}/revoke/"),
+        member_b.get(f"/api/budget-requests/{request_id}/"),
+        member_b.post("/api/budget-requests/", slice_body(world), format="json"),
+        member_b.get(f"/api/usage/summary/?{window}&tenant={a}"),
+        member_b.get(f"/api/ledger/export/?{window}&tenant={a}"),
+        member_a.get("/api/pools/no-such-pool/"),
+        admin.post("/api/budget-requests/999999999/reject/", {}, format="json"),  # 404 before the missing comment
+        admin.post("/api/budget-requests/999999999/approve/", {}, format="json"),
+        admin.post("/api/spend-budgets/", {"tenant": "no-such-tenant", "monthly_amount": "1"}, format="json"),
+    ]
+    assert [(r.status_code, r.json()) for r in answers] == [(404, NOT_FOUND)] * len(answers)
+    key_a.refresh_from_db()
+    assert key_a.revoked_at is None
+
+
+def test_unknown_references_in_a_body_or_query_are_field_400s(world):
+    member_a, admin = as_user(world.member_a), as_user(world.admin)
+    today = timezone.now().date()
+    window = f"start={today - timedelta(days=3)}&end={today}"
+    cases = [
+        (member_a.post("/api/budget-requests/", slice_body(world, pool="no-such-pool"), format="json"),
+         {"pool": ["Unknown or inactive pool."]}),
+        (member_a.post("/api/budget-requests/", slice_body(world, workload_id=world.wl_b.id), format="json"),
+         {"workload_id": ["Unknown workload."]}),
+        (member_a.get(f"/api/usage/summary/?{window}&workload={world.wl_b.slug}"), {"workload": ["Unknown workload."]}),
+        (member_a.get(f"/api/usage/summary/?{window}&pool=no-such-pool"), {"pool": ["Unknown pool."]}),
+        (admin.post("/api/spend-budgets/", {"workload_id": 999_999_999, "monthly_amount": "1"}, format="json"),
+         {"workload_id": ["Unknown workload."]}),
+    ]
+    assert [(r.status_code, r.json()) for r, _ in cases] == [(400, body) for _, body in cases]
+    assert BudgetRequest.objects.count() == 0 and SpendBudget.objects.count() == 0
+
+
+def test_inactive_pools_are_hidden_from_everyone_but_admins(world):
+    world.pool.is_active = False
+    world.pool.save(update_fields=["is_active"])
+    member_a, admin = as_user(world.member_a), as_user(world.admin)
+    assert world.pool.slug not in [p["slug"] for p in member_a.get("/api/pools/").json()]
+    assert world.pool.slug in [p["slug"] for p in admin.get("/api/pools/").json()]
+    assert member_a.get(f"/api/pools/{world.pool.slug}/").json() == NOT_FOUND
+    assert admin.get(f"/api/pools/{world.pool.slug}/").status_code == 200
+    assert admin.post("/api/budget-requests/", slice_body(world), format="json").json() == {
+        "pool": ["Unknown or inactive pool."]}

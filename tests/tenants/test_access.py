@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import pytest
+from django.http import Http404
 
-from budgets.selectors_requests import budget_request_of_tenant, budget_requests_of_tenant
-from budgets.budget_requests import budget_request_submit
+from budgets.models import InferencePool
+from budgets.selectors.pools import pool_for_user, pools_for_user
+from budgets.selectors.requests import (
+    budget_request_for_user,
+    budget_request_of_tenant,
+    budget_requests_for_user,
+    budget_requests_of_tenant,
+)
+from budgets.services.budget_requests import budget_request_submit
 from budgets.models import BudgetRequest
 from tenants.access import (
     api_key_of_tenant,
     api_keys_of_tenant,
     tenant_for_user,
+    tenant_for_user_or_404,
     tenant_for_writer,
     tenant_ids_for_user,
+    tenant_is_writable,
     tenants_for_user,
+    workload_for_user,
+    workload_for_user_by_slug,
     workload_of_tenant,
     workloads_of_tenant,
 )
@@ -76,6 +88,70 @@ def test_budget_requests_are_scoped_by_tenant(world):
     with pytest.raises(BudgetRequest.DoesNotExist):
         budget_request_of_tenant(tenant=world.tenant_a, request_id=request_b.pk)
     assert budget_request_of_tenant(tenant=world.tenant_b, request_id=request_b.pk) == request_b
+
+
+def test_tenant_or_404_answers_another_tenants_slug_with_404_for_read_and_write(world):
+    assert tenant_for_user_or_404(user=world.member_a, slug=world.tenant_a.slug) == world.tenant_a
+    assert tenant_for_user_or_404(user=world.member_a, slug=world.tenant_a.slug, write=True) == world.tenant_a
+    with pytest.raises(Http404):
+        tenant_for_user_or_404(user=world.member_a, slug=world.tenant_b.slug)
+    with pytest.raises(Http404):
+        tenant_for_user_or_404(user=world.member_a, slug=world.tenant_b.slug, write=True)
+    with pytest.raises(Http404):
+        tenant_for_user_or_404(user=world.member_a, slug="no-such-tenant")
+
+
+def test_tenant_or_404_lets_finance_read_but_answers_404_on_write(world):
+    Membership.objects.create(tenant=world.tenant_a, user=world.finance)
+    assert tenant_for_user_or_404(user=world.finance, slug=world.tenant_b.slug) == world.tenant_b
+    with pytest.raises(Http404):
+        tenant_for_user_or_404(user=world.finance, slug=world.tenant_a.slug, write=True)
+    with pytest.raises(Http404):
+        tenant_for_user_or_404(user=world.finance, slug=world.tenant_b.slug, write=True)
+    assert tenant_for_user_or_404(user=world.admin, slug=world.tenant_b.slug, write=True) == world.tenant_b
+
+
+def test_tenant_is_writable_only_for_its_members_and_admins(world):
+    assert tenant_is_writable(user=world.member_a, slug=world.tenant_a.slug) is True
+    assert tenant_is_writable(user=world.admin, slug=world.tenant_a.slug) is True
+    assert tenant_is_writable(user=world.member_a, slug=world.tenant_b.slug) is False
+    assert tenant_is_writable(user=world.finance, slug=world.tenant_a.slug) is False
+
+
+def test_workloads_for_a_user_are_scoped_to_the_tenants_they_read(world):
+    assert workload_for_user(user=world.member_a, workload_id=world.wl_a.id) == world.wl_a
+    assert workload_for_user_by_slug(user=world.member_a, slug=world.wl_a.slug) == world.wl_a
+    with pytest.raises(Workload.DoesNotExist):
+        workload_for_user(user=world.member_a, workload_id=world.wl_b.id)
+    with pytest.raises(Workload.DoesNotExist):
+        workload_for_user_by_slug(user=world.member_a, slug=world.wl_b.slug)
+    assert workload_for_user(user=world.finance, workload_id=world.wl_b.id) == world.wl_b
+    assert workload_for_user_by_slug(user=world.admin, slug=world.wl_b.slug) == world.wl_b
+
+
+def test_budget_requests_for_a_user_are_scoped_to_the_tenants_they_read(world):
+    # given one request in each tenant
+    request_a = budget_request_submit(tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a,
+                                      reserved_tpm=1, ceiling_tpm=40_000, rpm=1, justification="a")
+    request_b = budget_request_submit(tenant=world.tenant_b, user=world.member_b, pool=world.pool, workload=world.wl_b,
+                                      reserved_tpm=1, ceiling_tpm=40_000, rpm=1, justification="b")
+    # then
+    assert list(budget_requests_for_user(user=world.member_a)) == [request_a]
+    assert list(budget_requests_for_user(user=world.member_a, tenant_slug=world.tenant_b.slug)) == []
+    assert list(budget_requests_for_user(user=world.admin, tenant_slug=world.tenant_b.slug)) == [request_b]
+    assert list(budget_requests_for_user(user=world.finance, status="approved")) == []
+    assert budget_request_for_user(user=world.member_a, request_id=request_a.pk) == request_a
+    with pytest.raises(BudgetRequest.DoesNotExist):
+        budget_request_for_user(user=world.member_a, request_id=request_b.pk)
+
+
+def test_inactive_pools_are_seen_by_platform_admins_only(world):
+    InferencePool.objects.filter(pk=world.pool.pk).update(is_active=False)
+    assert list(pools_for_user(user=world.admin).filter(pk=world.pool.pk)) == [world.pool]
+    assert list(pools_for_user(user=world.member_a).filter(pk=world.pool.pk)) == []
+    assert pool_for_user(user=world.admin, slug=world.pool.slug) == world.pool
+    with pytest.raises(InferencePool.DoesNotExist):
+        pool_for_user(user=world.member_a, slug=world.pool.slug)
 
 
 def test_staff_user_without_superuser_is_an_admin_not_finance(world):

@@ -1,0 +1,114 @@
+"""Platform admin pages: pools and the budget-request review queue."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from tenants.decorators import staff_required
+
+from budgets.services.budget_requests import budget_request_approve, budget_request_reject
+from budgets.web.dashboards import pool_overview
+from budgets.web.forms import DecisionForm
+from budgets.models import InferencePool
+from budgets.models import BudgetRequest
+from budgets.selectors.pools import budget_request_preview, pool_by_slug, pool_headroom, pools_for_user
+from budgets.selectors.requests import (
+    budget_request_for_review,
+    budget_request_history,
+    budget_requests_for_review,
+    budget_requests_pending_count,
+)
+from budgets.web.views import presenters
+
+LIVE_REFRESH_S = 5
+
+
+@staff_required
+def pool_list(request):
+    # Staff only, so every pool, the inactive ones included.
+    pools = [{"pool": p, "headroom": pool_headroom(pool=p)} for p in pools_for_user(user=request.user)]
+    return render(request, "budgets/pool_list.html", {"pools": pools, "pending": budget_requests_pending_count()})
+
+
+def _overview_context(slug: str) -> dict:
+    try:
+        pool = pool_by_slug(slug=slug)
+    except InferencePool.DoesNotExist:
+        raise Http404("No such pool.")
+    overview = pool_overview(pool=pool, now=timezone.now())
+    return {
+        "pool": pool, "overview": overview, "capacity_chart": presenters.pool_capacity_chart(overview),
+        "rejections_chart": presenters.rejections_chart(
+            overview.rejection_minutes, overview.rejections_per_minute, "Rejections per minute by reason, last hour"),
+        "refresh_s": LIVE_REFRESH_S, "now": timezone.now(),
+    }
+
+
+@staff_required
+def pool_detail(request, slug: str):
+    return render(request, "budgets/pool_detail.html", _overview_context(slug))
+
+
+@staff_required
+def pool_live(request, slug: str):
+    """The overview's live part alone; the page swaps it in every few seconds."""
+    response = render(request, "budgets/_pool_live.html", _overview_context(slug))
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@staff_required
+def review_list(request):
+    status = request.GET.get("status") or ""
+    if status and status not in BudgetRequest.Status.values:
+        status = ""
+    requests = list(budget_requests_for_review(status=status or None)[:200])
+    return render(request, "budgets/review_list.html", {
+        "requests": requests, "status": status, "statuses": BudgetRequest.Status.choices,
+    })
+
+
+def _review_context(request_id: int, form: DecisionForm | None = None, errors: dict | None = None) -> dict:
+    try:
+        budget_request = budget_request_for_review(request_id=request_id)
+    except BudgetRequest.DoesNotExist:
+        raise Http404("No such request.")
+    preview = budget_request_preview(request=budget_request)
+    before, after = presenters.approval_charts(preview, budget_request.workload_label)
+    return {
+        "req": budget_request, "preview": preview, "before_chart": before, "after_chart": after,
+        "history": budget_request_history(request=budget_request), "form": form or DecisionForm(),
+        "errors": errors or {},
+    }
+
+
+@staff_required
+def review_detail(request, request_id: int):
+    return render(request, "budgets/review_detail.html", _review_context(request_id))
+
+
+@staff_required
+@require_POST
+def review_decide(request, request_id: int, decision: str):
+    form = DecisionForm(request.POST)
+    if not form.is_valid():
+        return render(request, "budgets/review_detail.html", _review_context(request_id, form), status=400)
+    comment = form.cleaned_data.get("comment") or ""
+    try:
+        if decision == "approve":
+            budget_request_approve(request_id=request_id, approver=request.user, comment=comment)
+        else:
+            budget_request_reject(request_id=request_id, reviewer=request.user, comment=comment)
+    except BudgetRequest.DoesNotExist:
+        raise Http404("No such request.")
+    except ValidationError as exc:
+        # A missing comment is the reviewer's input; anything else (no
+        # headroom, already decided) conflicts with the current state.
+        status = 400 if set(exc.message_dict) == {"comment"} else 409
+        return render(request, "budgets/review_detail.html",
+                      _review_context(request_id, form, errors=exc.message_dict), status=status)
+    return redirect("review-detail", request_id=request_id)

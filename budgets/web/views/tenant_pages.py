@@ -1,0 +1,78 @@
+"""The tenant page (members) and its budget requests."""
+
+from __future__ import annotations
+
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
+from django.http import Http404
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_http_methods
+
+from tenants.access import tenant_for_user_or_404, tenant_is_writable
+
+from budgets.services.budget_requests import budget_request_submit
+from budgets.web.dashboards import tenant_dashboard
+from budgets.web.forms import NEW, ApiKeyForm, BudgetRequestForm
+from budgets.models import BudgetRequest
+from budgets.selectors.pools import pool_headroom, pools_active
+from budgets.selectors.requests import budget_request_history, budget_request_of_tenant
+from budgets.web.views import presenters
+
+
+@login_required
+def tenant_detail(request, slug: str):
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug)
+    dashboard = tenant_dashboard(tenant=tenant, now=timezone.now())
+    panels = [
+        {"panel": p, "minute_chart": presenters.workload_minute_chart(p), "daily_chart": presenters.workload_daily_chart(p),
+         "spend_bar": presenters.spend_bar(p.spend) if p.spend else None}
+        for p in dashboard.panels
+    ]
+    spend_rows = [{"status": s, "bar": presenters.spend_bar(s)} for s in dashboard.spend_statuses]
+    return render(request, "budgets/tenant_detail.html", {
+        "tenant": tenant, "dashboard": dashboard, "panels": panels, "spend_rows": spend_rows,
+        "rejections_chart": presenters.rejections_chart(
+            dashboard.rejection_minutes, dashboard.rejections_per_minute, "Rejections per minute by reason, last hour"),
+        "can_write": tenant_is_writable(user=request.user, slug=slug),
+        "key_form": ApiKeyForm(tenant=tenant),
+    })
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def budget_request_new(request, slug: str):
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    form = BudgetRequestForm(request.POST or None, tenant=tenant,
+                             initial={"workload": request.GET.get("workload") or NEW})
+    if request.method == "POST" and form.is_valid():
+        data = form.cleaned_data
+        try:
+            created = budget_request_submit(
+                tenant=tenant, user=request.user, pool=data["pool"], workload=data["workload_obj"],
+                new_workload_name=data.get("new_workload_name") or "", new_workload_class=data.get("new_workload_class") or "",
+                reserved_tpm=data["reserved_tpm"], ceiling_tpm=data["ceiling_tpm"], rpm=data["rpm"],
+                lend_fraction=data.get("lend_fraction") or 0.0, justification=data["justification"],
+                ends_on=data.get("ends_on"), monthly_spend_budget=data.get("monthly_spend_budget"),
+                spend_soft_threshold=(data.get("spend_soft_threshold") or 80) / 100.0,
+                spend_hard_cap=bool(data.get("spend_hard_cap")),
+            )
+        except ValidationError as exc:
+            for name, messages in exc.message_dict.items():
+                form.add_error(name if name in form.fields else None, messages)
+        else:
+            return redirect("budget-request-detail", slug=tenant.slug, request_id=created.pk)
+    pools = [{"pool": p, "headroom": pool_headroom(pool=p)} for p in pools_active()]
+    return render(request, "budgets/budget_request_form.html", {"tenant": tenant, "form": form, "pools": pools})
+
+
+@login_required
+def budget_request_detail(request, slug: str, request_id: int):
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug)
+    try:
+        budget_request = budget_request_of_tenant(tenant=tenant, request_id=request_id)
+    except BudgetRequest.DoesNotExist:
+        raise Http404("No such request.")
+    return render(request, "budgets/budget_request_detail.html", {
+        "tenant": tenant, "req": budget_request, "history": budget_request_history(request=budget_request),
+    })
