@@ -19,12 +19,12 @@ import asyncio
 import random
 import time
 
-from .common import PLOTS_DIR, fmt, log, md_table, run_standalone, write_result
-from .http import HttpClient
-from .load import closed_loop, timed_post
-from .platform import Platform, Services
-from .seed import config_push, ledger_rows, pool_create, workload_create
-from .windows import sliding_max, sliding_series
+from bench.common import PLOTS_DIR, fmt, log, md_table, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import closed_loop, timed_post
+from bench.platform import Platform, Services
+from bench.seed import config_push, ledger_rows, pool_create, workload_create
+from bench.windows import sliding_max, sliding_series
 
 NAME = "accuracy"
 BUDGET_TPM = 60_000
@@ -141,7 +141,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import timeseries
+    from bench.plots import timeseries
 
     path = plots_dir / "accuracy_tokens_per_minute.png"
     timeseries({"admitted tokens in trailing 60 s (ledger)": (data["series"]["t"], data["series"]["tokens_60s"])},

@@ -23,12 +23,12 @@ import json
 import random
 import time
 
-from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, run_standalone, write_result
-from .http import HttpClient
-from .load import Call, Sampler, calls_to_json, lane_depths, open_loop, timed_post
-from .platform import Platform, Services, time_scaled_env
-from .seed import config_push, scaled_pool, scaled_workload
-from .workload import long_call, short_call
+from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import Call, Sampler, calls_to_json, lane_depths, open_loop, timed_post
+from bench.platform import Platform, Services, time_scaled_env
+from bench.seed import config_push, scaled_pool, scaled_workload
+from bench.workload import long_call, short_call
 
 NAME = "brownout"
 SCALE = TimeScale(4.0)
@@ -256,7 +256,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import timeseries
+    from bench.plots import timeseries
 
     b = data["bins"]
     t = b["t"]

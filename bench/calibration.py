@@ -20,10 +20,10 @@ import time
 from inference_sim.config import PROFILES, SimConfig
 from inference_sim.virtual import sweep
 
-from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, run_standalone, write_result
-from .http import HttpClient
-from .load import closed_loop
-from .platform import Platform, Services
+from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import closed_loop
+from bench.platform import Platform, Services
 
 NAME = "calibration"
 
@@ -165,7 +165,7 @@ def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plots import DPI
+    from bench.plots import DPI
 
     pub = data["published"]["nim_70b"]["points"]
     sim = data["virtual"]["h100x2-llama3-70b"]

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .http import HttpClient, Response, TransportError
+from bench.http import HttpClient, Response, TransportError
 
 
 @dataclass
@@ -132,7 +132,7 @@ class Sampler:
 def lane_depths(redis_client) -> dict[str, int]:
     """Messages waiting in each lane's Celery queue (the Redis broker keeps one
     list per queue and priority step: ``lane`` and ``lane\\x06\\x16N``)."""
-    from .platform import LANES
+    from bench.platform import LANES
 
     out = {}
     pipe = redis_client.pipeline(transaction=False)

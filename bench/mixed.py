@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
-from .http import HttpClient
-from .load import Call, Sampler, calls_to_json, closed_loop, lane_depths, timed_post
-from .platform import Platform, Services
-from .seed import config_push, scaled_pool, scaled_workload
-from .workload import mixed_stream
+from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import Call, Sampler, calls_to_json, closed_loop, lane_depths, timed_post
+from bench.platform import Platform, Services
+from bench.seed import config_push, scaled_pool, scaled_workload
+from bench.workload import mixed_stream
 
 NAME = "mixed"
 SCALE = TimeScale(6.0)
@@ -206,7 +206,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import multi_cdf, timeseries
+    from bench.plots import multi_cdf, timeseries
 
     f = data["time_scale"]
     warm = data["warmup_sim_s"]

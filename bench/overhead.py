@@ -20,11 +20,11 @@ import asyncio
 import random
 import time
 
-from .common import PLOTS_DIR, fmt, log, md_table, pcts, run_standalone, write_result
-from .http import HttpClient
-from .load import Call, calls_to_json, closed_loop, open_loop, timed_post
-from .platform import Platform, Services
-from .seed import config_push, pool_create, workload_create
+from bench.common import PLOTS_DIR, fmt, log, md_table, pcts, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import Call, calls_to_json, closed_loop, open_loop, timed_post
+from bench.platform import Platform, Services
+from bench.seed import config_push, pool_create, workload_create
 
 NAME = "overhead"
 RATE = 100.0
@@ -201,7 +201,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import cdf_plot
+    from bench.plots import cdf_plot
 
     series = {
         "direct to simulator": [c["latency"] * 1000 for c in data["calls"]["direct"] if c["status"] == 200],

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 from llm_platform import processes
 from llm_platform.processes import ROOT, Process, free_port, wait_http
 
-from .common import OUT_DIR, log
+from bench.common import OUT_DIR, log
 
 LANES = ("interactive", "interactive-long", "batch", "scheduled")
 WORKER_READY_KEY = "sluice:workers:ready"  # llm_platform.celery.WORKER_READY_KEY (not imported: needs Django)
@@ -127,7 +127,7 @@ class Services:
             raise SystemExit("bench flushes its Redis database before each scenario; point REDIS_URL at a "
                              "dedicated db (e.g. redis://127.0.0.1:6379/13) or set BENCH_FLUSH_OK=1")
         self.redis.flushdb()
-        from budgets.redis_client import reset_clients
+        from budgets.admission.redis_client import reset_clients
 
         reset_clients()
 

@@ -22,12 +22,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, ratio, run_standalone, write_result
-from .http import HttpClient, TransportError
-from .load import Sampler, open_loop
-from .platform import Platform, Services, time_scaled_env
-from .seed import config_push, scaled_pool, scaled_workload
-from .workload import short_call
+from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, ratio, run_standalone, write_result
+from bench.http import HttpClient, TransportError
+from bench.load import Sampler, open_loop
+from bench.platform import Platform, Services, time_scaled_env
+from bench.seed import config_push, scaled_pool, scaled_workload
+from bench.workload import short_call
 
 NAME = "retry_storm"
 SCALE = TimeScale(4.0)
@@ -240,7 +240,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import timeseries
+    from bench.plots import timeseries
 
     start, end = data["outage"]
     names = []

@@ -17,9 +17,9 @@ import platform as host
 import time
 import traceback
 
-from . import accuracy, brownout, calibration, mixed, overhead, retry_storm, runaway
-from .common import BENCH_DIR, OUT_DIR, PLOTS_DIR, git_revision, log, read_result, write_result
-from .platform import Services
+from bench import accuracy, brownout, calibration, mixed, overhead, retry_storm, runaway
+from bench.common import BENCH_DIR, OUT_DIR, PLOTS_DIR, git_revision, log, read_result, write_result
+from bench.platform import Services
 
 # Order: cheap and self-contained first, so a failure late still leaves most results.
 SCENARIOS = [
@@ -258,7 +258,7 @@ def _summary_table() -> str:
         worst = max((v["excess_requests"] or 0) for v in d["windows"].values())
         rows.append(["6 budget accuracy", "worst excess over budget in any window",
                      f"**{worst:.2f} requests**", "≤ 1 request", "met" if worst <= 1 else "missed"])
-    from .common import md_table
+    from bench.common import md_table
 
     return md_table(["scenario", "ratio that matters", "measured", "target", "verdict"], rows)
 

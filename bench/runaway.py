@@ -18,13 +18,13 @@ import asyncio
 import random
 import time
 
-from .common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
-from .http import HttpClient
-from .load import Call, Sampler, calls_to_json, lane_depths, open_loop, timed_post
-from .platform import Platform, Services
-from .seed import config_push, ledger_rows, scaled_pool, scaled_workload
-from .windows import sliding_max, sliding_series
-from .workload import long_call, short_call
+from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import Call, Sampler, calls_to_json, lane_depths, open_loop, timed_post
+from bench.platform import Platform, Services
+from bench.seed import config_push, ledger_rows, scaled_pool, scaled_workload
+from bench.windows import sliding_max, sliding_series
+from bench.workload import long_call, short_call
 
 NAME = "runaway"
 SCALE = TimeScale(4.0)
@@ -225,7 +225,7 @@ def summarize(data: dict) -> str:
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
-    from .plots import cdf_plot, stacked_bars, timeseries
+    from bench.plots import cdf_plot, stacked_bars, timeseries
 
     f = data["time_scale"]
     names = []

@@ -59,7 +59,7 @@ def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, 
 
 
 def config_push(pool) -> None:
-    from budgets.services import pool_config_push
+    from budgets.admission.pool_config import pool_config_push
 
     pool_config_push(pool=pool)
 

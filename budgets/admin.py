@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import InferencePool, ModelPrice, Reservation, UsageRecord
+from budgets.models import InferencePool, ModelPrice, Reservation, UsageRecord
 
 
 @admin.register(InferencePool)
@@ -40,7 +40,7 @@ class UsageRecordAdmin(admin.ModelAdmin):
 
 
 # --- web UI models (issue 5) ----------------------------------------------------------
-from .models import BudgetRequest, BudgetRequestEvent, DailyUsage, Notification, RejectionStat, SpendBudget  # noqa: E402
+from budgets.models import BudgetRequest, BudgetRequestEvent, DailyUsage, Notification, RejectionStat, SpendBudget  # noqa: E402
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):

@@ -6,5 +6,4 @@ class BudgetsConfig(AppConfig):
     verbose_name = "Budgets"
 
     def ready(self) -> None:
-        from . import signals  # noqa: F401  (pushes config changes to Redis)
-        from . import spend_signals  # noqa: F401  (spend caps are part of the pool config)
+        from budgets import signals  # noqa: F401  (pushes config changes to Redis)

@@ -7,6 +7,17 @@ import math
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class RateLimitSnapshot:
+    """What the workload's buckets held when admission answered: the
+    ``x-ratelimit-remaining-*`` / ``x-ratelimit-reset-*`` headers."""
+
+    remaining_tokens: int
+    remaining_requests: int
+    tokens_reset_ms: int
+    requests_reset_ms: int
+
+
 @dataclass
 class Rejected(Exception):
     """A request refused before it reached the pool.
@@ -23,6 +34,10 @@ class Rejected(Exception):
     param: str | None = None
     error_type: str = "rate_limit_error"
     headers: dict[str, str] = field(default_factory=dict)
+    # Set by admission when the buckets refused (None for other refusals).
+    rate_limits: RateLimitSnapshot | None = None
+    # The request's estimate (prompt + max_tokens), for rejection statistics.
+    estimated_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__init__(self.message)

@@ -1,6 +1,18 @@
+"""budgets' beat tasks: each one calls one idempotent service, so a
+redelivery (acks_late) or an overlap is harmless. Task names are stable: beat
+schedules and queued messages refer to them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
 from celery import shared_task
 
-from .services import pool_config_push_all
+from budgets.admission.pool_config import pool_config_push_all
+from budgets.ledger.rejections import rejection_samples_prune, rejections_flush
+from budgets.ledger.rollups import daily_usage_refresh
+from budgets.ledger.spend import spend_reconcile
+from budgets.services.budget_requests import budget_requests_expire
 
 
 @shared_task(name="budgets.push_pool_configs", ignore_result=True)
@@ -10,5 +22,27 @@ def push_pool_configs() -> int:
     return pool_config_push_all()
 
 
-# Beat tasks of the web UI's read models and the spend guardrails.
-from .periodic_tasks import expire_budget_requests, flush_rejections, reconcile_spend, rollup_daily_usage  # noqa: E402,F401
+@shared_task(name="budgets.flush_rejections", ignore_result=True)
+def flush_rejections() -> dict:
+    """Move closed minutes of rejection counters from Redis to the database."""
+    result = asdict(rejections_flush())
+    result["pruned_samples"] = rejection_samples_prune()
+    return result
+
+
+@shared_task(name="budgets.rollup_daily_usage", ignore_result=True)
+def rollup_daily_usage() -> int:
+    """Bring the daily usage rollups up to date with the ledger."""
+    return daily_usage_refresh().rows
+
+
+@shared_task(name="budgets.reconcile_spend", ignore_result=True)
+def reconcile_spend() -> dict:
+    """Overwrite month-to-date spend in Redis from the ledger; notify thresholds."""
+    return asdict(spend_reconcile())
+
+
+@shared_task(name="budgets.expire_budget_requests", ignore_result=True)
+def expire_budget_requests() -> int:
+    """Lapse approved slices whose end date has passed."""
+    return budget_requests_expire()

@@ -1,7 +1,7 @@
 from django.contrib import admin
 
-from .models import Job, JobSchedule
-from .schedules import schedule_delete, schedule_sync
+from gateway.models import Job, JobSchedule
+from gateway.core.schedules import schedule_delete, schedule_sync
 
 
 @admin.register(JobSchedule)

@@ -4,3 +4,12 @@ from django.apps import AppConfig
 class GatewayConfig(AppConfig):
     name = "gateway"
     verbose_name = "Gateway"
+
+    def ready(self) -> None:
+        # The pool overview (budgets' pages) shows the lanes' live numbers,
+        # which the gateway measures: hand budgets the function that reads
+        # them, so budgets never imports gateway.
+        from budgets.web.live_metrics import live_metrics_provider_set
+        from gateway.core.metrics import pool_live_metrics
+
+        live_metrics_provider_set(pool_live_metrics)

@@ -9,6 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
+from gateway.core.chat import validate_chat_request
 from tenants.models import Tenant, Workload
 
 
@@ -85,8 +86,6 @@ class JobSchedule(models.Model):
     def clean(self) -> None:
         if self.workload_id and self.workload.workload_class != Workload.WorkloadClass.SCHEDULED:
             raise ValidationError({"workload": "Schedules produce jobs for scheduled workloads only."})
-        from .validation import validate_chat_request
-
         try:
             validate_chat_request(self.body if isinstance(self.body, dict) else {})
         except Exception as exc:  # Rejected carries the OpenAI-style message

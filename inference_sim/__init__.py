@@ -9,7 +9,7 @@ of Sluice's apps; prompt tokens are counted with ``llm_tokens`` exactly as the
 gateway estimates them.
 """
 
-from .app import create_app
-from .config import SimConfig, parse_config
+from inference_sim.app import create_app
+from inference_sim.config import SimConfig, parse_config
 
 __all__ = ["SimConfig", "create_app", "parse_config"]

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from .app import create_app
-from .config import parse_config
+from inference_sim.app import create_app
+from inference_sim.config import parse_config
 
 
 class _AnnouncingServer(uvicorn.Server):

@@ -21,14 +21,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive
 
-from . import errors
-from .config import SimConfig
-from .engine import Sequence
-from .errors import OpenAIError
-from .limits import Rejection, WindowEntry, real_retry_after
-from .pool import SimulatedPool
-from .protocol import ChatRequest, ChunkWriter, completion_body, new_completion_id, parse_chat_request
-from .text import completion_text, token_pieces
+from inference_sim import errors
+from inference_sim.config import SimConfig
+from inference_sim.engine import Sequence
+from inference_sim.errors import OpenAIError
+from inference_sim.limits import Rejection, WindowEntry, real_retry_after
+from inference_sim.pool import SimulatedPool
+from inference_sim.protocol import ChatRequest, ChunkWriter, completion_body, new_completion_id, parse_chat_request
+from inference_sim.text import completion_text, token_pieces
 
 # nginx's "client closed request": what we record when the caller hung up.
 CLIENT_CLOSED = 499

@@ -52,8 +52,8 @@ import asyncio
 import logging
 from collections import deque
 
-from .clock import SimClock
-from .config import SimConfig
+from inference_sim.clock import SimClock
+from inference_sim.config import SimConfig
 
 logger = logging.getLogger(__name__)
 

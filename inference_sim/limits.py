@@ -14,7 +14,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .clock import SimClock
+from inference_sim.clock import SimClock
 
 WINDOW_S = 60.0
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import llm_tokens
 
-from .clock import SimClock
-from .config import OUTAGE_STATUSES, ScheduleEntry, SimConfig, check_runtime_changes
-from .engine import BatchEngine, Sequence
-from .limits import WINDOW_S, SlidingWindowLimiter, WindowEntry
-from .sampling import OutputLengthSampler
-from .text import check_encoding
+from inference_sim.clock import SimClock
+from inference_sim.config import OUTAGE_STATUSES, ScheduleEntry, SimConfig, check_runtime_changes
+from inference_sim.engine import BatchEngine, Sequence
+from inference_sim.limits import WINDOW_S, SlidingWindowLimiter, WindowEntry
+from inference_sim.sampling import OutputLengthSampler
+from inference_sim.text import check_encoding
 
 logger = logging.getLogger(__name__)
 

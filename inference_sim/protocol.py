@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .config import OUTAGE_STATUSES
-from .errors import invalid_request, model_not_found
+from inference_sim.config import OUTAGE_STATUSES
+from inference_sim.errors import invalid_request, model_not_found
 
 SIM_FIELDS = ("output_tokens", "fail_status", "fail_retry_after", "latency_ms")
 

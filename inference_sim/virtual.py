@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import SimConfig
-from .engine import BatchEngine, Sequence
+from inference_sim.config import SimConfig
+from inference_sim.engine import BatchEngine, Sequence
 
 
 class VirtualClock:

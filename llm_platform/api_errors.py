@@ -12,8 +12,8 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 from budgets.errors import Rejected
-from budgets.models import LedgerImmutable
-from budgets.models_requests import AuditImmutable
+from budgets.models import AuditImmutable, LedgerImmutable
+from llm_platform.degraded import RETRY_AFTER_S, STORE_UNAVAILABLE
 
 
 def _validation_detail(exc: DjangoValidationError):
@@ -37,6 +37,11 @@ def api_exception_handler(exc, context):
         exc = exceptions.ValidationError({"non_field_errors": ["A value is not valid here."]})
     elif isinstance(exc, (LedgerImmutable, AuditImmutable)):
         return Response({"detail": str(exc), "code": "immutable"}, status=status.HTTP_409_CONFLICT)
+    elif isinstance(exc, STORE_UNAVAILABLE):
+        response = Response({"detail": "Sluice cannot reach its budget store right now; retry shortly.",
+                             "code": "budget_unavailable"}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        response["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     elif isinstance(exc, Rejected):
         response = Response({"detail": exc.message, "code": exc.reason}, status=exc.status)
         if exc.retry_after_ms is not None:

@@ -8,16 +8,10 @@ import os
 from celery import Celery
 from django.conf import settings
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+from gateway.core.keys import WORKERS_READY
+from gateway.core.lanes import HOUSEKEEPING
 
-# Lane -> Celery queue. Each lane is a bulkhead: its own queue consumed by its
-# own worker pool, so a flood on one cannot starve another.
-LANE_QUEUES: dict[str, str] = {
-    "interactive": "interactive",
-    "interactive-long": "interactive-long",
-    "batch": "batch",
-    "scheduled": "scheduled",
-}
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 
 app = Celery("sluice")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -41,11 +35,15 @@ app.conf.update(
         "unacked_restore_throttle": 1,
     },
     broker_connection_retry_on_startup=True,
-    task_default_queue=LANE_QUEUES["batch"],
+    # Each lane is a bulkhead: its own queue consumed by its own worker pool,
+    # so a flood on one cannot starve another (gateway/core/lanes.py). The
+    # request path names its lane's queue when it enqueues; everything else
+    # (housekeeping) goes to the housekeeping lane.
+    task_default_queue=HOUSEKEEPING.queue,
     task_routes={
-        # Housekeeping shares the batch lane's workers: it is small and rare.
-        "budgets.*": {"queue": LANE_QUEUES["batch"]},
-        "gateway.reap_leases": {"queue": LANE_QUEUES["batch"]},
+        "budgets.*": {"queue": HOUSEKEEPING.queue},
+        "gateway.reap_leases": {"queue": HOUSEKEEPING.queue},
+        "gateway.run_schedule": {"queue": HOUSEKEEPING.queue},
     },
     worker_hijack_root_logger=False,
     beat_schedule={
@@ -59,11 +57,9 @@ app.conf.update(
     },
     timezone="UTC",
 )
-app.autodiscover_tasks()
-
-
-def queue_for_lane(lane: str) -> str:
-    return LANE_QUEUES[lane]
+# budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's
+# worker side). The web side never imports the latter: it enqueues by name.
+app.autodiscover_tasks(["budgets", "gateway.worker"])
 
 
 def check_time_limits(conf=app.conf) -> None:
@@ -85,21 +81,17 @@ check_time_limits()
 # polling the broker with `inspect ping` (slow, and noisy under load).
 from celery.signals import worker_ready, worker_shutdown  # noqa: E402
 
-WORKER_READY_KEY = "sluice:workers:ready"
+from budgets.admission.redis_client import get_redis  # noqa: E402
 
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
-    from budgets.redis_client import get_redis
-
-    get_redis().hset(WORKER_READY_KEY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
+    get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 
 
 @worker_shutdown.connect
 def _mark_gone(sender=None, **kwargs) -> None:
-    from budgets.redis_client import get_redis
-
     try:
-        get_redis().hdel(WORKER_READY_KEY, sender.hostname)
+        get_redis().hdel(WORKERS_READY, sender.hostname)
     except Exception:  # Redis may be the thing shutting down
         pass

@@ -6,25 +6,16 @@ the simulated pool."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-# Worker threads per lane, sized by Little's law at each lane's design load
-# (concurrency ~ 2 x arrival rate x time in system): interactive 20 req/s x
-# ~1 s, interactive-long 2 req/s x ~4 s, batch 4 req/s x ~2 s, scheduled
-# paced at ~1 req/s x ~4 s. Threads, not processes: a worker mostly waits on
-# the pool's HTTP answer.
-LANE_CONCURRENCY = {
-    "interactive": 40,
-    "interactive-long": 16,
-    "batch": 16,
-    "scheduled": 8,
-}
+import httpx
 
-
-def lane_concurrency(lane: str) -> int:
-    env = f"SLUICE_WORKERS_{lane.upper().replace('-', '_')}"
-    return int(os.environ.get(env, LANE_CONCURRENCY[lane]))
-
+from gateway.core.lanes import lane_concurrency, queue_for_lane
 
 def sim_command(*, port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "inference_sim", "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
@@ -39,8 +30,6 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
 
 
 def worker_command(*, lane: str, concurrency: int | None = None) -> list[str]:
-    from llm_platform.celery import queue_for_lane
-
     return [
         sys.executable, "-m", "celery", "-A", "llm_platform", "worker",
         "-Q", queue_for_lane(lane), "-P", "threads", "-c", str(concurrency or lane_concurrency(lane)),
@@ -58,11 +47,6 @@ def beat_command(*, schedule_dir: str) -> list[str]:
 
 # -- running the processes (shared by the test harness and bench/) -------------
 
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,8 +105,6 @@ class Process:
 
 def wait_http(url: str, process: Process, timeout: float = 30.0) -> None:
     """Until ``url`` answers below 500 (a 401 proves the server is up)."""
-    import httpx
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         process.assert_alive()

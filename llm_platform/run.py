@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LANES = ("interactive", "interactive-long", "batch", "scheduled")
 
 
 def _log(message: str) -> None:
@@ -101,6 +100,7 @@ def main() -> None:
             env["REDIS_URL"] = f"unix://{socket_path}?db=0"
             _wait_for(socket_path.exists, "embedded Redis", 20)
             _log(f"embedded Redis on {socket_path}")
+        from gateway.core.lanes import LANE_NAMES
         from llm_platform import processes
 
         manage = [sys.executable, "manage.py"]
@@ -111,7 +111,7 @@ def main() -> None:
         demo = json.loads(seeded.stdout)
 
         supervisor.spawn("sim", processes.sim_command(port=sim_port))
-        for lane in LANES:
+        for lane in LANE_NAMES:
             supervisor.spawn(f"worker-{lane}", processes.worker_command(lane=lane))
         supervisor.spawn("beat", processes.beat_command(schedule_dir=str(var_dir)))
         supervisor.spawn("pacer", processes.pacer_command())

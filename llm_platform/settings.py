@@ -10,6 +10,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from gateway.core.lanes import LANES
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("SLUICE_VAR_DIR", BASE_DIR / "var"))
 
@@ -59,6 +61,7 @@ MIDDLEWARE = [
     "tenants.middleware.FinanceReadOnlyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "llm_platform.degraded.StoreUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "llm_platform.urls"
@@ -75,7 +78,10 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "llm_platform.degraded.store_status",
             ],
+            # The web UI's template helpers live with the pages (budgets/web/).
+            "libraries": {"sluice_ui": "budgets.web.templatetags.sluice_ui"},
         },
     },
 ]
@@ -123,8 +129,46 @@ SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
+# The port `make run` serves on, for the URLs it prints (seed_demo --json).
+PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.
 SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
+
+# Worker threads per lane (gateway/core/lanes.py has the defaults and the
+# design load each is sized for): SLUICE_WORKERS_INTERACTIVE,
+# SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
+SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default_concurrency) for lane in LANES}
+
+# --- adaptive pool capacity (budgets/admission/capacity.py) ------------------------
+# Multiply the pool's admission rate by this on a throttle signal (TCP-style halving).
+SLUICE_CAPACITY_DECREASE = env_float("SLUICE_CAPACITY_DECREASE", 0.5)
+# Recover this share of the configured rate per second of clean calls (a
+# halving is undone in ~25 s).
+SLUICE_CAPACITY_RECOVERY_PER_S = env_float("SLUICE_CAPACITY_RECOVERY_PER_S", 0.02)
+# Never admit below this share of the configured rate.
+SLUICE_CAPACITY_MIN_FACTOR = env_float("SLUICE_CAPACITY_MIN_FACTOR", 0.05)
+# Upstream 429s arriving within this window are one signal: they were all sent
+# before the first decrease could take effect.
+SLUICE_CAPACITY_COOLDOWN_MS = env_int("SLUICE_CAPACITY_COOLDOWN_MS", 2000)
+# Latency per output token this many times its slow baseline counts as a throttle...
+SLUICE_CAPACITY_LATENCY_RATIO = env_float("SLUICE_CAPACITY_LATENCY_RATIO", 3.0)
+# ...but latency per token below this (ms) never does.
+SLUICE_CAPACITY_LATENCY_FLOOR_MS = env_float("SLUICE_CAPACITY_LATENCY_FLOOR_MS", 5.0)
+# How long the factor at the last throttle caps fast recovery (ms).
+SLUICE_CAPACITY_HINT_MEMORY_MS = env_int("SLUICE_CAPACITY_HINT_MEMORY_MS", 60_000)
+
+# --- the worker's retry policy (gateway/worker/retry.py) ---------------------------
+# Attempts per call, the first included; the SDK's own retries are off.
+SLUICE_RETRY_MAX_ATTEMPTS = env_int("SLUICE_RETRY_MAX_ATTEMPTS", 2)
+# Full-jitter backoff window: base x 2^(attempt-1), capped (ms).
+SLUICE_RETRY_BASE_MS = env_float("SLUICE_RETRY_BASE_MS", 250)
+SLUICE_RETRY_CAP_MS = env_float("SLUICE_RETRY_CAP_MS", 8000)
+# Retries stay under this share of first attempts, pool-wide, plus a burst.
+SLUICE_RETRY_POOL_RATIO = env_float("SLUICE_RETRY_POOL_RATIO", 0.1)
+SLUICE_RETRY_POOL_BURST = env_float("SLUICE_RETRY_POOL_BURST", 10)
+# Retries per client session (X-Session-Id), kept this long (ms).
+SLUICE_RETRY_SESSION_BUDGET = env_int("SLUICE_RETRY_SESSION_BUDGET", 3)
+SLUICE_RETRY_SESSION_TTL_MS = env_int("SLUICE_RETRY_SESSION_TTL_MS", 600_000)
 
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
@@ -156,9 +200,6 @@ SPECTACULAR_SETTINGS = {
 # the installed packages, so no collectstatic step is needed to run.
 WHITENOISE_USE_FINDERS = env_bool("SLUICE_STATIC_FROM_FINDERS", True)
 
-# Web UI: the pool overview's live numbers come from the gateway, wired here so
-# budgets/ does not import gateway/ (DESIGN.md, Layout).
-SLUICE_POOL_LIVE_METRICS = os.environ.get("SLUICE_POOL_LIVE_METRICS", "gateway.metrics.pool_live_metrics")
 # Rejections: detailed samples kept per minute per workload and reason, and
 # how long flushed samples are kept.
 SLUICE_REJECTION_SAMPLES_PER_MINUTE = env_int("SLUICE_REJECTION_SAMPLES_PER_MINUTE", 5)

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from gateway import views as gateway_views
+from gateway.web import views as gateway_views
 
 urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
@@ -17,5 +17,5 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include("llm_platform.api_urls")),
     path("", include("tenants.urls")),
-    path("", include("budgets.urls")),
+    path("", include("budgets.web.urls")),
 ]

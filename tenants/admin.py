@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import ApiKey, Membership, Tenant, Workload
+from tenants.models import ApiKey, Membership, Tenant, Workload
 
 
 class MembershipInline(admin.TabularInline):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
-from .roles import user_is_platform_admin, user_may_write, user_sees_all_tenants
+from tenants.roles import user_is_platform_admin, user_may_write, user_sees_all_tenants
 
 
 class ReadOnlyForFinance(BasePermission):

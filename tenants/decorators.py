@@ -7,7 +7,7 @@ from functools import wraps
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 
-from .roles import user_is_platform_admin, user_sees_all_tenants
+from tenants.roles import user_is_platform_admin, user_sees_all_tenants
 
 
 def staff_required(view):

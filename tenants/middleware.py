@@ -11,7 +11,7 @@ from __future__ import annotations
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import HttpRequest, HttpResponseForbidden
 
-from .roles import user_is_finance_auditor
+from tenants.roles import user_is_finance_auditor
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
 EXEMPT_PREFIXES = ("/v1/", "/api/", "/healthz", "/accounts/logout/")

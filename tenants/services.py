@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from .keys import api_key_display_prefix, api_key_generate, api_key_hash
-from .models import ApiKey, Workload
+from tenants.keys import api_key_display_prefix, api_key_generate, api_key_hash
+from tenants.models import ApiKey, Workload
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from tenants import views
 
 urlpatterns = [
     path("t/<slug:slug>/keys/new", views.api_key_new, name="api-key-new"),

@@ -22,7 +22,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def redis_client():
-    from budgets.redis_client import get_redis
+    from budgets.admission.redis_client import get_redis
 
     client = get_redis()
     client.ping()
@@ -54,6 +54,7 @@ def _database_url() -> str:
 def platform(django_db_setup, django_db_blocker, redis_client):
     """The simulated pool, the gateway and one worker per lane, all pointed at
     this session's test database and Redis."""
+    from gateway.core.lanes import LANE_NAMES
     from tests.platform_harness import Platform
 
     log_dir = Path(os.environ.get("SLUICE_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="sluice-test-logs-"))
@@ -72,7 +73,7 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         harness.start_sim(["--time-scale", "5"])
         harness.start_web()
         harness.start_pacer()
-        lanes = ["interactive", "interactive-long", "batch", "scheduled"]
+        lanes = list(LANE_NAMES)
         for lane in lanes:
             harness.start_worker(lane)
         harness.wait_workers_ready(lanes)
@@ -95,7 +96,7 @@ def make_caller(transactional_db):
     """Create a pool (or reuse one), a tenant, a workload with a reservation
     and an API key. Bucket config reaches Redis on commit, as in production."""
     from budgets.models import InferencePool, Reservation
-    from budgets.services import pool_config_push
+    from budgets.admission.pool_config import pool_config_push
     from tenants.models import Tenant, Workload
     from tenants.services import api_key_create
 

@@ -19,7 +19,7 @@ def admit_many(args: tuple) -> list[tuple[int, int, bool]]:
     django.setup()
     import time
 
-    from budgets.admission import admit
+    from budgets.admission.buckets import admit
     from budgets.errors import Rejected
 
     results: list[tuple[int, int, bool]] = []

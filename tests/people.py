@@ -66,7 +66,7 @@ def make_user(username: str, *, staff: bool = False, finance: bool = False, supe
 def build_world(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 1_000_000, provider_rpm: int = 10_000,
                 suffix: str | None = None) -> World:
     from budgets.models import InferencePool, ModelPrice, Reservation
-    from budgets.services import pool_config_push
+    from budgets.admission.pool_config import pool_config_push
     from tenants.models import Membership, Tenant, Workload
     from tenants.services import api_key_create
 
@@ -111,7 +111,7 @@ def build_world(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 
 def ledger_add(*, workload, pool, at: datetime, model: str = "sim-small", input_tokens: int = 100,
                output_tokens: int = 50, estimated_output: int = 64, status: str = "ok") -> str:
     """One ledger row through the real writer (price lookup included)."""
-    from budgets.ledger import LedgerEntry, usage_record_write
+    from budgets.ledger.writer import LedgerEntry, usage_record_write
 
     request_id = "req_" + uuid.uuid4().hex
     usage_record_write(entry=LedgerEntry(

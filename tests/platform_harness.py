@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from llm_platform import processes
-from llm_platform.celery import WORKER_READY_KEY
+from gateway.core.keys import WORKERS_READY as WORKER_READY_KEY
 from llm_platform.processes import ROOT, Process, free_port, wait_http  # noqa: F401  (re-exported for tests)
 
 

@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from budgets import keys
-from budgets.admission import admit, settle
+from budgets.admission import keys
+from budgets.admission.buckets import admit, settle
 from budgets.errors import Rejected
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,7 +49,7 @@ def test_admits_until_the_ceiling_then_rejects_with_reason_and_headers_data(make
     assert rejected.status == 429
     # 1,000 tokens at 400 tokens/s, minus what refilled meanwhile: under 2.5 s
     assert 0 < rejected.retry_after_ms <= 2_500
-    assert rejected.remaining_tokens < 1_000
+    assert rejected.rate_limits.remaining_tokens < 1_000
 
 
 def test_retry_after_is_truthful(make_caller):
@@ -112,7 +112,7 @@ def test_i6_four_processes_by_eight_threads_admit_what_one_would(make_caller):
 
 
 def caller_counters(caller) -> dict[str, int]:
-    from budgets.redis_client import get_redis
+    from budgets.admission.redis_client import get_redis
 
     raw = get_redis().hgetall(keys.pool_counters(caller.pool.id))
     return {k: int(v) for k, v in raw.items()}
@@ -153,7 +153,7 @@ def test_settlement_refunds_the_difference_once(make_caller):
     counters = caller_counters(caller)
     assert counters[f"{caller.workload.id}.debited_tok"] == 420
     assert counters[f"{caller.workload.id}.used_tok"] == 420
-    from budgets.redis_client import get_redis
+    from budgets.admission.redis_client import get_redis
 
     assert get_redis().zcard(keys.pool_leases(caller.pool.id)) == 0
 

@@ -13,10 +13,15 @@ from django.core.exceptions import ValidationError
 from django.db import DatabaseError, close_old_connections, connection, transaction
 from django.utils import timezone
 
-from budgets import keys
-from budgets.budget_requests import budget_request_approve, budget_request_reject, budget_request_submit, budget_requests_expire
+from budgets.admission import keys
+from budgets.services.budget_requests import (
+    budget_request_approve,
+    budget_request_reject,
+    budget_request_submit,
+    budget_requests_expire,
+)
 from budgets.models import AuditImmutable, BudgetRequest, BudgetRequestEvent, Notification, Reservation, SpendBudget
-from budgets.selectors_pool import budget_request_preview, pool_headroom
+from budgets.selectors.pools import budget_request_preview, pool_headroom
 from tests.people import build_world, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from budgets.charts import Segment, Series, Threshold, capacity_bar, human, line_chart, progress_bar, stacked_bar_chart
+from budgets.web.charts import (
+    Segment,
+    Series,
+    Threshold,
+    capacity_bar,
+    human,
+    line_chart,
+    progress_bar,
+    stacked_bar_chart,
+)
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from budgets import rejections
+from budgets.ledger import rejections
 from budgets.models import DailyUsage, RejectionStat
-from budgets.periodic_tasks import expire_budget_requests, flush_rejections, reconcile_spend, rollup_daily_usage
-from budgets.spend import spend_month_key
+from budgets.tasks import expire_budget_requests, flush_rejections, reconcile_spend, rollup_daily_usage
+from budgets.ledger.spend import spend_month_key
 from tests.people import ledger_add, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db

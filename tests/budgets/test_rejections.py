@@ -13,9 +13,12 @@ import redis as redis_lib
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from budgets import keys, rejections
+from budgets.admission import keys
+from budgets.admission import redis_client as redis_connections
+from budgets.ledger import rejections
+from budgets.errors import BudgetUnavailable
 from budgets.models import RejectionSample, RejectionStat
-from budgets.rejections import rejection_count, rejection_count_async, rejections_flush
+from budgets.ledger.rejections import rejection_count, rejection_count_call, rejections_flush
 from tests.people import world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db
@@ -88,7 +91,7 @@ def test_flush_is_idempotent(world):
     # a flush that died after writing leaves the minute pending: redo it
     minute = RejectionStat.objects.get().minute
     pending_key = keys.rejection_pending_minutes(world.pool.id)
-    from budgets.redis_client import get_redis
+    from budgets.admission.redis_client import get_redis
 
     get_redis().zadd(pending_key, {str(int(minute.timestamp())): int(minute.timestamp())})
     flush()
@@ -106,9 +109,9 @@ def test_late_rejection_for_a_flushed_minute_is_counted_exactly(world, redis_cli
     # when a late rejection for that same minute arrives (e.g. a slow web process)
     call_keys = [keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
                  keys.rejection_pending_minutes(world.pool.id)]
-    from budgets.redis_client import lua_script
+    from budgets.admission.redis_client import lua_script
 
-    lua_script(redis_client, rejections._COUNT_SRC)(
+    lua_script(redis_client, rejections.COUNT.source)(
         keys=call_keys, args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
     flush()
     # then the database holds the minute's full count, not the late part alone
@@ -123,9 +126,9 @@ def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_clie
     def bulk_create_then_a_rejection_arrives(*args, **kwargs):
         created = real_bulk_create(*args, **kwargs)
         minute = int(args[0][0].minute.timestamp())
-        from budgets.redis_client import lua_script
+        from budgets.admission.redis_client import lua_script
 
-        lua_script(redis_client, rejections._COUNT_SRC)(
+        lua_script(redis_client, rejections.COUNT.source)(
             keys=[keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
                   keys.rejection_pending_minutes(world.pool.id)],
             args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
@@ -138,11 +141,11 @@ def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_clie
     assert RejectionStat.objects.get().count == 3
 
 
-def test_async_twin_counts_the_same_way(world):
+def test_the_async_caller_counts_the_same_way(world):
     async def storm():
         await asyncio.gather(*[
-            rejection_count_async(pool_id=world.pool.id, workload_id=world.wl_b.id, tenant_id=world.tenant_b.id,
-                                  reason="pool_saturated", estimated_tokens=10, retry_after_ms=None)
+            rejection_count_call(pool_id=world.pool.id, workload_id=world.wl_b.id, tenant_id=world.tenant_b.id,
+                                 reason="pool_saturated", estimated_tokens=10, retry_after_ms=None).run_async()
             for _ in range(50)
         ])
 
@@ -168,18 +171,22 @@ def test_rejections_without_a_pool_are_kept_too(world):
 
 def test_counting_never_raises_when_redis_is_away(world, monkeypatch):
     dead = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
-    monkeypatch.setattr(rejections, "get_redis", lambda: dead)
+    monkeypatch.setattr(redis_connections, "get_redis", lambda: dead)
     count(world)  # no exception
 
+
+def test_the_async_call_reports_redis_away_as_budget_unavailable(world, monkeypatch):
+    # The /v1 views swallow it (losing a counter beats failing the answer);
+    # what they get is the one translation every Redis call shares.
+    import redis.asyncio as aioredis
+
     async def dead_async():
-        import redis.asyncio as aioredis
+        dead = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+        await rejection_count_call(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                                   reason="workload_tpm", estimated_tokens=1, retry_after_ms=1).run_async(dead)
 
-        monkeypatch.setattr(rejections, "get_async_redis",
-                            lambda: aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2))
-        await rejection_count_async(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
-                                    reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
-
-    asyncio.run(dead_async())
+    with pytest.raises(BudgetUnavailable):
+        asyncio.run(dead_async())
 
 
 def test_samples_of_deleted_workloads_are_dropped(world):

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from budgets.admission import admit
+from budgets.admission.buckets import admit
 from budgets.errors import Rejected
 from budgets.models import Reservation
 
@@ -157,4 +157,4 @@ def test_reservation_changes_reach_admission_without_a_restart(make_caller):
     reservation.save()
     # then the very next admission uses it
     admitted = admit(request_id="r2", **big)
-    assert admitted.remaining_tokens == 1_000
+    assert admitted.rate_limits.remaining_tokens == 1_000

@@ -13,8 +13,8 @@ from django.db.models import Count, F, Sum
 from django.test.utils import CaptureQueriesContext
 
 from budgets.models import DailyUsage, RollupState, UsageRecord
-from budgets.rollups import daily_usage_refresh, final_through_at
-from budgets.selectors_usage import UsageFilters, ledger_rows, usage_summary
+from budgets.ledger.rollups import daily_usage_refresh, final_through_at
+from budgets.selectors.usage import UsageFilters, ledger_rows, usage_summary
 from tests.people import ledger_add, ledger_spread, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db

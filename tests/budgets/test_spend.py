@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 
 from budgets.models import InferencePool, Notification, SpendBudget, UsageRecord
-from budgets.spend import (
+from budgets.ledger.spend import (
     from_micro,
     spend_caps_for_pool,
     spend_month_key,

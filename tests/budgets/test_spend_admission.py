@@ -10,11 +10,12 @@ from decimal import Decimal
 
 import pytest
 
-from budgets.admission import SpendCharge, admit, settle
+from budgets.admission.buckets import SpendCharge, admit, settle
 from budgets.errors import Rejected
-from budgets.models_spend import SpendBudget
-from budgets.pricing import TokenPrice, spend_month
-from budgets.services import pool_config_push
+from budgets.models import SpendBudget
+from budgets.ledger.pricing import TokenPrice
+from budgets.ledger.spend import spend_month
+from budgets.admission.pool_config import pool_config_push
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

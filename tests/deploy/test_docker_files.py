@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from llm_platform.celery import LANE_QUEUES
+from gateway.core.lanes import LANES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_compose_has_every_part_of_the_platform():
     services = compose["services"]
     assert {"postgres", "redis", "web", "beat", "pacer", "sim", "migrate"} <= set(services)
     assert services["pacer"]["command"][-1] == "run_pacer"
-    for lane, queue in LANE_QUEUES.items():
+    for lane, queue in ((lane.name, lane.queue) for lane in LANES):
         command = services[f"worker-{lane}"]["command"]
         assert command[command.index("-Q") + 1] == queue
         assert command[command.index("-n") + 1].startswith(f"{lane}@")

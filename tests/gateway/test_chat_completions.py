@@ -12,7 +12,7 @@ import openai
 import pytest
 
 import llm_tokens
-from budgets import keys
+from budgets.admission import keys
 from budgets.models import UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -207,9 +207,9 @@ def test_i5_and_ledger_match_the_usage_the_pool_reported(platform, caller, redis
 
 
 def test_replayed_settlement_writes_nothing_twice(platform, caller, redis_client):
-    from gateway.execution import request_finish
-    from gateway.records import Outcome, RequestRecord
-    from gateway import keys as gateway_keys
+    from gateway.worker.execution import request_finish
+    from gateway.core.records import Outcome, RequestRecord
+    from gateway.core import keys as gateway_keys
 
     raw = sdk(platform, caller.api_key).chat.completions.with_raw_response.create(
         model="sim-small", messages=HELLO, max_tokens=30, extra_body={"sim": {"output_tokens": 9}})
@@ -270,10 +270,10 @@ def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_the_pool(pla
 def test_worker_that_finds_the_deadline_passed_refunds_and_records(platform, make_caller, redis_client):
     """The other side of the race: the worker dequeues after the deadline,
     before the web side gave up. It owns the refund; the pool is never called."""
-    from gateway import keys as gateway_keys
-    from gateway.execution import request_execute
-    from gateway.records import RequestRecord
-    from budgets.admission import admit
+    from gateway.core import keys as gateway_keys
+    from gateway.worker.execution import request_execute
+    from gateway.core.records import RequestRecord
+    from budgets.admission.buckets import admit
 
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool)

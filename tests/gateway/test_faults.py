@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from budgets import keys
-from budgets.admission import admit
+from budgets.admission import keys
+from budgets.admission.buckets import admit
 from budgets.models import UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -35,9 +35,9 @@ def test_bucket_config_lost_by_redis_is_rebuilt_on_the_next_request(platform, ma
 
 
 def test_expired_leases_are_reaped_once_and_recorded(make_caller, redis_client):
-    from gateway.execution import leases_reap
-    from gateway.records import RequestRecord
-    from gateway import keys as gateway_keys
+    from gateway.worker.execution import leases_reap
+    from gateway.core.records import RequestRecord
+    from gateway.core import keys as gateway_keys
 
     caller = make_caller()
     admission = admit(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id="req_lost", input_tokens=10,
@@ -59,7 +59,7 @@ def test_expired_leases_are_reaped_once_and_recorded(make_caller, redis_client):
     assert int(counters[f"{caller.workload.id}.debited_tok"]) == 30
     assert redis_client.zcard(keys.pool_leases(caller.pool.id)) == 0
     # a late redelivery finds no record and does not call the pool
-    from gateway.execution import request_execute
+    from gateway.worker.execution import request_execute
 
     assert request_execute(request_id="req_lost") == "missing"
 

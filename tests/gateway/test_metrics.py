@@ -9,7 +9,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from gateway.metrics import pool_live_metrics
+from gateway.core.metrics import pool_live_metrics
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from budgets import keys
-from budgets.capacity import capacity_state
+from budgets.admission import keys
+from budgets.admission.capacity import capacity_state
 from budgets.models import UsageRecord
 from gateway.models import Job
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from gateway.retry import RetryPolicy, retry_budget_earn, retry_budget_spend
+from gateway.worker.retry import RetryPolicy, retry_budget_earn, retry_budget_spend
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def test_full_jitter_spans_the_whole_window():
-    policy = RetryPolicy(base_ms=250, cap_ms=8_000)
+    policy = replace(RetryPolicy.from_settings(), base_ms=250, cap_ms=8_000)
     rng = random.Random(7)
     window = policy.backoff_window_ms(3)  # 250 x 2^2
     assert window == 1_000
@@ -28,7 +29,7 @@ def test_full_jitter_spans_the_whole_window():
 
 
 def test_window_is_capped_and_retry_after_is_a_floor():
-    policy = RetryPolicy(base_ms=250, cap_ms=8_000)
+    policy = replace(RetryPolicy.from_settings(), base_ms=250, cap_ms=8_000)
     assert policy.backoff_window_ms(10) == 8_000
     rng = random.Random(1)
     # the jitter window starts at the pool's Retry-After: never earlier, and
@@ -41,7 +42,7 @@ def test_window_is_capped_and_retry_after_is_a_floor():
 
 def test_pool_retry_budget_keeps_retries_under_ten_percent(make_caller):
     caller = make_caller()
-    policy = RetryPolicy(pool_ratio=0.1, pool_burst=10, session_budget=1_000)
+    policy = replace(RetryPolicy.from_settings(), pool_ratio=0.1, pool_burst=10, session_budget=1_000)
     granted = 0
     for _ in range(200):
         retry_budget_earn(pool_id=caller.pool.id, policy=policy)
@@ -54,7 +55,7 @@ def test_pool_retry_budget_keeps_retries_under_ten_percent(make_caller):
 
 def test_session_retry_budget_is_per_session(make_caller):
     caller = make_caller()
-    policy = RetryPolicy(pool_ratio=1.0, pool_burst=100, session_budget=3)
+    policy = replace(RetryPolicy.from_settings(), pool_ratio=1.0, pool_burst=100, session_budget=3)
     for _ in range(50):
         retry_budget_earn(pool_id=caller.pool.id, policy=policy)
     verdicts = [retry_budget_spend(pool_id=caller.pool.id, workload_id=caller.workload.id, session_id="chain-1",

@@ -11,8 +11,8 @@ from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
 from gateway.models import Job, JobSchedule
-from gateway.schedules import schedule_run, schedule_sync
-from gateway.tasks import run_schedule
+from gateway.core.schedules import schedule_run, schedule_sync
+from gateway.worker.tasks import run_schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -12,9 +12,9 @@ from django.urls import URLPattern, URLResolver, get_resolver
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from budgets.budget_requests import budget_request_submit
+from budgets.services.budget_requests import budget_request_submit
 from budgets.models import SpendBudget
-from budgets.rejections import rejection_count
+from budgets.ledger.rejections import rejection_count
 from tenants.models import ApiKey
 from tests.people import ledger_add
 

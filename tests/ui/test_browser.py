@@ -92,7 +92,7 @@ def call(client: openai.OpenAI, *, max_tokens: int = 400, output_tokens: int = 3
 
 def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_client):
     from budgets.models import BudgetRequest, Reservation
-    from budgets.services import pool_config_push
+    from budgets.admission.pool_config import pool_config_push
     from tests.people import build_world
 
     # given tenant A's workload with no budget yet (caps small enough for a 4,000 TPM slice)

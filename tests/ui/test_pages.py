@@ -15,8 +15,8 @@ from django.test import Client
 from django.utils import timezone
 
 from budgets.models import BudgetRequest, Reservation, SpendBudget
-from budgets.rejections import rejection_count
-from budgets.rollups import daily_usage_refresh
+from budgets.ledger.rejections import rejection_count
+from budgets.ledger.rollups import daily_usage_refresh
 from tenants.models import ApiKey
 from tests.people import ledger_add, ledger_spread
 

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from budgets.models import InferencePool, ModelPrice, Reservation
-from budgets.services import pool_config_push
+from budgets.admission.pool_config import pool_config_push
 from tenants.models import Membership, Tenant, Workload
 from tenants.services import api_key_create
 
@@ -126,9 +126,7 @@ class Command(BaseCommand):
         pool_url = options["pool_url"] or settings.SLUICE_SIM_URL
         workloads, logins = self._seed(pool_url)
         pool_config_push(pool=InferencePool.objects.get(slug=POOL["slug"]))
-        import os
-
-        base_url = options["base_url"] or f"http://127.0.0.1:{os.environ.get('PORT', '8000')}/v1"
+        base_url = options["base_url"] or f"http://127.0.0.1:{settings.PORT}/v1"
         if options["json"]:
             self.stdout.write(json.dumps({"base_url": base_url, "workloads": workloads}, indent=2))
             return

@@ -3,7 +3,7 @@ import threading
 
 from django.core.management.base import BaseCommand
 
-from gateway.pacer import pacer_run
+from gateway.worker.pacer import pacer_run
 
 
 class Command(BaseCommand):

@@ -1,0 +1,164 @@
+"""Token-bucket admission and settlement: typed calls of two Lua scripts
+(``admit.lua``, ``settle.lua``) that run atomically inside Redis on Redis's
+own clock. Each call is built once (``admit_call``, ``settle_call``) and run
+by a sync caller (``.run()``) or an async one (``await .run_async()``).
+
+The buckets' rates and capacities live in Redis too (``pool_config.py``),
+written from the Django models whenever a pool or reservation changes and
+re-pushed periodically, so every gateway process admits against the same
+numbers within moments of an edit, without a restart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from budgets.admission import keys
+from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.errors import RateLimitSnapshot, Rejected
+
+ADMIT = LuaScript(__package__, "admit.lua")
+SETTLE = LuaScript(__package__, "settle.lua")
+
+REASON_MESSAGES = {
+    "workload_tpm": "This workload's tokens-per-minute budget is used up.",
+    "workload_rpm": "This workload's requests-per-minute budget is used up.",
+    "pool_tpm": "The pool has no free token capacity beyond this workload's reservation right now.",
+    "pool_rpm": "The pool has no free request capacity beyond this workload's reservation right now.",
+    "pool_input_tpm": "The pool's input tokens-per-minute budget is used up.",
+    "pool_output_tpm": "The pool's output tokens-per-minute budget is used up.",
+    "pool_saturated": "The pool is at its in-flight request limit.",
+    "workload_concurrency": "This workload is at its in-flight request limit.",
+    "spend_budget": "This month's spend budget is used up; it renews at the start of next month.",
+    "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",
+    "request_too_large": "This request is larger than the workload's budget can ever admit at once; lower max_tokens or the prompt.",
+}
+
+
+@dataclass(frozen=True)
+class Admission:
+    request_id: str
+    pool_id: int
+    workload_id: int
+    input_tokens: int
+    output_tokens: int
+    borrowed: bool
+    rate_limits: RateLimitSnapshot
+    admitted_ms: float  # Redis's clock: deadlines are measured on it too
+
+
+@dataclass(frozen=True)
+class Settlement:
+    settled: bool  # False: already settled (a replay) or never admitted
+    estimated_tokens: int = 0
+    borrowed: bool = False
+
+
+@dataclass(frozen=True)
+class SpendCharge:
+    """What a request is expected to cost, for the month-to-date spend caps."""
+
+    tenant_id: int
+    cost_micro: int  # currency x 1,000,000
+    month_key: str  # budgets.ledger.pricing.spend_month of the admission's month
+    month_end_ms: float
+
+
+NO_SPEND = SpendCharge(tenant_id=0, cost_micro=0, month_key="", month_end_ms=0)
+
+
+class NotConfigured(Exception):
+    """The pool's bucket config is missing from Redis (fresh or flushed)."""
+
+
+def _snapshot(raw, first: int) -> RateLimitSnapshot:
+    remaining_tokens, remaining_requests, tokens_reset_ms, requests_reset_ms = raw[first:first + 4]
+    return RateLimitSnapshot(
+        remaining_tokens=max(0, int(float(remaining_tokens))),
+        remaining_requests=max(0, int(float(remaining_requests))),
+        tokens_reset_ms=max(0, int(float(tokens_reset_ms))),
+        requests_reset_ms=max(0, int(float(requests_reset_ms))),
+    )
+
+
+def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int,
+               lease_ttl_ms: int, spend: SpendCharge = NO_SPEND) -> ScriptCall[Admission]:
+    """Admit or raise Rejected (NotConfigured when Redis lost the pool's
+    config); one atomic Redis round trip."""
+
+    def parse(raw) -> Admission:
+        status = int(raw[0])
+        if status == -1:
+            raise NotConfigured(raw[1])
+        if status in (1, 2):
+            return Admission(request_id=request_id, pool_id=pool_id, workload_id=workload_id,
+                             input_tokens=input_tokens, output_tokens=output_tokens, borrowed=bool(int(raw[1])),
+                             rate_limits=_snapshot(raw, 2), admitted_ms=float(raw[6]))
+        reason = raw[1]
+        wait_ms = int(float(raw[2]))
+        too_large = reason == "request_too_large"
+        raise Rejected(
+            reason=reason,
+            message=REASON_MESSAGES.get(reason, reason),
+            status=413 if too_large else 429,
+            retry_after_ms=None if wait_ms < 0 else max(1, wait_ms),
+            error_type="invalid_request_error" if too_large else "rate_limit_error",
+            rate_limits=_snapshot(raw, 3),
+            estimated_tokens=input_tokens + output_tokens,
+        )
+
+    return ScriptCall(
+        script=ADMIT,
+        keys=[
+            keys.pool_config(pool_id),
+            keys.pool_workloads(pool_id),
+            keys.pool_buckets(pool_id),
+            keys.pool_leases(pool_id),
+            keys.workload_leases(pool_id, workload_id),
+            keys.lease(pool_id, request_id),
+            keys.pool_counters(pool_id),
+            keys.pool_capacity(pool_id),
+            spend.month_key if spend.cost_micro > 0 else "",
+        ],
+        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend.cost_micro, spend.tenant_id,
+              spend.month_end_ms],
+        parse=parse,
+    )
+
+
+def _settlement(raw) -> Settlement:
+    if int(raw[0]) == 0:
+        return Settlement(settled=False)
+    return Settlement(settled=True, estimated_tokens=int(raw[2]) + int(raw[3]), borrowed=bool(int(raw[4])))
+
+
+def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input_tokens: int,
+                actual_output_tokens: int, pool_called: bool = True, actual_cost_micro: int = 0,
+                spend_month_key: str = "") -> ScriptCall[Settlement]:
+    """Refund or charge the estimate's difference from actual usage (tokens and
+    spend) and release the lease. Safe to run again: the second run changes
+    nothing."""
+    return ScriptCall(
+        script=SETTLE,
+        keys=[
+            keys.pool_config(pool_id),
+            keys.pool_buckets(pool_id),
+            keys.pool_leases(pool_id),
+            keys.workload_leases(pool_id, workload_id),
+            keys.lease(pool_id, request_id),
+            keys.pool_counters(pool_id),
+            keys.pool_capacity(pool_id),
+            spend_month_key,
+        ],
+        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro],
+        parse=_settlement,
+    )
+
+
+def admit(**kwargs) -> Admission:
+    """``admit_call(...).run()``: for synchronous callers and tests."""
+    return admit_call(**kwargs).run()
+
+
+def settle(**kwargs) -> Settlement:
+    """``settle_call(...).run()``: for synchronous callers and tests."""
+    return settle_call(**kwargs).run()

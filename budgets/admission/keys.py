@@ -1,0 +1,77 @@
+"""The Redis key schema, in one place. Everything one admission or settlement
+script touches carries the pool's hash tag ``{pool:<id>}`` so Redis Cluster
+keeps it on one shard."""
+
+from __future__ import annotations
+
+
+def pool_tag(pool_id: int) -> str:
+    """The prefix of every key of one pool: ``{pool:<id>}`` is the Redis Cluster
+    hash tag, so the pool's keys share a shard (gateway/core/keys.py uses it too)."""
+    return f"sluice:{{pool:{pool_id}}}"
+
+
+def pool_config(pool_id: int) -> str:
+    """Hash: bucket rates/capacities of the pool and of every workload on it."""
+    return f"{pool_tag(pool_id)}:cfg"
+
+
+def pool_workloads(pool_id: int) -> str:
+    """Set: ids of the workloads with a reservation on the pool."""
+    return f"{pool_tag(pool_id)}:wids"
+
+
+def pool_buckets(pool_id: int) -> str:
+    """Hash: level and last-refill time of every bucket of the pool."""
+    return f"{pool_tag(pool_id)}:buckets"
+
+
+def pool_leases(pool_id: int) -> str:
+    """Sorted set: in-flight request ids scored by lease expiry (ms)."""
+    return f"{pool_tag(pool_id)}:leases"
+
+
+def workload_leases(pool_id: int, workload_id: int) -> str:
+    return f"{pool_tag(pool_id)}:wl:{workload_id}:leases"
+
+
+def lease(pool_id: int, request_id: str) -> str:
+    """Hash: what admission debited for one request, so settlement can undo it."""
+    return f"{pool_tag(pool_id)}:lease:{request_id}"
+
+
+def pool_counters(pool_id: int) -> str:
+    """Hash: monotonic counters (tokens debited net of settlement, per workload)."""
+    return f"{pool_tag(pool_id)}:counters"
+
+
+def pool_capacity(pool_id: int) -> str:
+    """Hash: adaptive capacity factor of the pool (1.0 = configured limits)."""
+    return f"{pool_tag(pool_id)}:capacity"
+
+
+# --- rejection counters (budgets.ledger.rejections) -----------------------------------
+# pool id 0 holds rejections of requests that never reached a pool.
+
+
+def rejection_minute_counts(pool_id: int, minute_epoch: int) -> str:
+    """Hash: rejections in one minute, fields "<wid>|<reason>" and "_n" (total)."""
+    return f"{pool_tag(pool_id)}:rej:{minute_epoch}:n"
+
+
+def rejection_minute_samples(pool_id: int, minute_epoch: int) -> str:
+    """List: JSON samples of the minute's first rejections per workload and reason."""
+    return f"{pool_tag(pool_id)}:rej:{minute_epoch}:samples"
+
+
+def rejection_pending_minutes(pool_id: int) -> str:
+    """Sorted set: minutes (epoch seconds) with counts not yet flushed to the database."""
+    return f"{pool_tag(pool_id)}:rej:pending"
+
+
+# --- spend (budgets.ledger.spend) --------------------------------------------------------
+
+
+def spend_month(pool_id: int, year_month: str) -> str:
+    """Hash: month-to-date spend in micro-units, fields "T<tenant id>" and "<workload id>"."""
+    return f"{pool_tag(pool_id)}:spend:{year_month}"

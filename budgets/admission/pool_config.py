@@ -1,0 +1,55 @@
+"""Services that write: bucket config to Redis, settlement, the ledger."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+
+from budgets.admission import keys
+from budgets.admission.bucket_config import pool_bucket_fields
+from budgets.admission.capacity import capacity_signal
+from budgets.ledger.spend import spend_caps_for_pool
+from budgets.models import InferencePool, Reservation
+from budgets.admission.redis_client import get_redis
+
+logger = logging.getLogger(__name__)
+
+
+def pool_config_push(*, pool: InferencePool) -> None:
+    """Write the pool's bucket rates and capacities to Redis in one MULTI, so
+    an admission script sees either the old config or the new one, never half.
+    Bucket levels are kept: a rate change applies from now on."""
+    reservations = list(Reservation.objects.filter(pool=pool).select_related("workload")) if pool.is_active else []
+    fields = pool_bucket_fields(pool, reservations) if pool.is_active else {}
+    if fields:
+        fields.update(spend_caps_for_pool(pool=pool))
+    pipe = get_redis().pipeline(transaction=True)
+    pipe.delete(keys.pool_config(pool.id), keys.pool_workloads(pool.id))
+    if fields:
+        pipe.hset(keys.pool_config(pool.id), mapping=fields)
+    if reservations:
+        pipe.sadd(keys.pool_workloads(pool.id), *[r.workload_id for r in reservations])
+    pipe.execute()
+    # Shed scales depend on the reservations: recompute them at the current factor.
+    capacity_signal(pool_id=pool.id, event="recompute")
+
+
+def pool_config_push_all() -> int:
+    pools = list(InferencePool.objects.all())
+    for pool in pools:
+        pool_config_push(pool=pool)
+    return len(pools)
+
+
+def pool_config_push_on_commit(*, pool_id: int) -> None:
+    def push() -> None:
+        pool = InferencePool.objects.filter(pk=pool_id).first()
+        if pool is None:
+            return
+        try:
+            pool_config_push(pool=pool)
+        except Exception:  # Redis down: the periodic push catches up
+            logger.warning("could not push bucket config of pool %s to Redis", pool_id, exc_info=True)
+
+    transaction.on_commit(push)

@@ -1,0 +1,165 @@
+"""Redis connections for the buckets, and the one way to call a Lua script.
+
+Short timeouts on the admission path: when Redis is gone or hung the gateway
+must say 503 within a second, not hang. A script call is described once
+(``ScriptCall``: script, KEYS, ARGV and how to read the reply) and run by a
+sync or an async caller that differ only in the await; both translate
+"Redis is unreachable" the same way (``BudgetUnavailable``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib.resources
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from budgets.errors import BudgetUnavailable
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+# What "Redis is not answering" looks like from redis-py: a refused or reset
+# connection, a read that timed out (a hung server: redis-py's TimeoutError is
+# not a ConnectionError), or the socket failing underneath.
+REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+)
+
+_sync_clients: dict[str, redis.Redis] = {}
+_sync_lock = threading.Lock()
+_async_clients: dict[tuple[int, str], aioredis.Redis] = {}
+
+
+def _options(blocking: bool) -> dict:
+    timeout = settings.SLUICE_REDIS_TIMEOUT_S
+    return {
+        "socket_connect_timeout": timeout,
+        # Blocking reads (BLPOP for a result) set their own server-side timeout.
+        "socket_timeout": None if blocking else timeout,
+        "health_check_interval": 30,
+        "decode_responses": True,
+    }
+
+
+def get_redis(*, blocking: bool = False) -> redis.Redis:
+    key = "blocking" if blocking else "fast"
+    client = _sync_clients.get(key)
+    if client is None:
+        with _sync_lock:
+            client = _sync_clients.get(key)
+            if client is None:
+                client = redis.Redis.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
+                _sync_clients[key] = client
+    return client
+
+
+def get_async_redis(*, blocking: bool = False) -> aioredis.Redis:
+    """One client per event loop (a client's connections belong to its loop)."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), "blocking" if blocking else "fast")
+    client = _async_clients.get(key)
+    if client is None:
+        client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
+        _async_clients[key] = client
+    return client
+
+
+def reset_clients() -> None:
+    """Forget cached clients (after a fork, or in tests that restart Redis)."""
+    _sync_clients.clear()
+    _async_clients.clear()
+    _scripts.clear()
+
+
+_scripts: dict[tuple[int, str], object] = {}
+
+
+def lua_script(client, source: str):
+    """The client's registered script for ``source``. register_script keeps the
+    SHA and reloads the source after SCRIPT FLUSH or a Redis restart
+    (NoScriptError -> SCRIPT LOAD -> EVALSHA)."""
+    key = (id(client), source)
+    script = _scripts.get(key)
+    if script is None:
+        script = client.register_script(source)
+        _scripts[key] = script
+    return script
+
+
+def redis_now_ms(client: redis.Redis | None = None) -> float:
+    """Redis's clock in ms: every host measures deadlines on the same clock."""
+    seconds, micros = (client or get_redis()).time()
+    return seconds * 1000 + micros / 1000
+
+
+class LuaScript:
+    """One ``.lua`` file next to the Python that calls it, read once at import."""
+
+    def __init__(self, package: str, filename: str):
+        self.name = f"{package}/{filename}"
+        self.source = importlib.resources.files(package).joinpath(filename).read_text()
+
+    def __repr__(self) -> str:
+        return f"LuaScript({self.name})"
+
+
+@dataclass(frozen=True)
+class ScriptCall(Generic[T]):
+    """One call of a script: its KEYS and ARGV, built once, and how to turn
+    the reply into a typed result. ``run`` and ``run_async`` differ only in
+    the await."""
+
+    script: LuaScript
+    keys: list[str]
+    args: list[Any]
+    parse: Callable[[Any], T]
+
+    def run(self, client: redis.Redis | None = None) -> T:
+        client = client or get_redis()
+        try:
+            raw = lua_script(client, self.script.source)(keys=self.keys, args=self.args)
+        except REDIS_UNAVAILABLE as exc:
+            raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
+        return self.parse(raw)
+
+    async def run_async(self, client: aioredis.Redis | None = None) -> T:
+        client = client or get_async_redis()
+        try:
+            raw = await lua_script(client, self.script.source)(keys=self.keys, args=self.args)
+        except REDIS_UNAVAILABLE as exc:
+            raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
+        return self.parse(raw)
+
+
+def raw_reply(raw: Any) -> Any:
+    """``parse`` for scripts whose reply callers read as it is."""
+    return raw
+
+
+# A page that falls back to what the database holds when Redis is away says
+# so: readers note the failure here, and the web UI shows a banner for the
+# request (llm_platform/degraded.py starts a fresh note per request).
+_unavailable_note: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("redis_unavailable", default=None)
+
+
+def unavailable_note_start() -> None:
+    _unavailable_note.set([])
+
+
+def unavailable_note(what: str) -> None:
+    """Record that ``what`` was served without Redis (no-op outside a request)."""
+    logger.warning("%s: Redis unavailable, falling back", what, exc_info=True)
+    notes = _unavailable_note.get()
+    if notes is not None:
+        notes.append(what)
+
+
+def unavailable_noted() -> list[str]:
+    return list(_unavailable_note.get() or [])

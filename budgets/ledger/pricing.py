@@ -1,0 +1,31 @@
+"""What tokens cost, in micro-units of the price table's currency (currency x
+1,000,000) so Redis can add them up exactly as integers. A price per million
+tokens times a token count *is* a micro-unit amount."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import ROUND_HALF_UP, Decimal
+
+from budgets.ledger.writer import price_in_force
+
+
+@dataclass(frozen=True)
+class TokenPrice:
+    input_per_million: Decimal
+    output_per_million: Decimal
+    price_id: int | None = None  # the ModelPrice version
+
+    def cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
+        amount = self.input_per_million * input_tokens + self.output_per_million * output_tokens
+        return int(amount.to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def prices_in_force(*, models, at: datetime) -> dict[str, TokenPrice]:
+    prices = {}
+    for model in models:
+        price = price_in_force(model=model, at=at)
+        if price is not None:
+            prices[model] = TokenPrice(price.input_per_million, price.output_per_million, price.pk)
+    return prices

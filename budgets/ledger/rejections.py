@@ -1,0 +1,250 @@
+"""Rejections counted in Redis per minute, flushed to the database in batches.
+
+A storm of 429s must not become a storm of database writes (DESIGN.md,
+Ledger). The gateway's rejection path runs ``rejection_count_call`` (its web
+views with ``await .run_async()``, others through ``rejection_count``): one Lua call that increments the minute's counter for the workload and
+reason, and keeps the first few rejections of each minute as detailed
+samples. A beat task (``budgets.flush_rejections``) moves closed minutes into
+``RejectionStat`` / ``RejectionSample`` with a couple of bulk statements.
+
+Exact and idempotent: the flush writes each minute's *total* (an upsert that
+sets the count), then takes the minute off the pending list only if its total
+did not move meanwhile (``rejection_ack.lua``). A late rejection for a flushed
+minute puts it back on the list; the hash is still there (kept for
+``MINUTE_TTL_S``), so the next flush rewrites the full count. A flush that dies
+half-way is simply run again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from budgets.admission import keys
+from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis, unavailable_note
+from budgets.models import InferencePool, RejectionSample, RejectionStat
+from tenants.models import Workload
+
+logger = logging.getLogger(__name__)
+
+COUNT = LuaScript(__package__, "rejection_count.lua")
+ACK = LuaScript(__package__, "rejection_ack.lua")
+
+# Minutes stay in Redis this long after their last rejection: long enough for
+# the flush to catch up after an outage, short enough to bound memory.
+MINUTE_TTL_S = 6 * 3600
+# A minute is flushed once it ended this long ago (late arrivals after that
+# are still counted exactly, they just cost another flush).
+FLUSH_GRACE_S = 5
+NO_POOL = 0
+
+
+def _minute_epoch(now_s: float) -> int:
+    return int(now_s // 60) * 60
+
+
+def rejection_count_call(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str,
+                         estimated_tokens: int, retry_after_ms: int | None,
+                         now_s: float | None = None) -> ScriptCall[None]:
+    """Count one rejection (one Redis round trip) and keep it as a sample
+    while the minute has room. Callers never let a failure here fail the
+    rejected caller's response: losing a counter is the lesser harm."""
+    now_s = time.time() if now_s is None else now_s
+    pool = pool_id or NO_POOL
+    minute = _minute_epoch(now_s)
+    sample = json.dumps({
+        "id": uuid.uuid4().hex, "at": round(now_s, 3), "wid": workload_id, "tid": tenant_id, "pid": pool,
+        "reason": reason, "tokens": max(0, int(estimated_tokens or 0)),
+        "retry_after_ms": None if retry_after_ms is None else max(0, int(retry_after_ms)),
+    }, separators=(",", ":"))
+    return ScriptCall(
+        script=COUNT,
+        keys=[
+            keys.rejection_minute_counts(pool, minute),
+            keys.rejection_minute_samples(pool, minute),
+            keys.rejection_pending_minutes(pool),
+        ],
+        args=[f"{workload_id}|{tenant_id}|{reason}", minute, settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE,
+              MINUTE_TTL_S, sample],
+        parse=lambda raw: None,
+    )
+
+
+def rejection_count(**kwargs) -> None:
+    """``rejection_count_call(...).run()`` that never raises (by contract)."""
+    try:
+        rejection_count_call(**kwargs).run()
+    except Exception:  # noqa: BLE001 - by contract
+        logger.warning("could not count a %s rejection of workload %s", kwargs.get("reason"),
+                       kwargs.get("workload_id"), exc_info=True)
+
+
+# --- flush ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    minutes: int
+    stats: int
+    samples: int
+    pending: int  # minutes left pending (a rejection arrived during the flush)
+
+
+def _known_pool_ids() -> list[int]:
+    return [NO_POOL, *InferencePool.objects.values_list("id", flat=True)]
+
+
+def _minutes_read(client, pool_id: int, minutes: list[int]) -> list[tuple[dict, list]]:
+    """Counts and samples of each minute, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for minute in minutes:
+        pipe.hgetall(keys.rejection_minute_counts(pool_id, minute))
+        pipe.lrange(keys.rejection_minute_samples(pool_id, minute), 0, -1)
+    replies = pipe.execute()
+    return [(replies[2 * i], replies[2 * i + 1]) for i in range(len(minutes))]
+
+
+def _parse_field(field: str) -> tuple[int, int, str] | None:
+    try:
+        wid, tid, reason = field.split("|", 2)
+        return int(wid), int(tid), reason
+    except ValueError:
+        return None
+
+
+def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> FlushResult:
+    """Move closed minutes of every pool from Redis into the database."""
+    client = get_redis()
+    now_s = time.time() if now_s is None else now_s
+    due_before = _minute_epoch(now_s) - FLUSH_GRACE_S - 60  # the minute has ended, plus grace
+    minutes_done = stats_written = samples_written = still_pending = 0
+    for pool_id in _known_pool_ids():
+        pending_key = keys.rejection_pending_minutes(pool_id)
+        minutes = [int(float(m)) for m in client.zrangebyscore(pending_key, "-inf", due_before, start=0, num=max_minutes)]
+        if not minutes:
+            continue
+        read = _minutes_read(client, pool_id, minutes)
+        counts_by_minute = {m: counts for m, (counts, _) in zip(minutes, read)}
+        samples_by_minute = {m: samples for m, (_, samples) in zip(minutes, read)}
+
+        workload_ids = set()
+        for counts in counts_by_minute.values():
+            for field in counts:
+                parsed = _parse_field(field)
+                if parsed:
+                    workload_ids.add(parsed[0])
+        # Rejections of workloads deleted since are dropped (nothing to show them on).
+        existing = set(Workload.objects.filter(pk__in=workload_ids).values_list("id", flat=True))
+        db_pool_id = pool_id or None
+        stats: list[RejectionStat] = []
+        samples: list[RejectionSample] = []
+        for minute, counts in counts_by_minute.items():
+            at = datetime.fromtimestamp(minute, tz=dt_timezone.utc)
+            for field, count in counts.items():
+                parsed = _parse_field(field)
+                if parsed is None or parsed[0] not in existing:
+                    continue
+                wid, tid, reason = parsed
+                stats.append(RejectionStat(minute=at, tenant_id=tid, workload_id=wid, pool_id=db_pool_id,
+                                           reason=reason, count=int(count)))
+            for raw in samples_by_minute[minute]:
+                try:
+                    data = json.loads(raw)
+                except ValueError:
+                    continue
+                if data.get("wid") not in existing:
+                    continue
+                samples.append(RejectionSample(
+                    sample_id=data["id"], at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
+                    tenant_id=data["tid"], workload_id=data["wid"], pool_id=db_pool_id, reason=data["reason"][:64],
+                    estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
+                ))
+        with transaction.atomic():
+            if stats:
+                _stats_upsert(stats)
+            if samples:
+                RejectionSample.objects.bulk_create(samples, batch_size=1000, ignore_conflicts=True)
+        for minute, counts in counts_by_minute.items():
+            acked = ScriptCall(script=ACK, keys=[keys.rejection_minute_counts(pool_id, minute), pending_key],
+                               args=[minute, counts.get("_n", "0")], parse=int).run(client)
+            if acked != 1:
+                still_pending += 1
+        minutes_done += len(minutes)
+        stats_written += len(stats)
+        samples_written += len(samples)
+    return FlushResult(minutes=minutes_done, stats=stats_written, samples=samples_written, pending=still_pending)
+
+
+def _stats_upsert(stats: list[RejectionStat]) -> None:
+    """Write each minute's exact count, replacing an earlier flush of it."""
+    if connection.vendor == "postgresql":
+        RejectionStat.objects.bulk_create(
+            stats, batch_size=1000, update_conflicts=True,
+            unique_fields=["minute", "pool", "workload", "reason"], update_fields=["count"],
+        )
+        return
+    # SQLite (the `make run` demo) cannot enforce a unique constraint over a
+    # nullable pool, so ON CONFLICT has nothing to match: upsert row by row.
+    for stat in stats:
+        RejectionStat.objects.update_or_create(
+            minute=stat.minute, pool_id=stat.pool_id, workload_id=stat.workload_id, reason=stat.reason,
+            defaults={"count": stat.count, "tenant_id": stat.tenant_id},
+        )
+
+
+def rejection_samples_prune(*, now=None) -> int:
+    """Drop detailed samples older than the retention (counts are kept)."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(days=settings.SLUICE_REJECTION_SAMPLE_RETENTION_DAYS)
+    deleted, _ = RejectionSample.objects.filter(at__lt=cutoff).delete()
+    return deleted
+
+
+# --- reading the minutes not yet flushed (live pages) -----------------------------------
+
+
+@dataclass(frozen=True)
+class PendingRejections:
+    counts: dict[tuple[datetime, int, str], int]  # (minute, workload id, reason) -> count
+    samples: list[dict]
+
+
+def rejections_pending(*, pool_ids: list[int], since: datetime, workload_ids: set[int] | None = None) -> PendingRejections:
+    """Counts and samples still in Redis for minutes from ``since`` on. Pages
+    merge them over the flushed rows so the last minute shows at once."""
+    counts: dict[tuple[datetime, int, str], int] = defaultdict(int)
+    samples: list[dict] = []
+    try:
+        client = get_redis()
+        since_s = _minute_epoch(since.timestamp())
+        for pool_id in pool_ids:
+            minutes = [int(float(m)) for m in client.zrangebyscore(keys.rejection_pending_minutes(pool_id), since_s, "+inf")]
+            if not minutes:
+                continue
+            read = _minutes_read(client, pool_id, minutes)
+            for i, minute in enumerate(minutes):
+                at = datetime.fromtimestamp(minute, tz=dt_timezone.utc)
+                for field, count in read[i][0].items():
+                    parsed = _parse_field(field)
+                    if parsed is None or (workload_ids is not None and parsed[0] not in workload_ids):
+                        continue
+                    counts[(at, parsed[0], parsed[2])] = int(count)
+                for raw in read[i][1]:
+                    try:
+                        data = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if workload_ids is not None and data.get("wid") not in workload_ids:
+                        continue
+                    samples.append(data)
+    except Exception:  # noqa: BLE001 - a page shows flushed data when Redis is away
+        unavailable_note("the last minutes' rejections")
+    return PendingRejections(counts=dict(counts), samples=samples)

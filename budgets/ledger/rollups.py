@@ -1,0 +1,138 @@
+"""Daily usage rollups: the ledger summed per UTC day and (tenant, workload,
+pool, model), so pages read a few hundred rows instead of a year of ledger.
+
+``daily_usage_refresh`` is incremental and idempotent. It recomputes whole
+days (an upsert of that day's groups), never adds deltas, so running it twice,
+or concurrently with writers, gives the same rows. It recomputes:
+
+* every day touched by ledger rows with an id above the last run's high-water
+  mark (cheap: the primary-key index), and
+* every day not yet *final*: a ledger row is stamped with its admission time
+  but may be written minutes later (queue timeout + upstream timeout + lease
+  reaping), and a transaction may commit an id below the mark after it was
+  read. So the recent days are recomputed on every run until they are older
+  than ``FINAL_LAG``; after that no row can still arrive for them.
+
+``RollupState.final_through`` tells readers which days are complete: pages
+read DailyUsage up to it and the (at most a couple of) later days live from
+the ledger, so what a page shows equals what the ledger export sums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime, time as dt_time, timedelta, timezone as dt_timezone
+
+from django.db import transaction
+from django.db.models import Count, Max, Q, Sum
+from django.db.models.functions import TruncDate
+from django.utils import timezone
+
+from budgets.models import DailyUsage, RollupState, UsageRecord
+
+STATE_NAME = "daily_usage"
+# Longer than any request can take from admission to its ledger row (queue
+# timeout + upstream timeout + lease expiry and reaping), with a wide margin.
+FINAL_LAG = timedelta(hours=6)
+
+GROUP_FIELDS = ("tenant_id", "workload_id", "pool_id", "model")
+SUM_FIELDS = ("estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "cost")
+
+
+def day_bounds(day: date) -> tuple[datetime, datetime]:
+    start = datetime.combine(day, dt_time.min, tzinfo=dt_timezone.utc)
+    return start, start + timedelta(days=1)
+
+
+def ledger_aggregates(queryset, *, by_day: bool = True, group_fields: tuple[str, ...] = GROUP_FIELDS):
+    """Ledger rows summed per group (and per UTC day): the one definition of
+    what a rollup row holds, shared by the rollup and the live reads."""
+    fields = list(group_fields)
+    if by_day:
+        queryset = queryset.annotate(day=TruncDate("created_at", tzinfo=dt_timezone.utc))
+        fields = ["day", *fields]
+    return (
+        queryset.order_by().values(*fields).annotate(
+            requests=Count("id"),
+            ok_requests=Count("id", filter=Q(status=UsageRecord.Status.OK)),
+            borrowed_requests=Count("id", filter=Q(borrowed=True)),
+            **{f"{name}_sum": Sum(name) for name in SUM_FIELDS},
+        )
+    )
+
+
+def _day_rows(day: date) -> list[DailyUsage]:
+    start, end = day_bounds(day)
+    rows = []
+    for agg in ledger_aggregates(UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end)):
+        rows.append(DailyUsage(
+            day=day, tenant_id=agg["tenant_id"], workload_id=agg["workload_id"], pool_id=agg["pool_id"],
+            model=agg["model"], requests=agg["requests"], ok_requests=agg["ok_requests"],
+            borrowed_requests=agg["borrowed_requests"],
+            **{name: agg[f"{name}_sum"] or 0 for name in SUM_FIELDS},
+        ))
+    return rows
+
+
+def daily_usage_rebuild_day(*, day: date) -> int:
+    """Recompute one day's rollup rows from the ledger. Returns the row count."""
+    rows = _day_rows(day)
+    with transaction.atomic():
+        keep = set()
+        if rows:
+            DailyUsage.objects.bulk_create(
+                rows, batch_size=1000, update_conflicts=True,
+                unique_fields=["day", "tenant", "workload", "pool", "model"],
+                update_fields=["requests", "ok_requests", "borrowed_requests", *SUM_FIELDS],
+            )
+            keep = {(r.tenant_id, r.workload_id, r.pool_id, r.model) for r in rows}
+        # The ledger is append-only, so groups never vanish; this only matters
+        # if the table was edited by hand.
+        for stale in DailyUsage.objects.filter(day=day).values("id", *GROUP_FIELDS):
+            if (stale["tenant_id"], stale["workload_id"], stale["pool_id"], stale["model"]) not in keep:
+                DailyUsage.objects.filter(pk=stale["id"]).delete()
+    return len(rows)
+
+
+@dataclass(frozen=True)
+class RefreshResult:
+    days: list[date]
+    rows: int
+    last_ledger_id: int
+    final_through: date
+
+
+def final_through_at(now: datetime) -> date:
+    """The last day no ledger row can still arrive for."""
+    return (now - FINAL_LAG).astimezone(dt_timezone.utc).date() - timedelta(days=1)
+
+
+def daily_usage_refresh(*, now: datetime | None = None) -> RefreshResult:
+    now = now or timezone.now()
+    state, _ = RollupState.objects.get_or_create(name=STATE_NAME)
+    high = UsageRecord.objects.aggregate(m=Max("id"))["m"] or 0
+    days: set[date] = set()
+    if high > state.last_ledger_id:
+        touched = (
+            UsageRecord.objects.filter(id__gt=state.last_ledger_id, id__lte=high)
+            .annotate(day=TruncDate("created_at", tzinfo=dt_timezone.utc)).order_by().values_list("day", flat=True)
+            .distinct()
+        )
+        days.update(touched)
+    final = final_through_at(now)
+    today = now.astimezone(dt_timezone.utc).date()
+    # Days after the previous run's final day up to today are not final yet.
+    start = (state.final_through + timedelta(days=1)) if state.final_through else final + timedelta(days=1)
+    day = min(start, final + timedelta(days=1))
+    while day <= today:
+        days.add(day)
+        day += timedelta(days=1)
+    rows = 0
+    for day in sorted(days):
+        rows += daily_usage_rebuild_day(day=day)
+    RollupState.objects.filter(name=STATE_NAME).update(last_ledger_id=high, final_through=final, refreshed_at=now)
+    return RefreshResult(days=sorted(days), rows=rows, last_ledger_id=high, final_through=final)
+
+
+def rollup_final_through() -> date | None:
+    state = RollupState.objects.filter(name=STATE_NAME).first()
+    return state.final_through if state else None

@@ -1,0 +1,61 @@
+"""The append-only ledger: one row per request, written once, whoever (web or
+worker, first delivery or redelivery) gets there first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+
+from budgets.models import ModelPrice, UsageRecord
+
+MILLION = Decimal(1_000_000)
+
+
+def price_in_force(*, model: str, at: datetime) -> ModelPrice | None:
+    return ModelPrice.objects.filter(model=model, effective_from__lte=at).order_by("-effective_from").first()
+
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    request_id: str
+    created_at: datetime
+    tenant_id: int
+    workload_id: int
+    pool_id: int
+    model: str
+    lane: str
+    status: str
+    borrowed: bool
+    estimated_input_tokens: int
+    estimated_output_tokens: int
+    actual_input_tokens: int = 0
+    actual_output_tokens: int = 0
+    queue_wait_ms: int = 0
+    upstream_ms: int = 0
+    total_ms: int = 0
+    attempts: int = 0
+    error: str = ""
+    # The price the gateway resolved at admission (the price in force when the
+    # request arrived), so settlement needs no lookup: (id, input, output per
+    # million), or None when the model had no price. Unset: look it up.
+    price: tuple[int, Decimal, Decimal] | None | bool = False
+
+
+def usage_record_write(*, entry: LedgerEntry) -> None:
+    """Insert the row unless one with the same request id exists: one
+    INSERT ... ON CONFLICT DO NOTHING, so any number of writers (web, worker,
+    a redelivered task) leave exactly one row."""
+    fields = dict(entry.__dict__)
+    known = fields.pop("price")
+    fields["error"] = fields["error"][:500]
+    if known is False:
+        price = price_in_force(model=entry.model, at=entry.created_at)
+        known = (price.pk, price.input_per_million, price.output_per_million) if price is not None else None
+    price_id, cost = None, Decimal("0")
+    if known is not None:
+        price_id, input_per_million, output_per_million = known
+        cost = (Decimal(entry.actual_input_tokens) * input_per_million
+                + Decimal(entry.actual_output_tokens) * output_per_million) / MILLION
+    UsageRecord.objects.bulk_create([UsageRecord(price_id=price_id, cost=cost, **fields)], ignore_conflicts=True)

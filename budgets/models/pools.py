@@ -1,0 +1,221 @@
+"""How much: pools, reservations (a workload's slice of a pool), prices and
+the append-only ledger."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.db.models import Sum
+
+from tenants.models import Tenant, Workload
+
+
+class InferencePool(models.Model):
+    """An OpenAI-compatible upstream (vLLM, TGI, a provider) and its limits."""
+
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=100, unique=True)
+    base_url = models.URLField(max_length=500, help_text="OpenAI-compatible base URL, e.g. http://vllm:8000/v1")
+    api_key_env = models.CharField(
+        max_length=100, blank=True, help_text="Name of the environment variable holding the pool's API key."
+    )
+    served_models = models.JSONField(default=list, help_text='Model ids the pool serves, e.g. ["sim-small"].')
+    provider_tpm = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    provider_rpm = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    provider_input_tpm = models.PositiveIntegerField(null=True, blank=True)
+    provider_output_tpm = models.PositiveIntegerField(null=True, blank=True)
+    headroom = models.FloatField(
+        default=0.8,
+        validators=[MinValueValidator(0.05), MaxValueValidator(1.0)],
+        help_text="Fraction of the provider limits admission may use per minute.",
+    )
+    burst_seconds = models.FloatField(
+        default=15.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(60.0)],
+        help_text="Bucket capacity in seconds of refill.",
+    )
+    max_concurrency = models.PositiveIntegerField(
+        default=256, validators=[MinValueValidator(1)], help_text="In-flight requests the pool may hold."
+    )
+    tokenizer = models.CharField(max_length=50, default="cl100k_base")
+    estimate_safety_factor = models.FloatField(
+        default=1.0,
+        validators=[MinValueValidator(1.0), MaxValueValidator(3.0)],
+        help_text="Multiplier on prompt estimates for models whose tokenizer is not the one above.",
+    )
+    is_active = models.BooleanField(default=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def admission_tpm(self) -> float:
+        return self.headroom * self.provider_tpm
+
+    @property
+    def admission_rpm(self) -> float:
+        return self.headroom * self.provider_rpm
+
+    def clean(self) -> None:
+        # I1: a bucket refilling at headroom*TPM with burst_seconds of capacity
+        # admits at most headroom*TPM*(1 + burst/60) in a 60 s window.
+        if self.headroom is not None and self.burst_seconds is not None:
+            worst_minute = self.headroom * (1 + self.burst_seconds / 60.0)
+            if worst_minute > 1.0 + 1e-9:
+                raise ValidationError(
+                    {
+                        "burst_seconds": (
+                            f"headroom {self.headroom} with {self.burst_seconds}s of burst can admit "
+                            f"{worst_minute:.2f}x the provider limit in one minute; keep "
+                            "headroom x (1 + burst_seconds/60) <= 1."
+                        )
+                    }
+                )
+        if self.pk:
+            reserved = self.reservations.aggregate(t=Sum("reserved_tpm"), r=Sum("rpm"))
+            if self.provider_tpm and (reserved["t"] or 0) > self.admission_tpm:
+                raise ValidationError({"provider_tpm": "Existing reservations exceed the new admission budget."})
+            if self.provider_rpm and (reserved["r"] or 0) > self.admission_rpm:
+                raise ValidationError({"provider_rpm": "Existing reservations' RPM exceed the new admission budget."})
+
+
+class Reservation(models.Model):
+    """A workload's slice of a pool. ``reserved_tpm`` is guaranteed (minus the
+    lent part), ``ceiling_tpm`` is the most it may reach by borrowing idle
+    capacity, ``lend_fraction`` of its idle reservation others may borrow."""
+
+    workload = models.OneToOneField(Workload, on_delete=models.CASCADE, related_name="reservation")
+    pool = models.ForeignKey(InferencePool, on_delete=models.PROTECT, related_name="reservations")
+    reserved_tpm = models.PositiveIntegerField()
+    ceiling_tpm = models.PositiveIntegerField()
+    lend_fraction = models.FloatField(default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    rpm = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    max_concurrency = models.PositiveIntegerField(
+        default=0, help_text="In-flight requests this workload may hold (0 = only the pool's limit)."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.workload} on {self.pool}: {self.reserved_tpm}/{self.ceiling_tpm} TPM"
+
+    def clean(self) -> None:
+        errors: dict[str, str] = {}
+        if self.ceiling_tpm is not None and self.reserved_tpm is not None and self.ceiling_tpm < self.reserved_tpm:
+            errors["ceiling_tpm"] = "The ceiling must be at least the reserved rate."
+        if self.pool_id:
+            pool = self.pool
+            others = Reservation.objects.filter(pool=pool).exclude(pk=self.pk)
+            sums = others.aggregate(t=Sum("reserved_tpm"), r=Sum("rpm"))
+            if (sums["t"] or 0) + (self.reserved_tpm or 0) > pool.admission_tpm + 1e-9:
+                errors["reserved_tpm"] = (
+                    f"Reservations on {pool} would sum to {(sums['t'] or 0) + (self.reserved_tpm or 0)} TPM, "
+                    f"above its admission budget of {pool.admission_tpm:.0f} TPM."
+                )
+            if (sums["r"] or 0) + (self.rpm or 0) > pool.admission_rpm + 1e-9:
+                errors["rpm"] = (
+                    f"Reservations on {pool} would sum to {(sums['r'] or 0) + (self.rpm or 0)} RPM, "
+                    f"above its admission budget of {pool.admission_rpm:.0f} RPM."
+                )
+            largest = self.workload.prompt_tokens_cap + self.workload.max_tokens_cap if self.workload_id else 0
+            ceiling_burst = (self.ceiling_tpm or 0) * pool.burst_seconds / 60.0
+            if largest > ceiling_burst:
+                errors["ceiling_tpm"] = (
+                    f"The workload's largest request ({largest} tokens: prompt cap + max_tokens cap) does not fit "
+                    f"the ceiling's burst capacity ({ceiling_burst:.0f} tokens = ceiling x {pool.burst_seconds:g}s); "
+                    "raise the ceiling or lower the workload's caps."
+                )
+            if self.ceiling_tpm and self.ceiling_tpm > pool.admission_tpm + 1e-9:
+                errors["ceiling_tpm"] = f"The ceiling cannot exceed the pool's admission budget ({pool.admission_tpm:.0f} TPM)."
+        if errors:
+            raise ValidationError(errors)
+
+
+class ModelPrice(models.Model):
+    """Price of a model per million tokens, from ``effective_from`` on."""
+
+    model = models.CharField(max_length=200)
+    input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
+    currency = models.CharField(max_length=3, default="USD")
+    effective_from = models.DateTimeField()
+
+    class Meta:
+        ordering = ["model", "-effective_from"]
+        constraints = [models.UniqueConstraint(fields=["model", "effective_from"], name="uniq_price_version")]
+
+    def __str__(self) -> str:
+        return f"{self.model} from {self.effective_from:%Y-%m-%d}"
+
+    def cost(self, *, input_tokens: int, output_tokens: int) -> Decimal:
+        million = Decimal(1_000_000)
+        return (Decimal(input_tokens) * self.input_per_million + Decimal(output_tokens) * self.output_per_million) / million
+
+
+class LedgerImmutable(Exception):
+    pass
+
+
+class UsageRecordQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise LedgerImmutable("The ledger is append-only: rows cannot be updated.")
+
+    def delete(self):
+        raise LedgerImmutable("The ledger is append-only: rows cannot be deleted.")
+
+
+class UsageRecord(models.Model):
+    """One append-only ledger row per request (DESIGN.md, Ledger)."""
+
+    class Status(models.TextChoices):
+        OK = "ok", "Completed"
+        QUEUE_TIMEOUT = "queue_timeout", "Queue timeout"
+        UPSTREAM_ERROR = "upstream_error", "Upstream error"
+        LEASE_EXPIRED = "lease_expired", "Lease expired"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(db_index=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="usage_records")
+    workload = models.ForeignKey(Workload, on_delete=models.PROTECT, related_name="usage_records")
+    pool = models.ForeignKey(InferencePool, on_delete=models.PROTECT, related_name="usage_records")
+    model = models.CharField(max_length=200)
+    lane = models.CharField(max_length=32)
+    status = models.CharField(max_length=32, choices=Status.choices)
+    borrowed = models.BooleanField(default=False)
+    estimated_input_tokens = models.PositiveIntegerField()
+    estimated_output_tokens = models.PositiveIntegerField()
+    actual_input_tokens = models.PositiveIntegerField(default=0)
+    actual_output_tokens = models.PositiveIntegerField(default=0)
+    cost = models.DecimalField(max_digits=18, decimal_places=8, default=Decimal("0"))
+    price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT)
+    queue_wait_ms = models.PositiveIntegerField(default=0)
+    upstream_ms = models.PositiveIntegerField(default=0)
+    total_ms = models.PositiveIntegerField(default=0)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    error = models.CharField(max_length=500, blank=True)
+
+    objects = UsageRecordQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(fields=["tenant", "created_at"]),
+            models.Index(fields=["workload", "created_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.status}"
+
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise LedgerImmutable("The ledger is append-only: rows cannot be updated.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise LedgerImmutable("The ledger is append-only: rows cannot be deleted.")
+

@@ -1,0 +1,255 @@
+"""Usage and spend for the pages and the API, read from the daily rollups.
+
+Days up to ``RollupState.final_through`` come from DailyUsage; later days (at
+most a couple) are summed live from the ledger with the same grouping, so a
+page's totals equal the sum of the ledger rows the CSV export streams for the
+same filters, and a year of ledger never gets scanned by a page."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import date, datetime, timedelta, timezone as dt_timezone
+from decimal import Decimal
+
+from django.db.models import Count, F, Q, QuerySet, Sum
+from django.db.models.functions import TruncDate, TruncMinute, TruncMonth
+
+from tenants.models import Tenant, Workload
+
+from budgets.models import InferencePool, UsageRecord
+from budgets.models import DailyUsage
+from budgets.ledger.rollups import day_bounds, rollup_final_through
+
+GROUPS = ("tenant", "cost_center", "workload", "model", "pool", "day", "month")
+SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
+        "actual_output_tokens", "cost")
+
+
+@dataclass(frozen=True)
+class UsageFilters:
+    """Which ledger rows count. ``tenant_ids`` is the caller's scope (None =
+    every tenant, for admins and finance); the other fields are the filters a
+    user chose. ``start`` and ``end`` are UTC days, both included."""
+
+    start: date
+    end: date
+    tenant_ids: frozenset[int] | None = None
+    tenant_id: int | None = None
+    cost_center: str | None = None
+    workload_id: int | None = None
+    workload_ids: frozenset[int] | None = None
+    model: str | None = None
+    pool_id: int | None = None
+
+    def q(self) -> Q:
+        q = Q()
+        if self.tenant_ids is not None:
+            q &= Q(tenant_id__in=self.tenant_ids)
+        if self.tenant_id is not None:
+            q &= Q(tenant_id=self.tenant_id)
+        if self.cost_center:
+            q &= Q(tenant__cost_center=self.cost_center)
+        if self.workload_id is not None:
+            q &= Q(workload_id=self.workload_id)
+        if self.workload_ids is not None:
+            q &= Q(workload_id__in=self.workload_ids)
+        if self.model:
+            q &= Q(model=self.model)
+        if self.pool_id is not None:
+            q &= Q(pool_id=self.pool_id)
+        return q
+
+
+def ledger_rows(*, filters: UsageFilters) -> QuerySet[UsageRecord]:
+    """The raw ledger rows matching the filters (the CSV export)."""
+    start, _ = day_bounds(filters.start)
+    _, end = day_bounds(filters.end)
+    return UsageRecord.objects.filter(filters.q(), created_at__gte=start, created_at__lt=end)
+
+
+@dataclass
+class UsageRow:
+    key: dict
+    requests: int = 0
+    ok_requests: int = 0
+    estimated_input_tokens: int = 0
+    estimated_output_tokens: int = 0
+    actual_input_tokens: int = 0
+    actual_output_tokens: int = 0
+    cost: Decimal = field(default_factory=lambda: Decimal(0))
+    label: str = ""
+
+    @property
+    def estimated_tokens(self) -> int:
+        return self.estimated_input_tokens + self.estimated_output_tokens
+
+    @property
+    def actual_tokens(self) -> int:
+        return self.actual_input_tokens + self.actual_output_tokens
+
+    @property
+    def actual_over_estimated(self) -> float | None:
+        return self.actual_tokens / self.estimated_tokens if self.estimated_tokens else None
+
+    def add(self, values: dict) -> None:
+        for name in SUMS:
+            setattr(self, name, getattr(self, name) + (values.get(name) or 0))
+
+
+@dataclass
+class UsageSummary:
+    rows: list[UsageRow]
+    total: UsageRow
+    group_by: tuple[str, ...]
+    final_through: date | None
+
+
+def _group_expressions(group_by: tuple[str, ...], *, ledger: bool) -> dict:
+    """``by_<group>`` expressions (prefixed: a bare ``tenant`` would clash
+    with the model's field of that name)."""
+    exprs = {}
+    for name in group_by:
+        if name == "tenant":
+            expr = F("tenant_id")
+        elif name == "cost_center":
+            expr = F("tenant__cost_center")
+        elif name == "workload":
+            expr = F("workload_id")
+        elif name == "model":
+            expr = F("model")
+        elif name == "pool":
+            expr = F("pool_id")
+        elif name == "day":
+            expr = TruncDate("created_at", tzinfo=dt_timezone.utc) if ledger else F("day")
+        elif name == "month":
+            expr = TruncMonth("created_at", tzinfo=dt_timezone.utc) if ledger else TruncMonth("day")
+        else:
+            raise ValueError(f"cannot group by {name!r}")
+        exprs[f"by_{name}"] = expr
+    return exprs
+
+
+def _sum_expressions(*, ledger: bool) -> dict:
+    if ledger:
+        return {
+            "requests": Count("id"),
+            "ok_requests": Count("id", filter=Q(status=UsageRecord.Status.OK)),
+            **{name: Sum(name) for name in SUMS[2:]},
+        }
+    return {name: Sum(name) for name in SUMS}
+
+
+def _normalise(key: dict) -> tuple:
+    """The group's key in a form both halves agree on (a month truncated on
+    the ledger is a datetime, on the rollups a date)."""
+    return tuple((name, value.date() if isinstance(value, datetime) else value) for name, value in key.items())
+
+
+def usage_summary(*, filters: UsageFilters, group_by: tuple[str, ...] = ("tenant",)) -> UsageSummary:
+    final = rollup_final_through()
+    merged: dict[tuple, UsageRow] = {}
+    parts = []
+    rollup_end = min(filters.end, final) if final else None
+    if rollup_end is not None and rollup_end >= filters.start:
+        exprs = _group_expressions(group_by, ledger=False)
+        rollup = DailyUsage.objects.filter(filters.q(), day__gte=filters.start, day__lte=rollup_end)
+        parts.append(rollup.order_by().values(**exprs).annotate(**_sum_expressions(ledger=False)))
+    live_start = max(filters.start, final + timedelta(days=1)) if final else filters.start
+    if live_start <= filters.end:
+        exprs = _group_expressions(group_by, ledger=True)
+        live = ledger_rows(filters=UsageFilters(**{**filters.__dict__, "start": live_start}))
+        parts.append(live.order_by().values(**exprs).annotate(**_sum_expressions(ledger=True)))
+    for part in parts:
+        for values in part:
+            key = {name: values[f"by_{name}"] for name in group_by}
+            normal = _normalise(key)
+            row = merged.get(normal)
+            if row is None:
+                row = merged[normal] = UsageRow(key=dict(zip(group_by, (v for _n, v in normal))))
+            row.add(values)
+    rows = list(merged.values())
+    _label(rows)
+    if {"day", "month"} & set(group_by):
+        rows.sort(key=lambda r: r.label)  # time order (labels lead with the ISO date)
+    else:
+        rows.sort(key=lambda r: (-r.cost, r.label))
+    total = UsageRow(key={}, label="Total")
+    for row in rows:
+        total.add(row.__dict__)
+    return UsageSummary(rows=rows, total=total, group_by=group_by, final_through=final)
+
+
+def _label(rows: list[UsageRow]) -> None:
+    tenant_ids = {r.key["tenant"] for r in rows if "tenant" in r.key}
+    workload_ids = {r.key["workload"] for r in rows if "workload" in r.key}
+    pool_ids = {r.key["pool"] for r in rows if "pool" in r.key}
+    tenants = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("id", "slug")) if tenant_ids else {}
+    workloads = dict(Workload.objects.filter(pk__in=workload_ids).values_list("id", "slug")) if workload_ids else {}
+    pools = dict(InferencePool.objects.filter(pk__in=pool_ids).values_list("id", "slug")) if pool_ids else {}
+    for row in rows:
+        parts = []
+        for name, value in row.key.items():
+            if name == "tenant":
+                parts.append(tenants.get(value, f"tenant {value}"))
+            elif name == "workload":
+                parts.append(workloads.get(value, f"workload {value}"))
+            elif name == "pool":
+                parts.append(pools.get(value, f"pool {value}"))
+            elif name == "month":
+                parts.append(f"{value:%Y-%m}" if value else "")
+            elif name == "day":
+                parts.append(f"{value:%Y-%m-%d}" if value else "")
+            elif name == "cost_center":
+                parts.append(value or "(none)")
+            else:
+                parts.append(str(value))
+        row.label = " / ".join(parts)
+
+
+def usage_models(*, tenant_ids: frozenset[int] | None = None) -> list[str]:
+    """Models that appear in the rollups (for filter choices)."""
+    queryset = DailyUsage.objects.all()
+    if tenant_ids is not None:
+        queryset = queryset.filter(tenant_id__in=tenant_ids)
+    return sorted(set(queryset.values_list("model", flat=True).distinct()))
+
+
+def daily_tokens_by_workload(*, workload_ids: list[int], start: date, end: date) -> dict[int, dict[date, int]]:
+    """Actual tokens per day per workload, for the tenant page's charts."""
+    summary = usage_summary(filters=UsageFilters(start=start, end=end, workload_ids=frozenset(workload_ids)),
+                            group_by=("workload", "day")) if workload_ids else None
+    out: dict[int, dict[date, int]] = defaultdict(dict)
+    if summary is None:
+        return out
+    wanted = set(workload_ids)
+    for row in summary.rows:
+        wid = row.key["workload"]
+        if wid in wanted:
+            out[wid][row.key["day"]] = row.actual_tokens
+    return out
+
+
+def minute_tokens_by_workload(*, workload_ids: list[int], since: datetime) -> dict[int, dict[datetime, int]]:
+    """Actual tokens per minute per workload since ``since`` (at most an hour:
+    a bounded slice of the ledger through its (workload, created_at) index)."""
+    out: dict[int, dict[datetime, int]] = defaultdict(dict)
+    if not workload_ids:
+        return out
+    rows = (
+        UsageRecord.objects.filter(workload_id__in=workload_ids, created_at__gte=since).order_by()
+        .annotate(minute=TruncMinute("created_at", tzinfo=dt_timezone.utc)).values("workload_id", "minute")
+        .annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
+    )
+    for row in rows:
+        out[row["workload_id"]][row["minute"]] = row["tokens"] or 0
+    return out
+
+
+def last_minute_tokens(*, pool: InferencePool, now: datetime) -> dict[int, int]:
+    """Tokens each workload used on the pool in the last 60 s (ledger)."""
+    rows = (
+        UsageRecord.objects.filter(pool=pool, created_at__gte=now - timedelta(seconds=60)).order_by()
+        .values("workload_id").annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
+    )
+    return {row["workload_id"]: row["tokens"] or 0 for row in rows}

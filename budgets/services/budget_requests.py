@@ -1,0 +1,243 @@
+"""Services for budget-slice requests: submit, approve against the pool's
+real headroom, reject, and lapse at the end date.
+
+Approval can never oversubscribe a pool: it locks the pool's row
+(``SELECT ... FOR UPDATE``) before re-reading the reservations, so two
+approvals on one pool run one after the other and the second sees the first's
+reservation. Every approval path takes the pool lock first, then the request,
+so they cannot deadlock. The saved Reservation reaches admission through the
+on-commit push in budgets/signals.py, within moments of the commit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from datetime import date
+from decimal import Decimal
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from tenants.models import Tenant, Workload
+
+from budgets.models import InferencePool, Reservation
+from budgets.models import BudgetRequest, BudgetRequestEvent
+from budgets.models import Notification, SpendBudget
+from budgets.services.notifications import notification_create
+from budgets.selectors.pools import budget_request_preview
+from budgets.admission.pool_config import pool_config_push_on_commit
+
+
+def _event(*, request: BudgetRequest, action: str, actor=None, comment: str = "", details: dict | None = None) -> None:
+    BudgetRequestEvent.objects.create(
+        request=request, action=action, actor=actor, actor_name=getattr(actor, "username", "") or "",
+        comment=comment, details=details or {},
+    )
+
+
+def budget_request_submit(
+    *, tenant: Tenant, user, pool: InferencePool, reserved_tpm: int, ceiling_tpm: int, rpm: int, justification: str,
+    workload: Workload | None = None, new_workload_name: str = "", new_workload_class: str = "",
+    lend_fraction: float = 0.0, ends_on: date | None = None, monthly_spend_budget: Decimal | None = None,
+    spend_soft_threshold: float = 0.8, spend_hard_cap: bool = False,
+) -> BudgetRequest:
+    """Record a member's request; raises ValidationError with field errors."""
+    errors: dict[str, str] = {}
+    new_workload_name = (new_workload_name or "").strip()
+    if workload is None and not new_workload_name:
+        errors["workload"] = "Choose a workload, or name a new one."
+    if workload is not None and new_workload_name:
+        errors["new_workload_name"] = "Either choose an existing workload or name a new one, not both."
+    if workload is not None and workload.tenant_id != tenant.id:
+        errors["workload"] = "Unknown workload."
+    if workload is None and new_workload_name:
+        if new_workload_class not in Workload.WorkloadClass.values:
+            errors["new_workload_class"] = "Choose the new workload's class."
+        if not slugify(new_workload_name):
+            errors["new_workload_name"] = "Use letters or digits in the name."
+    if not pool.is_active:
+        errors["pool"] = "This pool is not active."
+    if ceiling_tpm < reserved_tpm:
+        errors["ceiling_tpm"] = "The ceiling must be at least the reserved rate."
+    elif ceiling_tpm > pool.admission_tpm + 1e-9:
+        errors["ceiling_tpm"] = f"The ceiling cannot exceed the pool's admission budget ({pool.admission_tpm:,.0f} TPM)."
+    if reserved_tpm > pool.admission_tpm + 1e-9:
+        errors["reserved_tpm"] = f"The pool's whole admission budget is {pool.admission_tpm:,.0f} TPM."
+    if rpm > pool.admission_rpm + 1e-9:
+        errors["rpm"] = f"The pool's whole admission budget is {pool.admission_rpm:,.0f} RPM."
+    if not (justification or "").strip():
+        errors["justification"] = "Say why the slice is needed."
+    if ends_on is not None and ends_on <= timezone.now().date():
+        errors["ends_on"] = "The end date must be in the future."
+    if workload is not None and BudgetRequest.objects.filter(workload=workload, status=BudgetRequest.Status.PENDING).exists():
+        errors["workload"] = "This workload already has a pending request."
+    if errors:
+        raise ValidationError(errors)
+    with transaction.atomic():
+        request = BudgetRequest(
+            tenant=tenant, requested_by=user, pool=pool, workload=workload,
+            new_workload_name="" if workload else new_workload_name,
+            new_workload_class="" if workload else new_workload_class,
+            reserved_tpm=reserved_tpm, ceiling_tpm=ceiling_tpm, rpm=rpm, lend_fraction=lend_fraction,
+            justification=justification.strip(), ends_on=ends_on, monthly_spend_budget=monthly_spend_budget,
+            spend_soft_threshold=spend_soft_threshold, spend_hard_cap=spend_hard_cap,
+        )
+        request.full_clean(exclude=["tenant", "requested_by", "pool", "workload"])
+        request.save()
+        _event(request=request, action=BudgetRequestEvent.Action.SUBMITTED, actor=user)
+    return request
+
+
+def _unique_workload_slug(tenant: Tenant, name: str) -> str:
+    base = slugify(f"{tenant.slug}-{name}")[:90] or f"{tenant.slug}-workload"
+    slug, n = base, 2
+    while Workload.objects.filter(slug=slug).exists():
+        slug, n = f"{base}-{n}", n + 1
+    return slug
+
+
+def _new_workload_for(request: BudgetRequest, pool: InferencePool) -> Workload:
+    """A workload for an approved request that named a new one. Its request
+    caps follow the defaults, shrunk where needed so its largest request fits
+    the ceiling's burst (Reservation.clean's rule)."""
+    workload = Workload(tenant=request.tenant, name=request.new_workload_name,
+                        slug=_unique_workload_slug(request.tenant, request.new_workload_name),
+                        workload_class=request.new_workload_class or Workload.WorkloadClass.INTERACTIVE)
+    largest = int(request.ceiling_tpm * pool.burst_seconds / 60.0)
+    if workload.prompt_tokens_cap + workload.max_tokens_cap > largest:
+        workload.max_tokens_cap = max(1, min(workload.max_tokens_cap, largest // 4))
+        workload.max_tokens_default = max(1, min(workload.max_tokens_default, workload.max_tokens_cap))
+        workload.prompt_tokens_cap = max(1, largest - workload.max_tokens_cap)
+    workload.full_clean()
+    workload.save()
+    return workload
+
+
+def _reservation_snapshot(reservation: Reservation | None) -> dict | None:
+    if reservation is None or reservation.pk is None:
+        return None
+    return {"pool_id": reservation.pool_id, "reserved_tpm": reservation.reserved_tpm,
+            "ceiling_tpm": reservation.ceiling_tpm, "rpm": reservation.rpm, "lend_fraction": reservation.lend_fraction}
+
+
+def budget_request_approve(*, request_id: int, approver, comment: str = "") -> BudgetRequest:
+    """Approve a pending request: reserve its slice, create its workload if it
+    named a new one, set its spend budget. Raises ValidationError (field
+    errors) when the pool lacks the headroom or the request is not pending."""
+    pool_id = BudgetRequest.objects.values_list("pool_id", flat=True).get(pk=request_id)
+    with transaction.atomic():
+        pool = InferencePool.objects.select_for_update().get(pk=pool_id)
+        request = BudgetRequest.objects.select_for_update(of=("self",)).select_related("workload", "tenant").get(pk=request_id)
+        if not request.is_pending:
+            raise ValidationError({"status": f"This request is already {request.status}."})
+        request.pool = pool
+        preview = budget_request_preview(request=request)
+        if not preview.fits:
+            raise ValidationError(preview.problems)
+        workload = request.workload if request.workload_id else _new_workload_for(request, pool)
+        reservation = Reservation.objects.select_for_update().filter(workload=workload).first()
+        previous = _reservation_snapshot(reservation)
+        if reservation is None:
+            reservation = Reservation(workload=workload)
+        old_pool_id = reservation.pool_id
+        reservation.pool = pool
+        reservation.reserved_tpm = request.reserved_tpm
+        reservation.ceiling_tpm = request.ceiling_tpm
+        reservation.rpm = request.rpm
+        reservation.lend_fraction = request.lend_fraction
+        reservation.full_clean()
+        reservation.save()
+        if old_pool_id and old_pool_id != pool.id:
+            pool_config_push_on_commit(pool_id=old_pool_id)  # the workload left that pool
+        if request.monthly_spend_budget is not None:
+            SpendBudget.objects.update_or_create(
+                workload=workload,
+                defaults={"monthly_amount": request.monthly_spend_budget, "soft_threshold": request.spend_soft_threshold,
+                          "hard_cap": request.spend_hard_cap},
+            )
+        request.workload = workload
+        request.status = BudgetRequest.Status.APPROVED
+        request.decided_by = approver
+        request.decided_at = timezone.now()
+        request.decision_comment = comment.strip()
+        request.save()
+        _event(request=request, action=BudgetRequestEvent.Action.APPROVED, actor=approver, comment=comment.strip(),
+               details={"headroom_before": asdict(preview.headroom), "headroom_after": asdict(preview.after),
+                        "previous_reservation": previous, "workload_id": workload.id})
+        notification_create(
+            tenant=request.tenant, workload=workload, kind=Notification.Kind.REQUEST_APPROVED,
+            dedupe_key=f"request:{request.pk}:approved",
+            message=(f"Budget request #{request.pk} for {workload.slug} was approved: {request.reserved_tpm:,} TPM reserved, "
+                     f"ceiling {request.ceiling_tpm:,} TPM, {request.rpm:,} RPM on {pool}."
+                     + (f" Comment: {comment.strip()}" if comment.strip() else "")),
+        )
+    return request
+
+
+def budget_request_reject(*, request_id: int, reviewer, comment: str) -> BudgetRequest:
+    if not (comment or "").strip():
+        raise ValidationError({"comment": "Say why the request is rejected."})
+    with transaction.atomic():
+        request = BudgetRequest.objects.select_for_update(of=("self",)).select_related("workload", "tenant").get(pk=request_id)
+        if not request.is_pending:
+            raise ValidationError({"status": f"This request is already {request.status}."})
+        request.status = BudgetRequest.Status.REJECTED
+        request.decided_by = reviewer
+        request.decided_at = timezone.now()
+        request.decision_comment = comment.strip()
+        request.save()
+        _event(request=request, action=BudgetRequestEvent.Action.REJECTED, actor=reviewer, comment=comment.strip())
+        notification_create(
+            tenant=request.tenant, workload=request.workload, kind=Notification.Kind.REQUEST_REJECTED,
+            dedupe_key=f"request:{request.pk}:rejected",
+            message=f"Budget request #{request.pk} for {request.workload_label} was rejected: {comment.strip()}",
+        )
+    return request
+
+
+def budget_requests_expire(*, today: date | None = None) -> int:
+    """Lapse approved slices whose end date has passed: restore the workload's
+    reservation from before the approval (or remove it, if the approval
+    created it), unless a later change superseded the slice. Returns how many
+    requests expired."""
+    today = today or timezone.now().date()
+    expired = 0
+    due = BudgetRequest.objects.filter(status=BudgetRequest.Status.APPROVED, ends_on__lt=today).values_list("id", "pool_id")
+    for request_id, pool_id in list(due):
+        with transaction.atomic():
+            InferencePool.objects.select_for_update().get(pk=pool_id)
+            request = BudgetRequest.objects.select_for_update(of=("self",)).select_related("workload", "tenant").get(pk=request_id)
+            if request.status != BudgetRequest.Status.APPROVED:
+                continue
+            approval = request.events.filter(action=BudgetRequestEvent.Action.APPROVED).last()
+            previous = (approval.details or {}).get("previous_reservation") if approval else None
+            reservation = Reservation.objects.select_for_update().filter(workload=request.workload).first()
+            unchanged = reservation is not None and (
+                reservation.pool_id, reservation.reserved_tpm, reservation.ceiling_tpm, reservation.rpm
+            ) == (request.pool_id, request.reserved_tpm, request.ceiling_tpm, request.rpm)
+            outcome = "superseded by a later change; left as is"
+            if unchanged and previous is None:
+                reservation.delete()
+                outcome = "reservation removed"
+            elif unchanged and previous["pool_id"] == request.pool_id:
+                for name in ("reserved_tpm", "ceiling_tpm", "rpm", "lend_fraction"):
+                    setattr(reservation, name, previous[name])
+                reservation.save()
+                outcome = "previous reservation restored"
+            elif unchanged:
+                # It came from another pool: give the slice back rather than
+                # re-checking that pool's headroom without its lock.
+                reservation.delete()
+                outcome = "reservation removed (it had moved from another pool)"
+            request.status = BudgetRequest.Status.EXPIRED
+            request.save()
+            _event(request=request, action=BudgetRequestEvent.Action.EXPIRED, details={"outcome": outcome})
+            notification_create(
+                tenant=request.tenant, workload=request.workload, kind=Notification.Kind.REQUEST_EXPIRED,
+                dedupe_key=f"request:{request.pk}:expired",
+                message=f"The slice of budget request #{request.pk} for {request.workload_label} ended on "
+                        f"{request.ends_on:%Y-%m-%d}: {outcome}.",
+            )
+            expired += 1
+    return expired

@@ -1,0 +1,152 @@
+"""Forms of the web UI. They validate shape; services validate the domain."""
+
+from __future__ import annotations
+
+from datetime import date, timedelta
+from decimal import Decimal
+
+from django import forms
+from django.utils import timezone
+
+from tenants.models import Tenant, Workload
+
+from budgets.models import InferencePool
+
+NEW = "new"
+
+
+class BudgetRequestForm(forms.Form):
+    workload = forms.ChoiceField(label="Workload")
+    new_workload_name = forms.CharField(label="New workload name", max_length=200, required=False)
+    new_workload_class = forms.ChoiceField(
+        label="New workload class", choices=[("", "—")] + list(Workload.WorkloadClass.choices), required=False
+    )
+    pool = forms.ModelChoiceField(queryset=InferencePool.objects.none(), label="Pool", empty_label=None)
+    reserved_tpm = forms.IntegerField(label="Reserved TPM", min_value=1, help_text="Guaranteed tokens per minute.")
+    ceiling_tpm = forms.IntegerField(label="Ceiling TPM", min_value=1,
+                                     help_text="The most it may reach by borrowing idle capacity.")
+    rpm = forms.IntegerField(label="Requests per minute", min_value=1)
+    lend_fraction = forms.FloatField(label="Lend fraction", min_value=0.0, max_value=1.0, initial=0.0,
+                                     help_text="Share of the idle reservation others may borrow (0 = strictly yours).")
+    ends_on = forms.DateField(label="End date (optional)", required=False,
+                              widget=forms.DateInput(attrs={"type": "date"}))
+    monthly_spend_budget = forms.DecimalField(label="Monthly spend budget (optional)", required=False,
+                                              min_value=Decimal("0.01"), max_digits=18, decimal_places=6)
+    spend_soft_threshold = forms.IntegerField(label="Soft threshold (%)", min_value=1, max_value=100, initial=80)
+    spend_hard_cap = forms.BooleanField(label="Refuse requests once the budget is spent (hard cap)", required=False)
+    justification = forms.CharField(widget=forms.Textarea(attrs={"rows": 4}), max_length=5000)
+
+    def __init__(self, *args, tenant: Tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tenant = tenant
+        self.fields["workload"].choices = [(str(w.id), w.slug) for w in Workload.objects.filter(tenant=tenant, is_active=True)] + [
+            (NEW, "A new workload…")
+        ]
+        self.fields["pool"].queryset = InferencePool.objects.filter(is_active=True).order_by("slug")
+
+    def clean_ends_on(self) -> date | None:
+        ends_on = self.cleaned_data.get("ends_on")
+        if ends_on and ends_on <= timezone.now().date():
+            raise forms.ValidationError("The end date must be in the future.")
+        if ends_on and ends_on > timezone.now().date() + timedelta(days=3 * 366):
+            raise forms.ValidationError("Pick an end date within three years.")
+        return ends_on
+
+    def clean(self):
+        data = super().clean()
+        choice = data.get("workload")
+        if choice and choice != NEW:
+            data["workload_obj"] = Workload.objects.filter(tenant=self.tenant, pk=int(choice)).first()
+            if data["workload_obj"] is None:
+                self.add_error("workload", "Unknown workload.")
+        else:
+            data["workload_obj"] = None
+            if not (data.get("new_workload_name") or "").strip():
+                self.add_error("new_workload_name", "Name the new workload.")
+            if not data.get("new_workload_class"):
+                self.add_error("new_workload_class", "Choose the new workload's class.")
+        reserved, ceiling = data.get("reserved_tpm"), data.get("ceiling_tpm")
+        if reserved and ceiling and ceiling < reserved:
+            self.add_error("ceiling_tpm", "The ceiling must be at least the reserved rate.")
+        return data
+
+
+class DecisionForm(forms.Form):
+    comment = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False, max_length=5000)
+
+
+class ApiKeyForm(forms.Form):
+    workload = forms.ChoiceField(label="Workload")
+    name = forms.CharField(label="Name", max_length=200, required=False)
+
+    def __init__(self, *args, tenant: Tenant, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tenant = tenant
+        self.fields["workload"].choices = [(str(w.id), w.slug) for w in Workload.objects.filter(tenant=tenant)]
+
+
+PERIODS = {
+    "this_month": "This month",
+    "last_month": "Last month",
+    "last_7_days": "Last 7 days",
+    "last_30_days": "Last 30 days",
+    "this_year": "This year",
+}
+GROUP_CHOICES = [
+    ("tenant", "Tenant"), ("cost_center", "Cost center"), ("workload", "Workload"), ("model", "Model"),
+    ("day", "Day"), ("month", "Month"), ("pool", "Pool"),
+]
+
+
+def period_range(period: str, today: date) -> tuple[date, date]:
+    if period == "last_month":
+        end = today.replace(day=1) - timedelta(days=1)
+        return end.replace(day=1), end
+    if period == "last_7_days":
+        return today - timedelta(days=6), today
+    if period == "last_30_days":
+        return today - timedelta(days=29), today
+    if period == "this_year":
+        return today.replace(month=1, day=1), today
+    return today.replace(day=1), today
+
+
+class SpendFilterForm(forms.Form):
+    """The finance page's filters, also used by its CSV export (GET)."""
+
+    period = forms.ChoiceField(choices=[("", "Custom")] + list(PERIODS.items()), required=False)
+    start = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}), label="From")
+    end = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}), label="To")
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), required=False, to_field_name="slug")
+    cost_center = forms.ChoiceField(required=False, label="Cost center")
+    workload = forms.ModelChoiceField(queryset=Workload.objects.none(), required=False, to_field_name="slug")
+    model = forms.ChoiceField(required=False)
+    group_by = forms.ChoiceField(choices=GROUP_CHOICES, required=False, initial="tenant", label="Group by")
+
+    MAX_DAYS = 400
+
+    def __init__(self, *args, tenants, models: list[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["tenant"].queryset = tenants
+        self.fields["workload"].queryset = Workload.objects.filter(tenant__in=tenants).order_by("slug")
+        centers = sorted({c for c in tenants.values_list("cost_center", flat=True) if c})
+        self.fields["cost_center"].choices = [("", "All")] + [(c, c) for c in centers]
+        self.fields["model"].choices = [("", "All")] + [(m, m) for m in models]
+        self.fields["tenant"].empty_label = "All"
+        self.fields["workload"].empty_label = "All"
+
+    def clean(self):
+        data = super().clean()
+        today = timezone.now().date()
+        start, end = data.get("start"), data.get("end")
+        if not (start or end):  # explicit dates win over the period preset
+            start, end = period_range(data.get("period") or "this_month", today)
+        start = start or (end or today).replace(day=1)
+        end = end or today
+        if end < start:
+            self.add_error("end", "The end date is before the start date.")
+        elif (end - start).days > self.MAX_DAYS:
+            self.add_error("start", f"Choose at most {self.MAX_DAYS} days.")
+        data["start"], data["end"] = start, end
+        data["group_by"] = data.get("group_by") or "tenant"
+        return data

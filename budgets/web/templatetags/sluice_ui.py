@@ -1,0 +1,80 @@
+"""Template helpers of the web UI."""
+
+from __future__ import annotations
+
+from decimal import ROUND_HALF_UP, Decimal
+
+from django import template
+
+from tenants.roles import user_role_label
+
+from budgets.web.charts import human as human_number
+
+register = template.Library()
+
+_SECTIONS = {
+    "tenants": ("tenant-list", "tenant-detail", "budget-request-new", "budget-request-detail"),
+    "pools": ("pool-list", "pool-detail"),
+    "review": ("review-list", "review-detail"),
+    "finance": ("finance",),
+}
+
+
+@register.simple_tag
+def role_of(user) -> str:
+    return user_role_label(user)
+
+
+@register.simple_tag(takes_context=True)
+def nav_section(context) -> str:
+    match = getattr(context.get("request"), "resolver_match", None)
+    name = match.url_name if match else ""
+    for section, names in _SECTIONS.items():
+        if name in names:
+            return section
+    return ""
+
+
+@register.filter
+def human(value) -> str:
+    if value is None or value == "":
+        return "—"
+    return human_number(value)
+
+
+@register.filter
+def money(value, places: int = 2) -> str:
+    """A Decimal with ``places`` decimals and thousands separators."""
+    if value is None:
+        return "—"
+    quantum = Decimal(1).scaleb(-int(places))
+    return f"{Decimal(value).quantize(quantum, rounding=ROUND_HALF_UP):,}"
+
+
+@register.filter
+def pct(value, places: int = 0) -> str:
+    if value is None:
+        return "—"
+    return f"{float(value) * 100:.{int(places)}f}%"
+
+
+@register.filter
+def intcomma(value) -> str:
+    try:
+        return f"{int(value):,}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
+@register.filter
+def seconds(ms) -> str:
+    if ms is None:
+        return "—"
+    return f"{int(ms) / 1000:.1f}s"
+
+
+@register.filter
+def get_item(mapping, key):
+    if not isinstance(mapping, dict):
+        return None
+    return mapping.get(key)

@@ -1,0 +1,80 @@
+"""Putting an admitted request on its lane, for the synchronous API (the web
+side, async) and for jobs (the API view and the pacer, sync): build the
+request's record, store it in Redis, enqueue its id on the lane's Celery
+queue by task name (the web side never imports the worker's task module),
+and refund if that fails."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from celery import current_app
+
+from budgets.admission.buckets import Admission, settle_call
+from budgets.admission.estimation import Estimate
+from budgets.admission.redis_client import get_redis
+from budgets.ledger.spend import spend_month
+from gateway.core import keys
+from gateway.core.context import CallerContext
+from gateway.core.errors import budget_unavailable
+from gateway.core.lanes import lane_for, queue_for_lane
+from gateway.core.metrics import arrival_commands
+from gateway.core.records import RequestRecord, ttl_ms
+
+logger = logging.getLogger(__name__)
+
+# The worker side's task (gateway/worker/tasks.py): a stable name, so queued
+# messages survive a deploy that moves code.
+EXECUTE_REQUEST_TASK = "gateway.execute_request"
+
+
+def new_request_id() -> str:
+    return "req_" + uuid.uuid4().hex
+
+
+def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: dict, estimate: Estimate,
+                 admission: Admission, deadline_ms: float, retry_deadline_ms: float, session_id: str = "",
+                 job_id: str = "") -> RequestRecord:
+    lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens, borrowed=admission.borrowed)
+    price = ctx.prices.get(model)
+    return RequestRecord(
+        request_id=request_id, tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, pool_id=ctx.pool_id,
+        pool_base_url=ctx.pool_base_url, pool_api_key_env=ctx.pool_api_key_env, model=model, lane=lane,
+        borrowed=admission.borrowed, estimated_input_tokens=estimate.input_tokens,
+        estimated_output_tokens=estimate.output_tokens, admitted_ms=admission.admitted_ms,
+        deadline_ms=deadline_ms, payload=payload, session_id=session_id, job_id=job_id,
+        retry_deadline_ms=retry_deadline_ms,
+        price_input_per_million=str(price.input_per_million) if price else "",
+        price_output_per_million=str(price.output_per_million) if price else "",
+        price_id=(price.price_id or 0) if price else 0,
+        spend_month_key=spend_month(pool_id=ctx.pool_id, at_ms=admission.admitted_ms)[0] if price else "",
+    )
+
+
+def refund_call(record: RequestRecord):
+    """Settle a request that never reached the pool: everything back."""
+    return settle_call(pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
+                       actual_input_tokens=0, actual_output_tokens=0, pool_called=False,
+                       spend_month_key=record.spend_month_key)
+
+
+def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
+    """Store the record and enqueue its id on its lane, or refund and raise a
+    503: nothing may run without its record, nothing admitted may leak."""
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        pipe.hset(keys.request_record(record.request_id), mapping=record.to_redis())
+        pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
+        arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                         expires_ms=record.admitted_ms + lease_ms)
+        pipe.execute()
+        current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
+                              task_id=record.request_id)
+    except Exception as exc:  # Redis or the broker
+        logger.warning("could not enqueue %s: %s", record.request_id, exc)
+        try:
+            refund_call(record).run()
+        except Exception:  # the lease expires by itself
+            logger.warning("could not refund %s", record.request_id, exc_info=True)
+        raise budget_unavailable() from exc

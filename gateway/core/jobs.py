@@ -1,0 +1,235 @@
+"""Asynchronous jobs: delay, don't reject (BACKGROUND.md, "Admission at the
+door"). A job over budget waits in a Redis sorted set keyed by its release
+time; the pacer (``manage.py run_pacer``) moves due jobs onto their lane.
+Scheduled workloads' jobs always go through a leaky bucket at the workload's
+reserved rate. Never Celery ETA/countdown: with the Redis broker a task held
+past visibility_timeout is delivered a second time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+import httpx
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from budgets.admission.estimation import Estimate
+from budgets.admission.redis_client import REDIS_UNAVAILABLE, LuaScript, ScriptCall, get_redis, redis_now_ms
+from budgets.errors import BudgetUnavailable, Rejected
+from budgets.models import UsageRecord
+from gateway.core import keys
+from gateway.core.admission import lease_ttl_ms, request_admit
+from gateway.core.chat import ChatRequest, body_digest, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.context import CallerContext, context_for_workload
+from gateway.core.enqueue import new_request_id, record_build, record_enqueue
+from gateway.core.errors import budget_unavailable, error_body, no_reservation
+from gateway.core.records import Outcome
+from gateway.models import Job
+
+logger = logging.getLogger(__name__)
+
+PACE = LuaScript(__package__, "pace.lua")
+
+# Reasons a later retry can fix; anything else is final.
+DELAYABLE = {"workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
+             "pool_saturated", "workload_concurrency", "pool_backoff"}
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job: Job
+    created: bool
+
+
+class IdempotencyConflict(Exception):
+    pass
+
+
+def _ms_to_datetime(ms: float) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=dt_timezone.utc)
+
+
+def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_url: str = "", idempotency_key: str = "",
+               deadline_s: float | None = None, session_id: str = "", schedule_id: int | None = None) -> Submitted:
+    """Create a job and try to start it. Raises Rejected for a job that can
+    never run (caps, size) or whose earliest start is past its deadline, and
+    IdempotencyConflict for a reused key with another body."""
+    if ctx.pool_id is None:
+        raise no_reservation(on_any_pool=True)
+    digest = body_digest(body)
+    if idempotency_key:
+        existing = Job.objects.filter(workload_id=ctx.workload_id, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            if existing.body_sha256 != digest:
+                raise IdempotencyConflict(idempotency_key)
+            return Submitted(job=existing, created=False)
+    estimate = chat_estimate(ctx, chat)
+    deadline_s = deadline_s if deadline_s is not None else settings.SLUICE_JOB_DEADLINE_S
+    job = Job(
+        tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, status=Job.Status.DELAYED, body=body,
+        body_sha256=digest, idempotency_key=idempotency_key, callback_url=callback_url, session_id=session_id,
+        estimated_input_tokens=estimate.input_tokens, estimated_output_tokens=estimate.output_tokens,
+        deadline=timezone.now() + timedelta(seconds=deadline_s), schedule_id=schedule_id,
+    )
+    try:
+        with transaction.atomic():
+            job.save(force_insert=True)
+    except IntegrityError:
+        # Another request with the same key won the insert: answer with its job.
+        existing = Job.objects.get(workload_id=ctx.workload_id, idempotency_key=idempotency_key)
+        if existing.body_sha256 != digest:
+            raise IdempotencyConflict(idempotency_key) from None
+        return Submitted(job=existing, created=False)
+    try:
+        job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, at_submit=True)
+    except (BudgetUnavailable, *REDIS_UNAVAILABLE) as exc:
+        # Redis is away: the job can be neither parked nor queued. Forget it
+        # (nothing was admitted, or it was refunded) so the caller's retry,
+        # same Idempotency-Key included, starts afresh.
+        job.delete()
+        raise budget_unavailable() from exc
+    except Rejected as rejected:
+        if rejected.reason == budget_unavailable().reason:
+            job.delete()
+        raise
+    return Submitted(job=job, created=True)
+
+
+def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None:
+    if release_ms > job.deadline.timestamp() * 1000:
+        # At submission the caller hears it at once (429); later it expires.
+        job.status = Job.Status.REJECTED if at_submit else Job.Status.EXPIRED
+        job.reason = "deadline_unreachable"
+        job.finished_at = timezone.now()
+        job.result = error_body(message=f"Budget ({reason}) would hold this job past its deadline.",
+                                error_type="rate_limit_error", code="deadline_unreachable")
+        job.save(update_fields=["status", "reason", "finished_at", "result"])
+        return
+    job.status = Job.Status.DELAYED
+    job.release_at = _ms_to_datetime(release_ms)
+    job.reason = reason
+    job.save(update_fields=["status", "release_at", "reason", "delays"])
+    get_redis().zadd(keys.DELAYED_JOBS, {str(job.id): release_ms})
+
+
+def _leaky_release_ms(ctx: CallerContext, estimate: Estimate) -> float:
+    rate_per_ms = max(ctx.reserved_tpm, 1) / 60_000.0
+    return ScriptCall(script=PACE, keys=[keys.pool_pacer(ctx.pool_id)],
+                      args=[ctx.workload_id, estimate.total_tokens, rate_per_ms], parse=float).run()
+
+
+def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Estimate, paced: bool = False,
+              at_submit: bool = False) -> None:
+    """Admit the job now and put it on its lane, or park it until the budget
+    says it fits. Scheduled workloads first pass their leaky bucket."""
+    now_ms = redis_now_ms()
+    if ctx.workload_class == "scheduled" and not paced:
+        release_ms = _leaky_release_ms(ctx, estimate)
+        if release_ms > now_ms + 1:
+            _delay(job, release_ms=release_ms, reason="paced", at_submit=at_submit)
+            return
+    deadline_ms = job.deadline.timestamp() * 1000
+    request_id = new_request_id()
+    lease_ms = lease_ttl_ms(queue_s=max(0.0, (deadline_ms - now_ms) / 1000))
+    try:
+        admission = request_admit(ctx, request_id=request_id, model=chat.model, estimate=estimate, lease_ms=lease_ms)
+    except Rejected as rejected:
+        if rejected.reason in DELAYABLE and rejected.retry_after_ms is not None:
+            job.delays += 1
+            _delay(job, release_ms=now_ms + rejected.retry_after_ms, reason=rejected.reason, at_submit=at_submit)
+            return
+        raise
+    record = record_build(ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
+                          admission=admission, deadline_ms=deadline_ms, retry_deadline_ms=deadline_ms,
+                          session_id=job.session_id, job_id=str(job.id))
+    job.request_id = request_id
+    job.status = Job.Status.QUEUED
+    job.released_at = timezone.now()
+    job.reason = ""
+    job.save(update_fields=["request_id", "status", "released_at", "reason", "delays"])
+    record_enqueue(record, lease_ms=lease_ms)
+
+
+def job_release(*, job_id: str) -> str:
+    """The pacer's step for one due job: start it, or park it again."""
+    job = Job.objects.select_related("workload", "workload__tenant").filter(pk=job_id).first()
+    if job is None or job.status != Job.Status.DELAYED:
+        return "skipped"
+    if job.deadline <= timezone.now():
+        job.status = Job.Status.EXPIRED
+        job.reason = "deadline_passed"
+        job.finished_at = timezone.now()
+        job.save(update_fields=["status", "reason", "finished_at"])
+        return "expired"
+    ctx = context_for_workload(job.workload)
+    chat = validate_chat_request(job.body)
+    estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
+                        max_tokens_requested=chat.max_tokens, clamped=False)
+    try:
+        job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, paced=True)
+    except Rejected as rejected:
+        job.status = Job.Status.REJECTED
+        job.reason = rejected.reason
+        job.finished_at = timezone.now()
+        job.result = error_body(message=rejected.message, error_type=rejected.error_type, param=rejected.param,
+                                code=rejected.reason)
+        job.save(update_fields=["status", "reason", "finished_at", "result"])
+    return job.status
+
+
+def job_complete(*, job_id: str, outcome: Outcome) -> None:
+    """Called by the worker once the job's request is settled and in the ledger."""
+    status = {"ok": Job.Status.SUCCEEDED, "queue_timeout": Job.Status.EXPIRED}.get(outcome.status, Job.Status.FAILED)
+    updated = Job.objects.filter(pk=job_id).exclude(status__in=Job.FINAL).update(
+        status=status, result=outcome.body, finished_at=timezone.now(),
+        reason="" if outcome.status == "ok" else outcome.status,
+    )
+    if updated:
+        job_callback(job_id=job_id)
+
+
+def job_view(job: Job, *, base_url: str = "") -> dict:
+    """The job as the API shows it; tokens and cost come from its ledger row."""
+    row = UsageRecord.objects.filter(request_id=job.request_id).first() if job.request_id else None
+    data = {
+        "id": str(job.id),
+        "object": "job",
+        "status": job.status,
+        "workload": job.workload.slug,
+        "created_at": job.created_at.isoformat(),
+        "deadline": job.deadline.isoformat(),
+        "release_at": job.release_at.isoformat() if job.release_at else None,
+        "released_at": job.released_at.isoformat() if job.released_at else None,
+        "finished_at": job.finished_at.isoformat() if job.finished_at else None,
+        "reason": job.reason or None,
+        "delays": job.delays,
+        "status_url": f"{base_url}/v1/jobs/{job.id}",
+        "result": job.result if job.status in Job.FINAL else None,
+        "usage": None,
+        "cost": None,
+    }
+    if row is not None:
+        data["usage"] = {"prompt_tokens": row.actual_input_tokens, "completion_tokens": row.actual_output_tokens,
+                         "total_tokens": row.actual_input_tokens + row.actual_output_tokens,
+                         "estimated_prompt_tokens": row.estimated_input_tokens,
+                         "estimated_completion_tokens": row.estimated_output_tokens}
+        data["cost"] = str(row.cost)
+        data["request_id"] = row.request_id
+    return data
+
+
+def job_callback(*, job_id: str) -> None:
+    """POST the settled job to its callback URL, once, best effort."""
+    job = Job.objects.select_related("workload").filter(pk=job_id).first()
+    if job is None or not job.callback_url:
+        return
+    try:
+        response = httpx.post(job.callback_url, json=job_view(job), timeout=5.0)
+        status = response.status_code
+    except httpx.HTTPError as exc:
+        logger.info("callback for job %s failed: %s", job_id, exc)
+        status = 0
+    Job.objects.filter(pk=job_id).update(callback_status=status)

@@ -1,0 +1,81 @@
+"""The gateway's Redis keys, in one place: a request's trip through its lane,
+the lanes' own counters, retry budgets, pacing, idempotency. Per-pool keys
+carry the pool's hash tag (budgets.admission.keys.pool_tag) so a script that
+touches them and the pool's buckets stays on one Redis Cluster shard."""
+
+from __future__ import annotations
+
+from budgets.admission.keys import pool_tag
+
+# --- one request --------------------------------------------------------------------
+
+
+def request_record(request_id: str) -> str:
+    """Hash: everything the worker needs (the task itself carries only the id)."""
+    return f"sluice:req:{request_id}"
+
+
+def request_owner(request_id: str) -> str:
+    """String: who owns the request's outcome: 'worker', 'gaveup' or 'expired'."""
+    return f"sluice:req:{request_id}:owner"
+
+
+def request_response(request_id: str) -> str:
+    """String: the pool's answer, kept so a redelivered task never calls twice."""
+    return f"sluice:req:{request_id}:response"
+
+
+def request_result(request_id: str) -> str:
+    """List: the outcome, pushed once for the waiting web process to pop."""
+    return f"sluice:req:{request_id}:result"
+
+
+def request_result_published(request_id: str) -> str:
+    """String: set when the outcome was pushed, so a replay pushes nothing."""
+    return f"{request_result(request_id)}:published"
+
+
+def idempotency(workload_id: int, key: str) -> str:
+    """Hash: a sync request's Idempotency-Key: body digest, state, stored response."""
+    return f"sluice:idem:{workload_id}:{key}"
+
+
+# --- jobs ----------------------------------------------------------------------------
+
+DELAYED_JOBS = "sluice:jobs:delayed"
+"""Sorted set: ids of jobs waiting for budget, scored by release time (ms)."""
+
+
+def pool_pacer(pool_id: int) -> str:
+    """Hash: per scheduled workload, when its leaky bucket next lets a job out."""
+    return f"{pool_tag(pool_id)}:pace"
+
+
+# --- lanes and the pool's answers ---------------------------------------------------------
+
+
+def pool_metrics(pool_id: int, lane: str) -> str:
+    """Hash: arrivals, departures and time in system per 10 s slot, per lane."""
+    return f"{pool_tag(pool_id)}:metrics:{lane}"
+
+
+def lane_in_flight(pool_id: int, lane: str) -> str:
+    """Sorted set: admitted requests of a lane not yet finished, by expiry."""
+    return f"{pool_tag(pool_id)}:lane:{lane}:inflight"
+
+
+def pool_retry(pool_id: int) -> str:
+    """Hash: the pool's retry token bucket and retry counters."""
+    return f"{pool_tag(pool_id)}:retry"
+
+
+def retry_session(pool_id: int, workload_id: int, session_id: str) -> str:
+    """Hash: one client session's retry budget (X-Session-Id)."""
+    return f"{pool_retry(pool_id)}:session:{workload_id}:{session_id[:128]}"
+
+
+# --- processes -------------------------------------------------------------------------
+
+WORKERS_READY = "sluice:workers:ready"
+"""Hash: lane worker hostname -> pid, set when a worker is ready to consume
+(`make run` and the test harness wait on it) and removed at shutdown."""

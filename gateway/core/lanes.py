@@ -1,0 +1,69 @@
+"""The lanes, in one place: which lanes exist, the Celery queue each one is,
+and how many worker threads each gets by default. Celery routing
+(llm_platform/celery.py), the process list (llm_platform/processes.py),
+`make run`, the test harness and the benchmarks all read them from here.
+
+Short interactive calls must never queue behind long generations or batch
+floods: each lane is its own queue with its own worker pool
+(docs/architecture.md, "Lanes")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    queue: str  # the Celery queue its worker pool consumes
+    # Worker threads, sized by Little's law at the lane's design load
+    # (concurrency ~ 2 x arrival rate x time in system). Threads, not
+    # processes: a worker mostly waits on the pool's HTTP answer.
+    default_concurrency: int
+    design_load: str
+
+    @property
+    def concurrency_env(self) -> str:
+        """The environment variable (read in settings.py) that overrides the default."""
+        return "SLUICE_WORKERS_" + self.name.upper().replace("-", "_")
+
+
+INTERACTIVE = Lane("interactive", "interactive", 40, "20 req/s x ~1 s")
+INTERACTIVE_LONG = Lane("interactive-long", "interactive-long", 16, "2 req/s x ~4 s")
+BATCH = Lane("batch", "batch", 16, "4 req/s x ~2 s")
+SCHEDULED = Lane("scheduled", "scheduled", 8, "paced at ~1 req/s x ~4 s")
+
+LANES: tuple[Lane, ...] = (INTERACTIVE, INTERACTIVE_LONG, BATCH, SCHEDULED)
+LANE_NAMES: tuple[str, ...] = tuple(lane.name for lane in LANES)
+_BY_NAME = {lane.name: lane for lane in LANES}
+
+# Housekeeping (beat tasks, the lease reaper, cron firings) shares the batch
+# lane's workers: it is small and rare.
+HOUSEKEEPING = BATCH
+
+
+def lane_named(name: str) -> Lane:
+    return _BY_NAME[name]
+
+
+def queue_for_lane(name: str) -> str:
+    return _BY_NAME[name].queue
+
+
+def lane_concurrency(name: str) -> int:
+    """Worker threads of a lane: the setting where one is made, else the default."""
+    return int(settings.SLUICE_LANE_CONCURRENCY.get(name, _BY_NAME[name].default_concurrency))
+
+
+def lane_for(*, workload_class: str, estimated_tokens: int, borrowed: bool) -> str:
+    if workload_class == "scheduled":
+        return SCHEDULED.name
+    # Borrowed admissions run on idle capacity: they take the batch lane and
+    # are the first to wait when the pool is busy.
+    if workload_class == "batch" or borrowed:
+        return BATCH.name
+    if estimated_tokens >= settings.SLUICE_LONG_REQUEST_TOKENS:
+        return INTERACTIVE_LONG.name
+    return INTERACTIVE.name

@@ -1,0 +1,126 @@
+"""Little's law per pool and lane (docs/architecture.md, "Lanes"): arrival rate λ, mean time
+in system W, their product λ·W beside the measured in-flight L. A gap
+between the two, or L growing, says the pool slowed before any error does.
+
+Counters live in Redis in 10 s slots (HINCRBY on a per-lane hash), written in
+the same round trip as the work they describe."""
+
+from __future__ import annotations
+
+import time
+
+from celery import current_app
+
+from budgets.admission import keys as budget_keys
+from budgets.admission.capacity import capacity_state
+from budgets.admission.redis_client import get_redis
+from gateway.core import keys
+from gateway.core.lanes import LANE_NAMES, queue_for_lane
+
+SLOT_S = 10
+WINDOW_S = 60
+KEEP_S = 600
+
+
+def slot(now_s: float | None = None) -> int:
+    return int((now_s if now_s is not None else time.time()) // SLOT_S) * SLOT_S
+
+
+def arrival_commands(pipe, *, pool_id: int, lane: str, request_id: str, expires_ms: float) -> None:
+    """Queue the arrival's writes on an existing pipeline (no extra round trip)."""
+    pipe.hincrby(keys.pool_metrics(pool_id, lane), f"a:{slot()}", 1)
+    pipe.zadd(keys.lane_in_flight(pool_id, lane), {request_id: expires_ms})
+
+
+def departure_record(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
+                     upstream_429s: int = 0) -> None:
+    key = keys.pool_metrics(pool_id, lane)
+    now_slot = slot()
+    client = get_redis()
+    # Count a departure once, even when a redelivered task finishes again.
+    if not client.zrem(keys.lane_in_flight(pool_id, lane), request_id):
+        return
+    pipe = client.pipeline(transaction=False)
+    pipe.hincrby(key, f"d:{now_slot}", 1)
+    pipe.hincrby(key, f"w:{now_slot}", max(0, int(time_in_system_ms)))
+    if upstream_429s:
+        pipe.hincrby(key, f"u429:{now_slot}", upstream_429s)
+    pipe.execute()
+
+
+def _window_sums(raw: dict[str, str], now_s: float) -> dict[str, int]:
+    oldest = slot(now_s) - WINDOW_S
+    sums = {"a": 0, "d": 0, "w": 0, "u429": 0}
+    for field, value in raw.items():
+        kind, _, at = field.partition(":")
+        if kind in sums and at.isdigit() and int(at) >= oldest:
+            sums[kind] += int(value)
+    return sums
+
+
+def _prune(client, key: str, raw: dict[str, str], now_s: float) -> None:
+    stale = [f for f in raw if f.partition(":")[2].isdigit() and int(f.partition(":")[2]) < slot(now_s) - KEEP_S]
+    if stale:
+        client.hdel(key, *stale)
+
+
+def queue_depths() -> dict[str, int]:
+    """Messages waiting in each lane's Celery queue (on the broker)."""
+    depths: dict[str, int] = {}
+    with current_app.connection_for_read() as connection:
+        client = connection.default_channel.client
+        for lane in LANE_NAMES:
+            depths[lane] = int(client.llen(queue_for_lane(lane)))
+    return depths
+
+
+def pool_live_metrics(*, pool_id: int) -> dict:
+    client = get_redis()
+    now_s = time.time()
+    now_ms = now_s * 1000
+    lanes: dict[str, dict] = {}
+    total_arrivals = total_departures = total_w = total_429 = 0
+    total_in_flight = 0
+    for lane in LANE_NAMES:
+        key = keys.pool_metrics(pool_id, lane)
+        raw = client.hgetall(key)
+        _prune(client, key, raw, now_s)
+        sums = _window_sums(raw, now_s)
+        in_flight = client.zcount(keys.lane_in_flight(pool_id, lane), now_ms, "+inf")
+        arrival_rate = sums["a"] / WINDOW_S
+        mean_w = (sums["w"] / sums["d"] / 1000) if sums["d"] else 0.0
+        lanes[lane] = {
+            "arrival_rate_per_s": round(arrival_rate, 3),
+            "mean_time_in_system_s": round(mean_w, 3),
+            "littles_l": round(arrival_rate * mean_w, 3),
+            "in_flight": in_flight,
+            "upstream_429_per_min": sums["u429"] * 60 / WINDOW_S,
+        }
+        total_arrivals += sums["a"]
+        total_departures += sums["d"]
+        total_w += sums["w"]
+        total_429 += sums["u429"]
+        total_in_flight += in_flight
+    try:
+        depths = queue_depths()
+    except Exception:  # the broker may be elsewhere and down; metrics must still answer
+        depths = {lane: -1 for lane in LANE_NAMES}
+    for lane, depth in depths.items():
+        lanes[lane]["queue_depth"] = depth
+    arrival_rate = total_arrivals / WINDOW_S
+    mean_w = (total_w / total_departures / 1000) if total_departures else 0.0
+    state = capacity_state(pool_id=pool_id)
+    return {
+        "pool_id": pool_id,
+        "window_s": WINDOW_S,
+        "effective_capacity_factor": round(state.factor, 4),
+        "blocked_until_ms": state.blocked_until_ms,
+        "in_flight": client.zcount(budget_keys.pool_leases(pool_id), now_ms, "+inf"),
+        "lane_in_flight": total_in_flight,
+        "arrival_rate_per_s": round(arrival_rate, 3),
+        "mean_time_in_system_s": round(mean_w, 3),
+        "littles_l": round(arrival_rate * mean_w, 3),
+        "queue_depth": depths,
+        "upstream_429_per_min": total_429 * 60 / WINDOW_S,
+        "lanes": lanes,
+    }

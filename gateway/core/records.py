@@ -1,0 +1,155 @@
+"""A request's record in Redis, shared by the web process that admitted it and
+the worker that runs it (the Celery message carries only the id); what
+happened to it (``Outcome``); the two scripts that hand it over between the
+sides (``claim.lua``: who owns the outcome, ``publish.lua``: deliver it once);
+and its ledger row, built here once for every place that writes one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+
+from budgets.admission.redis_client import LuaScript, ScriptCall, raw_reply
+from budgets.ledger.pricing import TokenPrice
+from budgets.ledger.writer import LedgerEntry
+from gateway.core import keys
+
+CLAIM = LuaScript(__package__, "claim.lua")
+PUBLISH = LuaScript(__package__, "publish.lua")
+
+WORKER = "worker"
+GAVE_UP = "gaveup"
+EXPIRED = "expired"
+REDELIVERED = "redelivered"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    tenant_id: int
+    workload_id: int
+    pool_id: int
+    pool_base_url: str
+    pool_api_key_env: str
+    model: str
+    lane: str
+    borrowed: bool
+    estimated_input_tokens: int
+    estimated_output_tokens: int
+    admitted_ms: float
+    deadline_ms: float
+    payload: dict[str, Any]  # what the pool receives
+    session_id: str = ""  # X-Session-Id: retries are budgeted per session
+    job_id: str = ""  # set for async jobs (POST /v1/jobs)
+    retry_deadline_ms: float = 0.0  # no retry may start after this (Redis clock)
+    # The price in force at admission: settlement corrects the spend with it.
+    price_input_per_million: str = ""
+    price_output_per_million: str = ""
+    price_id: int = 0  # 0: the model had no price at admission
+    spend_month_key: str = ""
+
+    @property
+    def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
+        if not self.price_id:
+            return None
+        return self.price_id, Decimal(self.price_input_per_million), Decimal(self.price_output_per_million)
+
+    def actual_cost_micro(self, *, input_tokens: int, output_tokens: int) -> int:
+        if not self.price_input_per_million:
+            return 0
+        price = TokenPrice(Decimal(self.price_input_per_million), Decimal(self.price_output_per_million))
+        return price.cost_micro(input_tokens=input_tokens, output_tokens=output_tokens)
+
+    def to_redis(self) -> dict[str, str]:
+        data = asdict(self)
+        data["payload"] = json.dumps(self.payload)
+        data["borrowed"] = int(self.borrowed)
+        return {k: str(v) for k, v in data.items()}
+
+    @classmethod
+    def from_redis(cls, data: dict[str, str]) -> RequestRecord:
+        return cls(
+            request_id=data["request_id"],
+            tenant_id=int(data["tenant_id"]),
+            workload_id=int(data["workload_id"]),
+            pool_id=int(data["pool_id"]),
+            pool_base_url=data["pool_base_url"],
+            pool_api_key_env=data["pool_api_key_env"],
+            model=data["model"],
+            lane=data["lane"],
+            borrowed=data["borrowed"] == "1",
+            estimated_input_tokens=int(data["estimated_input_tokens"]),
+            estimated_output_tokens=int(data["estimated_output_tokens"]),
+            admitted_ms=float(data["admitted_ms"]),
+            deadline_ms=float(data["deadline_ms"]),
+            payload=json.loads(data["payload"]),
+            session_id=data.get("session_id", ""),
+            job_id=data.get("job_id", ""),
+            retry_deadline_ms=float(data.get("retry_deadline_ms", 0) or 0),
+            price_input_per_million=data.get("price_input_per_million", ""),
+            price_output_per_million=data.get("price_output_per_million", ""),
+            spend_month_key=data.get("spend_month_key", ""),
+            price_id=int(data.get("price_id", 0) or 0),
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to a request: a pool response, or an error to relay."""
+
+    status: str  # "ok" | "queue_timeout" | "upstream_error"
+    http_status: int = 200
+    body: dict[str, Any] | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    queue_wait_ms: int = 0
+    upstream_ms: int = 0
+    retry_after_ms: int | None = None
+    attempts: int = 0
+    upstream_status: int = 0
+    upstream_429s: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> Outcome:
+        return cls(**json.loads(raw))
+
+
+def ttl_ms() -> int:
+    return settings.SLUICE_RESULT_TTL_S * 1000
+
+
+def claim_call(role: str, record: RequestRecord) -> ScriptCall[str]:
+    """Who owns the outcome: WORKER, REDELIVERED, EXPIRED or GAVE_UP."""
+    return ScriptCall(script=CLAIM, keys=[keys.request_owner(record.request_id)],
+                      args=[role, record.deadline_ms, ttl_ms()], parse=raw_reply)
+
+
+def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
+    """Push the outcome for the waiting web process, once (True: pushed now)."""
+    return ScriptCall(script=PUBLISH,
+                      keys=[keys.request_result(record.request_id), keys.request_result_published(record.request_id)],
+                      args=[outcome.to_json(), ttl_ms()], parse=lambda raw: int(raw) == 1)
+
+
+def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int = 0, actual_output_tokens: int = 0,
+                 queue_wait_ms: int = 0, upstream_ms: int = 0, total_ms: int = 0, attempts: int = 0,
+                 error: str = "") -> LedgerEntry:
+    """The request's one ledger row, priced at the price in force when it was admitted."""
+    return LedgerEntry(
+        request_id=record.request_id,
+        created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
+        tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
+        model=record.model, lane=record.lane, status=status, borrowed=record.borrowed,
+        estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
+        actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
+        queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, attempts=attempts, error=error,
+        price=record.ledger_price,
+    )

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible API (/v1/*) and the health check. Async views on an
+ASGI server: a request waiting for its lane parks on an awaitable Redis read.
+Every refusal is OpenAI-shaped JSON; Redis being unreachable or hung is a 503
+``budget_unavailable`` with Retry-After, never a 500."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from urllib.parse import urlparse
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET
+
+from budgets.admission.redis_client import REDIS_UNAVAILABLE
+from budgets.errors import BudgetUnavailable, Rejected
+from budgets.ledger.rejections import rejection_count_call
+from budgets.models import InferencePool
+from gateway.core.chat import ChatRequest, body_digest, parse_json_body, validate_chat_request
+from gateway.core.context import CallerContext
+from gateway.core.errors import bad_request, budget_unavailable, no_reservation
+from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
+from gateway.core.metrics import pool_live_metrics
+from gateway.models import Job
+from gateway.web.auth import bearer_key, caller_context
+from gateway.web.dispatch import chat_completion
+from gateway.web.health import health_report
+from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
+                                     idempotency_wait)
+from gateway.web.responses import openai_error, ratelimit_headers, rejected_response
+
+logger = logging.getLogger(__name__)
+
+MAX_JOB_DEADLINE_S = 7 * 24 * 3600
+
+# Refusals that mean Redis itself is unreachable: counting them there would
+# only add a timeout to the caller's 503.
+UNCOUNTED_REASONS = {"budget_unavailable", "result_unavailable"}
+
+
+def redis_unavailable_is_503(view):
+    """Redis down or hung anywhere under a /v1 view (buckets, results,
+    idempotency, jobs' pacing) answers 503 budget_unavailable, not 500."""
+
+    @functools.wraps(view)
+    async def wrapper(request: HttpRequest, *args, **kwargs):
+        try:
+            return await view(request, *args, **kwargs)
+        except (BudgetUnavailable, *REDIS_UNAVAILABLE) as exc:
+            logger.warning("%s %s: Redis unavailable: %s", request.method, request.path, exc)
+            return rejected_response(budget_unavailable())
+
+    return wrapper
+
+
+async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
+    raw_key = bearer_key(request.headers.get("Authorization"))
+    if raw_key is None:
+        return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
+                            error_type="invalid_request_error", code="missing_api_key")
+    ctx = await caller_context(raw_key)
+    if ctx is None:
+        return openai_error(status=401, message="Incorrect or revoked API key.", error_type="invalid_request_error",
+                            code="invalid_api_key")
+    return ctx
+
+
+async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
+    if rejected.reason not in UNCOUNTED_REASONS:
+        try:
+            await rejection_count_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
+                                       reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
+                                       estimated_tokens=rejected.estimated_tokens).run_async()
+        except Exception:  # noqa: BLE001 - losing a counter beats failing the caller's answer
+            logger.warning("could not count a %s rejection of workload %s", rejected.reason, ctx.workload_id,
+                           exc_info=True)
+    return rejected_response(rejected, limits=ctx.limits)
+
+
+def _read_body(request: HttpRequest) -> dict:
+    try:
+        length = int(request.headers.get("Content-Length") or 0)
+    except ValueError:
+        length = 0
+    if length > settings.SLUICE_MAX_BODY_BYTES or len(request.body) > settings.SLUICE_MAX_BODY_BYTES:
+        raise bad_request(f"The request body exceeds {settings.SLUICE_MAX_BODY_BYTES} bytes.", code="body_too_large",
+                          status=413)
+    return parse_json_body(request.body)
+
+
+def _check_chat(ctx: CallerContext, chat: ChatRequest) -> None:
+    if chat.stream:
+        raise Rejected(reason="stream_unsupported", message="Streaming is not supported yet; send stream=false.",
+                       status=400, param="stream", error_type="invalid_request_error")
+    if ctx.pool_id is None:
+        raise no_reservation(on_any_pool=True)
+    if chat.model not in ctx.served_models:
+        raise Rejected(reason="model_not_found", message=f"The model '{chat.model}' does not exist on this workload's pool.",
+                       status=404, param="model", error_type="invalid_request_error")
+
+
+def _idempotency_key(request: HttpRequest) -> str:
+    key = request.headers.get("Idempotency-Key", "")
+    if len(key) > MAX_KEY_LENGTH:
+        raise bad_request(f"Idempotency-Key must be at most {MAX_KEY_LENGTH} characters.", code="invalid_idempotency_key")
+    return key
+
+
+def _idempotency_conflict() -> JsonResponse:
+    return openai_error(status=409, message="This Idempotency-Key was used with a different request body.",
+                        error_type="invalid_request_error", code="idempotency_key_reused")
+
+
+@csrf_exempt
+@redis_unavailable_is_503
+async def chat_completions(request: HttpRequest) -> JsonResponse:
+    if request.method != "POST":
+        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed")
+    started = time.monotonic()
+    auth = await _authenticate(request)
+    if isinstance(auth, JsonResponse):
+        return auth
+    ctx = auth
+    idem_key = ""
+    try:
+        body = _read_body(request)
+        chat = validate_chat_request(body)
+        _check_chat(ctx, chat)
+        idem_key = _idempotency_key(request)
+    except Rejected as rejected:
+        return await _rejection(ctx, rejected)
+
+    digest = body_digest(body)
+    if idem_key:
+        claim = await idempotency_claim(workload_id=ctx.workload_id, key=idem_key, digest=digest)
+        if claim.state == "pending":
+            claim = await idempotency_wait(workload_id=ctx.workload_id, key=idem_key, digest=digest,
+                                           timeout_s=ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S)
+        if claim.state == "conflict":
+            return _idempotency_conflict()
+        if claim.state == "done":
+            response = JsonResponse(claim.body or {}, status=claim.status)
+            for name, value in (claim.headers or {}).items():
+                response[name] = value
+            response["x-sluice-idempotent-replay"] = "true"
+            return response
+        if claim.state == "pending":
+            return openai_error(status=409, message="A request with this Idempotency-Key is still running.",
+                                error_type="invalid_request_error", code="idempotency_key_in_progress")
+
+    try:
+        dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=request.headers.get("X-Session-Id", "")[:128])
+    except Rejected as rejected:
+        if idem_key:
+            await idempotency_release(workload_id=ctx.workload_id, key=idem_key)
+        return await _rejection(ctx, rejected)
+
+    outcome = dispatched.outcome
+    admission = dispatched.admission
+    headers = {
+        "x-request-id": dispatched.request_id,
+        "x-sluice-lane": dispatched.lane,
+        "x-sluice-borrowed": "true" if admission.borrowed else "false",
+        "x-sluice-max-tokens-applied": str(dispatched.estimate.output_tokens),
+        "x-sluice-estimated-prompt-tokens": str(dispatched.estimate.input_tokens),
+        "x-sluice-queue-ms": str(outcome.queue_wait_ms),
+        "x-sluice-attempts": str(outcome.attempts),
+        **ratelimit_headers(ctx.limits, admission.rate_limits),
+    }
+    if outcome.retry_after_ms is not None:
+        headers["Retry-After"] = str(max(1, -(-outcome.retry_after_ms // 1000)))
+        headers["retry-after-ms"] = str(outcome.retry_after_ms)
+    if idem_key:
+        await idempotency_store(workload_id=ctx.workload_id, key=idem_key, digest=digest, status=outcome.http_status,
+                                body=outcome.body or {}, headers=headers)
+    headers["x-sluice-total-ms"] = str(int((time.monotonic() - started) * 1000))
+    response = JsonResponse(outcome.body or {}, status=outcome.http_status)
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+def _job_fields(body: dict) -> tuple[str, float | None]:
+    callback_url = body.pop("callback_url", None) or ""
+    if callback_url:
+        parsed = urlparse(callback_url) if isinstance(callback_url, str) else None
+        if parsed is None or parsed.scheme not in {"http", "https"} or not parsed.netloc or len(callback_url) > 1000:
+            raise bad_request("'callback_url' must be an http(s) URL.", param="callback_url")
+    deadline = body.pop("deadline_seconds", None)
+    if deadline is not None:
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline <= MAX_JOB_DEADLINE_S:
+            raise bad_request(f"'deadline_seconds' must be a number in (0, {MAX_JOB_DEADLINE_S}].", param="deadline_seconds")
+    return callback_url, deadline
+
+
+@csrf_exempt
+@redis_unavailable_is_503
+async def jobs(request: HttpRequest) -> JsonResponse:
+    """POST /v1/jobs: an async chat completion; 202 with the job and its status URL."""
+    if request.method != "POST":
+        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed")
+    auth = await _authenticate(request)
+    if isinstance(auth, JsonResponse):
+        return auth
+    ctx = auth
+    try:
+        body = _read_body(request)
+        callback_url, deadline = _job_fields(body)
+        chat = validate_chat_request(body)
+        _check_chat(ctx, chat)
+        idem_key = _idempotency_key(request)
+        submitted = await sync_to_async(job_submit, thread_sensitive=False)(
+            ctx=ctx, chat=chat, body=body, callback_url=callback_url, idempotency_key=idem_key, deadline_s=deadline,
+            session_id=request.headers.get("X-Session-Id", "")[:128],
+        )
+    except IdempotencyConflict:
+        return _idempotency_conflict()
+    except Rejected as rejected:
+        return await _rejection(ctx, rejected)
+    job = submitted.job
+    base_url = f"{request.scheme}://{request.get_host()}"
+    view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)
+    if job.status == Job.Status.REJECTED:
+        error = (job.result or {}).get("error", {})
+        return openai_error(status=429, message=error.get("message", "Rejected."), error_type="rate_limit_error",
+                            code=job.reason or "rejected", param="deadline_seconds")
+    response = JsonResponse(view, status=202 if submitted.created else 200)
+    response["Location"] = view["status_url"]
+    if not submitted.created:
+        response["x-sluice-idempotent-replay"] = "true"
+    return response
+
+
+async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
+    auth = await _authenticate(request)
+    if isinstance(auth, JsonResponse):
+        return auth
+    def load():
+        # A job is visible to keys of its own workload only.
+        job = Job.objects.select_related("workload").filter(pk=job_id, workload_id=auth.workload_id).first()
+        return job_view(job, base_url=f"{request.scheme}://{request.get_host()}") if job else None
+
+    view = await sync_to_async(load, thread_sensitive=False)()
+    if view is None:
+        return openai_error(status=404, message="No such job.", error_type="invalid_request_error", code="job_not_found")
+    return JsonResponse(view)
+
+
+async def models(request: HttpRequest) -> JsonResponse:
+    auth = await _authenticate(request)
+    if isinstance(auth, JsonResponse):
+        return auth
+    return JsonResponse({
+        "object": "list",
+        "data": [{"id": m, "object": "model", "created": 0, "owned_by": "sluice"} for m in auth.served_models],
+    })
+
+
+@require_GET
+async def healthz(request: HttpRequest) -> JsonResponse:
+    report = await health_report()
+    return JsonResponse(report, status=200 if report["status"] == "ok" else 503)
+
+
+def pool_metrics(request: HttpRequest, pool_id: int) -> JsonResponse:
+    """Little's law and capacity numbers of one pool, for platform admins."""
+    if not (request.user.is_authenticated and request.user.is_staff):
+        return JsonResponse({"detail": "Platform admins only."}, status=403 if request.user.is_authenticated else 401)
+    if not InferencePool.objects.filter(pk=pool_id).exists():
+        return JsonResponse({"detail": "Not found."}, status=404)
+    return JsonResponse(pool_live_metrics(pool_id=pool_id))

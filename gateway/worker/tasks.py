@@ -1,0 +1,75 @@
+"""The worker side's Celery tasks. Thin: each takes ids and calls one
+function. Names are stable (the web side enqueues by name, beat schedules
+name them), whatever module the code lives in."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from celery import shared_task
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, close_old_connections
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from budgets.errors import BudgetUnavailable
+from budgets.models import InferencePool
+from gateway.core.enqueue import EXECUTE_REQUEST_TASK
+from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
+from gateway.core.schedules import schedule_run
+from gateway.worker.execution import leases_reap, request_execute
+
+logger = logging.getLogger(__name__)
+
+# Redis away: the request's record, its buckets and (with the Redis broker)
+# the queue itself are there. Celery's own retry would have to publish a new
+# message to that same Redis, and a publish that fails drops the message; so
+# the task waits for Redis itself, holding its unacknowledged message (a
+# worker that dies meanwhile has it redelivered).
+REDIS_AWAY = (BudgetUnavailable, RedisConnectionError, RedisTimeoutError)
+REDIS_WAIT_FIRST_S = 0.25
+REDIS_WAIT_MAX_S = 5.0
+
+
+@shared_task(
+    name=EXECUTE_REQUEST_TASK,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    # PostgreSQL restarting must not lose an accepted request: every step of
+    # request_execute is idempotent, so run it again (the pool is not called
+    # twice: its answer is kept in Redis). Short, capped backoff. Redis
+    # restarting or hanging is waited out in the task (below).
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+    max_retries=40,
+)
+def execute_request(request_id: str) -> str:
+    """Run one admitted request (the record lives in Redis, keyed by id)."""
+    close_old_connections()  # a connection broken by a database restart is replaced
+    give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
+    answered: dict = {}
+    wait_s = REDIS_WAIT_FIRST_S
+    while True:
+        try:
+            return request_execute(request_id=request_id, answered=answered)
+        except REDIS_AWAY as exc:
+            if time.monotonic() + wait_s > give_up_at:
+                raise
+            logger.warning("request %s: Redis unavailable (%s); trying again in %.2fs", request_id, exc, wait_s)
+            time.sleep(wait_s)
+            wait_s = min(REDIS_WAIT_MAX_S, wait_s * 2)
+
+
+@shared_task(name="gateway.reap_leases", ignore_result=True)
+def reap_leases() -> int:
+    return leases_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+
+
+@shared_task(name=RUN_SCHEDULE_TASK, ignore_result=True)
+def run_schedule(schedule_id: int) -> int:
+    return len(schedule_run(schedule_id=schedule_id))
