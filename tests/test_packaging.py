@@ -163,9 +163,13 @@ def installed(tmp_path_factory) -> Path:
     # maps our packages onto a source tree, are not executed, and the source
     # tree itself is left out, so only the wheel's copy is importable.
     venv_site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    # (The project's .venv may sit inside the checkout: a site-packages
+    # directory is kept wherever it is; any other path inside the checkout,
+    # the checkout itself above all, is not.)
     dependency_dirs = dict.fromkeys(
         entry for entry in sys.path
-        if entry and Path(entry).is_dir() and not Path(entry).resolve().is_relative_to(REPO_ROOT)
+        if entry and Path(entry).is_dir()
+        and (Path(entry).name == "site-packages" or not Path(entry).resolve().is_relative_to(REPO_ROOT))
     )
     Path(venv_site, "sluice-test-dependencies.pth").write_text("".join(f"{d}\n" for d in dependency_dirs))
     return python

@@ -11,7 +11,7 @@ import threading
 
 from django.db import close_old_connections
 
-from budgets.admission.redis_client import get_redis
+from budgets.admission.redis_client import get_redis, redis_now_ms
 
 from gateway.core import keys
 from gateway.core.jobs import job_release
@@ -25,8 +25,7 @@ BATCH = 100
 def pacer_step() -> int:
     """Release every job due now; returns how many this pacer released."""
     client = get_redis()
-    seconds, micros = client.time()
-    now_ms = seconds * 1000 + micros / 1000
+    now_ms = redis_now_ms(client)
     due = client.zrangebyscore(keys.DELAYED_JOBS, "-inf", now_ms, start=0, num=BATCH)
     released = 0
     for job_id in due:
@@ -46,8 +45,7 @@ def pacer_sleep_s() -> float:
     head = client.zrange(keys.DELAYED_JOBS, 0, 0, withscores=True)
     if not head:
         return MAX_SLEEP_S
-    seconds, micros = client.time()
-    wait = (head[0][1] - (seconds * 1000 + micros / 1000)) / 1000
+    wait = (head[0][1] - redis_now_ms(client)) / 1000
     return min(MAX_SLEEP_S, max(0.001, wait))
 
 
