@@ -235,7 +235,7 @@ def time_scaled_env(factor: float) -> dict[str, str]:
     running ``factor`` times faster, the same policy in simulated time needs
     its rates multiplied and its durations divided by ``factor``; otherwise
     a 2 s cooldown would last 2 x factor simulated seconds. Defaults are the
-    gateway's own (budgets/capacity.py, gateway/retry.py)."""
+    gateway's own (budgets/admission/capacity.py, gateway/worker/retry.py)."""
     def env(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
 

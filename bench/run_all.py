@@ -156,7 +156,7 @@ windows stay at or under the ceiling. Closing the p99 gap would take pacing batc
 (e.g. spreading them with the scheduled lane's leaky bucket) or a per-step prefill budget on the
 pool side (chunked prefill).""",
     "brownout": """**Reading it.** The simulated provider counts TPM over a sliding 60 s window, as hosted
-providers do (BACKGROUND.md). When its limit halves, the window already holds the last minute's
+providers do (OpenAI documents per-minute limits). When its limit halves, the window already holds the last minute's
 traffic at the old rate, so the provider refuses *every* call until enough of it slides out:
 at 80% of the old limit that is at least (0.8 - 0.5) / 0.8 x 60 = 22.5 s, whatever the gateway
 does from the first 429 on. That drain is the 25 s burst of 429s in the plot, and the chat

@@ -1,6 +1,6 @@
 """Who calls the pool: tenants, their members, their workloads and keys.
 
-This app knows nothing of budgets or the request path (DESIGN.md, Layout)."""
+This app knows nothing of budgets or the request path (docs/architecture.md, "Dependencies point one way")."""
 
 from __future__ import annotations
 

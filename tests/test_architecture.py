@@ -14,6 +14,8 @@ docs/architecture.md draws the same picture."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,21 @@ def test_the_checker_finds_a_forbidden_import(tmp_path):
     (tmp_path / "gateway" / "core" / "keys.py").write_text("")
     graph = import_graph(tmp_path, packages=("budgets", "gateway"))
     assert forbidden_imports(graph) == ["budgets imports gateway.core.keys"]
+
+
+def test_comments_cite_documents_that_are_in_the_repository():
+    """A comment pointing at a design note the reader cannot open is a dead
+    end: every ``*.md`` (or ``path/*.py``/``*.lua``) a source file names exists."""
+    cited = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.(?:md|lua)|(?:[\w-]+/)+[\w-]+\.py)\b")
+    missing = []
+    for package in (*PACKAGES, "bench"):
+        for path in (ROOT / package).rglob("*"):
+            if path.suffix not in {".py", ".lua", ".html"} or "__pycache__" in path.parts:
+                continue
+            for name in cited.findall(path.read_text()):
+                top = name.split("/")[0]
+                if "/" in name and top not in PACKAGES and importlib.util.find_spec(top) is not None:
+                    continue  # a file of an installed library (tiktoken_ext/openai_public.py)
+                if not (ROOT / name).exists() and not (path.parent / name).exists():
+                    missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert missing == []

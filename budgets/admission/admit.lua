@@ -1,6 +1,6 @@
 -- Admission: check and debit every bucket a request touches, atomically.
 --
--- Buckets (DESIGN.md "Admission"), per dimension d in {tok, req}:
+-- Buckets (docs/architecture.md, "Admission: the buckets"), per dimension d in {tok, req}:
 --   P.d        the pool, refilling at headroom x provider limit
 --   <w>.Q.d    workload w's protected (unlent) reservation
 --   <w>.E.d    workload w's ceiling

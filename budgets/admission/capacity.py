@@ -1,4 +1,4 @@
-"""The pool's adaptive admission rate (DESIGN.md, "Capacity that moves"):
+"""The pool's adaptive admission rate (docs/architecture.md, "Capacity that moves, and retries"):
 multiplicative decrease on upstream 429s and sustained latency growth,
 additive recovery while calls succeed, upstream Retry-After kept as a floor.
 State lives in Redis (``capacity.lua``) so every worker and web process acts

@@ -1,7 +1,7 @@
 """Rejections counted in Redis per minute, flushed to the database in batches.
 
-A storm of 429s must not become a storm of database writes (DESIGN.md,
-Ledger). The gateway's rejection path runs ``rejection_count_call`` (its web
+A storm of 429s must not become a storm of database writes (docs/architecture.md,
+"Ledger"). The gateway's rejection path runs ``rejection_count_call`` (its web
 views with ``await .run_async()``, others through ``rejection_count``): one Lua call that increments the minute's counter for the workload and
 reason, and keeps the first few rejections of each minute as detailed
 samples. A beat task (``budgets.flush_rejections``) moves closed minutes into

@@ -170,7 +170,7 @@ class UsageRecordQuerySet(models.QuerySet):
 
 
 class UsageRecord(models.Model):
-    """One append-only ledger row per request (DESIGN.md, Ledger)."""
+    """One append-only ledger row per request (docs/architecture.md, "Ledger")."""
 
     class Status(models.TextChoices):
         OK = "ok", "Completed"

@@ -1,5 +1,5 @@
-"""Asynchronous jobs: delay, don't reject (BACKGROUND.md, "Admission at the
-door"). A job over budget waits in a Redis sorted set keyed by its release
+"""Asynchronous jobs: delay, don't reject (docs/architecture.md, "Lanes").
+A job over budget waits in a Redis sorted set keyed by its release
 time; the pacer (``manage.py run_pacer``) moves due jobs onto their lane.
 Scheduled workloads' jobs always go through a leaky bucket at the workload's
 reserved rate. Never Celery ETA/countdown: with the Redis broker a task held

@@ -1,6 +1,6 @@
-"""The worker's retry policy (docs/architecture.md, "Retries"): a per-call
-attempt cap, full jitter over the whole backoff window, upstream Retry-After
-as a floor, a per-session retry budget and a pool-wide retry ratio cap.
+"""The worker's retry policy (docs/architecture.md, "Capacity that moves,
+and retries"): a per-call attempt cap, full jitter over the whole backoff
+window, upstream Retry-After as a floor, a per-session retry budget and a pool-wide retry ratio cap.
 Retries happen here only: the SDK's own retries are off, and clients get a
 Retry-After instead of a silent re-send."""
 

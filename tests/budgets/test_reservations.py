@@ -1,4 +1,4 @@
-"""Reservations, lending and ceilings under concurrent load (DESIGN.md I2-I4),
+"""Reservations, lending and ceilings under concurrent load (docs/architecture.md: I2-I4),
 with the layout a platform team would start with: chat 60% of the pool
 reserved and lending half of it, a summarizer 30% reserved with a 50%
 ceiling, a nightly enrichment 10%, scheduled."""
