@@ -50,7 +50,7 @@ class Timeline:
 FULL = Timeline(outage_start=60.0, outage_end=120.0, total=200.0)
 # A smoke test's size (--quick): a shorter outage with less before and after
 # it; its numbers say the scenario runs, not how it comes out.
-QUICK = Timeline(outage_start=20.0, outage_end=40.0, total=60.0)
+QUICK = Timeline(outage_start=15.0, outage_end=30.0, total=45.0)
 
 
 @dataclass
