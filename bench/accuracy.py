@@ -60,7 +60,7 @@ async def _hammer(base: str, key: str, duration: float, seed: int) -> dict:
 def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
     own = services is None
     services = services or Services().up()
-    duration = 25.0 if quick else 100.0
+    duration = 8.0 if quick else 100.0
     try:
         services.fresh_redis()
         with Platform(services, NAME) as platform:

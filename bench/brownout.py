@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import dataclass
 
 from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, run_standalone, write_result
 from bench.http import HttpClient
@@ -35,9 +36,26 @@ SCALE = TimeScale(4.0)
 POOL_TPM, POOL_RPM = 100_000, 3_000
 CHAT = dict(reserved_tpm=30_000, ceiling_tpm=30_000, rpm=900)
 BATCH = dict(reserved_tpm=20_000, ceiling_tpm=80_000, rpm=900)
-BROWNOUT_START, BROWNOUT_END = 60.0, 150.0
-SCHEDULE = [{"at_s": BROWNOUT_START, "tpm": POOL_TPM // 2, "rpm": POOL_RPM // 2, "capacity_factor": 0.5},
-            {"at_s": BROWNOUT_END, "tpm": POOL_TPM, "rpm": POOL_RPM, "capacity_factor": 1.0}]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The brownout's start and end and the run's length, simulated seconds."""
+    start: float
+    end: float
+    total: float
+
+    @property
+    def schedule(self) -> list[dict]:
+        """The simulator's --schedule: limits and engine speed halve, then return."""
+        return [{"at_s": self.start, "tpm": POOL_TPM // 2, "rpm": POOL_RPM // 2, "capacity_factor": 0.5},
+                {"at_s": self.end, "tpm": POOL_TPM, "rpm": POOL_RPM, "capacity_factor": 1.0}]
+
+
+FULL = Timeline(start=60.0, end=150.0, total=240.0)
+# A smoke test's size (--quick): the brownout starts before the provider's 60 s
+# window is full, so its numbers say the scenario runs, not how it comes out.
+QUICK = Timeline(start=25.0, end=50.0, total=75.0)
 SIM_ARGS = ["--slots", "64", "--kv-cache-tokens", "131072", "--tpm", str(POOL_TPM), "--rpm", str(POOL_RPM)]
 DOC_PROMPT, DOC_MAX = 1_000, 300
 BIN_S = 5.0
@@ -46,7 +64,7 @@ BIN_S = 5.0
 def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
     own = services is None
     services = services or Services().up()
-    total_sim = 200.0 if quick else 240.0
+    timeline = QUICK if quick else FULL
     chat_est = 20 + 64
     chat_rate = CHAT["reserved_tpm"] / chat_est / 60  # full reservation, requests per simulated second
     batch_rate = 1.5 * BATCH["ceiling_tpm"] / (DOC_PROMPT + 30 + DOC_MAX) / 60
@@ -54,7 +72,7 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
         services.fresh_redis()
         with Platform(services, NAME) as platform:
             platform.start_sim(["--time-scale", str(SCALE.factor), "--seed", str(seed), *SIM_ARGS,
-                                "--schedule", json.dumps(SCHEDULE)])
+                                "--schedule", json.dumps(timeline.schedule)])
             pool = scaled_pool(scale=SCALE, slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1",
                                provider_tpm=POOL_TPM, provider_rpm=POOL_RPM)
             chat = scaled_workload(scale=SCALE, pool=pool, slug=f"{NAME}-chat", workload_class="interactive",
@@ -67,14 +85,14 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
             platform.start_sluice(lanes={"interactive": 24, "interactive-long": 2, "batch": 24, "scheduled": 1},
                                   extra_env=time_scaled_env(SCALE.factor))
             log(f"{NAME}: chat {chat_rate:.2f} req/s sim (its reservation), batch offers {batch_rate:.2f} req/s sim; "
-                f"capacity halves at {BROWNOUT_START:.0f}-{BROWNOUT_END:.0f} s of {total_sim:.0f} s sim")
+                f"capacity halves at {timeline.start:.0f}-{timeline.end:.0f} s of {timeline.total:.0f} s sim")
             result = asyncio.run(_drive(platform, services, pool.id, chat, batch, seed, chat_rate, batch_rate,
-                                        total_sim))
+                                        timeline.total))
             platform.assert_alive()
     finally:
         if own:
             services.down()
-    data = _analyse(result, seed, quick, total_sim, chat_rate, batch_rate, chat_est)
+    data = _analyse(result, seed, quick, timeline, chat_rate, batch_rate, chat_est)
     write_result(NAME, data)
     return data
 
@@ -131,8 +149,9 @@ def _bins(calls: list[Call], total_sim: float, value) -> list[float]:
     return out
 
 
-def _analyse(result, seed, quick, total_sim, chat_rate, batch_rate, chat_est) -> dict:
+def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, chat_est) -> dict:
     f = SCALE.factor
+    brownout_start, brownout_end, total_sim = timeline.start, timeline.end, timeline.total
     chat_calls, batch_calls = result["chat"], result["batch"]
     upstream_429 = lambda c: 1.0 if c.code == "upstream_rate_limited" or (c.status == 429 and c.code not in (  # noqa: E731
         "workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_saturated")) else 0.0
@@ -164,29 +183,29 @@ def _analyse(result, seed, quick, total_sim, chat_rate, batch_rate, chat_est) ->
         prev = s["sim_429"]
     bins["sim_429"] = sim_429
     all_429_times = sorted([c.start * f for c in chat_calls + batch_calls if upstream_429(c)])
-    in_brownout = [t for t in all_429_times if BROWNOUT_START <= t < BROWNOUT_END]
-    before = [t for t in all_429_times if t < BROWNOUT_START]
-    after = [t for t in all_429_times if t >= BROWNOUT_END]
-    time_to_adapt = (in_brownout[-1] - BROWNOUT_START) if in_brownout else 0.0
-    adapted = bool(in_brownout) and in_brownout[-1] < BROWNOUT_END - 2 * BIN_S
+    in_brownout = [t for t in all_429_times if brownout_start <= t < brownout_end]
+    before = [t for t in all_429_times if t < brownout_start]
+    after = [t for t in all_429_times if t >= brownout_end]
+    time_to_adapt = (in_brownout[-1] - brownout_start) if in_brownout else 0.0
+    adapted = bool(in_brownout) and in_brownout[-1] < brownout_end - 2 * BIN_S
 
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
     idx = lambda lo, hi: [i for i, t in enumerate(bins["t"]) if lo <= t and t + BIN_S <= hi]  # noqa: E731
-    pre = idx(20, BROWNOUT_START)
-    during = idx(BROWNOUT_START, BROWNOUT_END)
+    pre = idx(20, brownout_start)
+    during = idx(brownout_start, brownout_end)
     total = [a + b for a, b in zip(bins["chat_goodput_tpm"], bins["batch_goodput_tpm"])]
     pre_total = mean([total[i] for i in pre])
     # Recovered: from the first bin after the brownout from which every full
     # bin's total goodput is >= 90% of the pre-brownout mean. None: not by the end.
     # Poisson arrivals make single 5 s bins noisy: judge a 15 s moving average.
     smooth = [sum(total[max(0, i - 2):i + 1]) / len(total[max(0, i - 2):i + 1]) for i in range(len(total))]
-    after_bins = [i for i, t in enumerate(bins["t"]) if t >= BROWNOUT_END + 2 * BIN_S and t + BIN_S <= total_sim]
+    after_bins = [i for i, t in enumerate(bins["t"]) if t >= brownout_end + 2 * BIN_S and t + BIN_S <= total_sim]
     recover_at = None
     for k, i in enumerate(after_bins):
         if pre_total and all(smooth[j] >= 0.9 * pre_total for j in after_bins[k:]):
-            recover_at = bins["t"][i] + BIN_S - BROWNOUT_END
+            recover_at = bins["t"][i] + BIN_S - brownout_end
             break
     chat_during = [bins["chat_goodput_tpm"][i] for i in during]
     chat_ok_during = sum(bins["chat_ok"][i] for i in during)
@@ -201,11 +220,12 @@ def _analyse(result, seed, quick, total_sim, chat_rate, batch_rate, chat_est) ->
         batch_codes[key] = batch_codes.get(key, 0) + 1
     cap = [(s["t"] * f, s.get("capacity_factor", 1.0)) for s in samples]
     return {
-        "scenario": NAME, "seed": seed, "quick": quick, "time_scale": f, "sim_args": SIM_ARGS, "schedule": SCHEDULE,
+        "scenario": NAME, "seed": seed, "quick": quick, "time_scale": f, "sim_args": SIM_ARGS,
+        "schedule": timeline.schedule,
         "clock": "simulated seconds; goodput in estimated tokens per simulated minute",
         "pool": {"tpm": POOL_TPM, "rpm": POOL_RPM}, "chat_cfg": CHAT, "batch_cfg": BATCH,
         "chat_rate_per_sim_s": chat_rate, "batch_offered_per_sim_s": batch_rate, "chat_estimate_tokens": chat_est,
-        "brownout": [BROWNOUT_START, BROWNOUT_END], "total_sim_s": total_sim, "bin_s": BIN_S, "bins": bins,
+        "brownout": [brownout_start, brownout_end], "total_sim_s": total_sim, "bin_s": BIN_S, "bins": bins,
         "upstream_429": {"before": len(before), "during": len(in_brownout), "after": len(after),
                          "sim_counter_total": samples[-1]["sim_429"] if samples else None},
         "time_to_adapt_s": time_to_adapt, "adapted": adapted,

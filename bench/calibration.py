@@ -86,7 +86,7 @@ async def _http_level(base: str, concurrency: int, duration_real: float) -> dict
 
 
 def _http(services: Services, seed: int, quick: bool) -> list[dict]:
-    duration = 3.0 if quick else 6.0
+    duration = 1.5 if quick else 6.0
     with Platform(services, NAME) as platform:
         platform.start_sim(["--time-scale", str(HTTP_SCALE.factor), "--seed", str(seed)])
         measured = [asyncio.run(_http_level(platform.sim_url, c, duration)) for c in HTTP_LEVELS]

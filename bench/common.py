@@ -19,6 +19,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 OUT_DIR = BENCH_DIR / "out"
 PLOTS_DIR = BENCH_DIR / "plots"
+# A quick run is a smoke test, its numbers are not results: its report and
+# plots go here, never over the committed bench/RESULTS.md and bench/plots/.
+QUICK_DIR = OUT_DIR / "quick"
 
 _T0 = time.monotonic()
 # wait_http polls with httpx, which logs every request at INFO.
@@ -103,6 +106,13 @@ def git_revision() -> str:
         return "unknown"
 
 
+def report_paths(*, quick: bool) -> tuple[Path, Path]:
+    """Where a run's RESULTS.md and plots go (see QUICK_DIR)."""
+    if quick:
+        return QUICK_DIR / "RESULTS.md", QUICK_DIR / "plots"
+    return BENCH_DIR / "RESULTS.md", PLOTS_DIR
+
+
 def scenario_args(description: str, argv: Iterable[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seed", type=int, default=1, help="seed of every random choice of the scenario")
@@ -136,7 +146,8 @@ def run_standalone(name: str, main, summarize, plot, description: str) -> None:
     section and draw its plots."""
     args = scenario_args(description)
     data = main(seed=args.seed, quick=args.quick)
-    PLOTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot(data, PLOTS_DIR)
+    _, plots_dir = report_paths(quick=args.quick)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    plot(data, plots_dir)
     print(summarize(data))
     sys.stdout.flush()

@@ -137,7 +137,7 @@ def _codes(calls: list[dict]) -> dict[str, int]:
 def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
     own = services is None
     services = services or Services().up()
-    duration_sim = 90.0 if quick else 300.0
+    duration_sim = 30.0 if quick else 300.0
     runs = {}
     try:
         for system in SYSTEMS:

