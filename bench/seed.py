@@ -39,6 +39,7 @@ def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, 
                     lend_fraction: float = 0.0, prompt_tokens_cap: int = 8_000, max_tokens_cap: int = 1_024,
                     max_tokens_default: int = 256, queue_timeout_s: float = 10.0, max_concurrency: int = 0) -> Seeded:
     from budgets.models import Reservation
+    from budgets.services.reservations import reservation_save
     from tenants.models import Tenant, Workload
     from tenants.services import api_key_create
 
@@ -51,8 +52,7 @@ def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, 
     workload.save()
     reservation = Reservation(workload=workload, pool=pool, reserved_tpm=reserved_tpm, ceiling_tpm=ceiling_tpm,
                               lend_fraction=lend_fraction, rpm=rpm, max_concurrency=max_concurrency)
-    reservation.full_clean()
-    reservation.save()
+    reservation_save(reservation=reservation)
     key = api_key_create(workload=workload, name="bench")
     return Seeded(workload_id=workload.id, slug=slug, api_key=key.raw_key, reserved_tpm=reserved_tpm,
                   ceiling_tpm=ceiling_tpm, rpm=rpm)

@@ -1,18 +1,67 @@
+from django import forms
 from django.contrib import admin
 
 from budgets.models import InferencePool, ModelPrice, Reservation, UsageRecord
+from budgets.services.reservations import pool_lock, pool_save, reservation_delete, reservation_save, reservations_delete
+
+# Pools and reservations change here only through budgets/services/reservations.py,
+# under the pool's row lock, like an approval on the review page. The admin
+# runs a POST in one transaction, so the lock its form takes before the model
+# validation (the pool's headroom: Reservation.clean, InferencePool.clean)
+# is held until the row is saved: a second admin, an approval or the API on
+# the same pool waits, then validates against what this one saved.
+
+
+class InferencePoolAdminForm(forms.ModelForm):
+    class Meta:
+        model = InferencePool
+        fields = "__all__"
+
+    def clean(self):
+        cleaned = super().clean()
+        if self.instance.pk:
+            pool_lock(pool_id=self.instance.pk)
+        return cleaned
 
 
 @admin.register(InferencePool)
 class InferencePoolAdmin(admin.ModelAdmin):
+    form = InferencePoolAdminForm
     list_display = ("slug", "base_url", "provider_tpm", "provider_rpm", "headroom", "burst_seconds", "max_concurrency", "is_active")
     prepopulated_fields = {"slug": ("name",)}
+
+    def save_model(self, request, obj, form, change):
+        pool_save(pool=obj)
+
+
+class ReservationAdminForm(forms.ModelForm):
+    class Meta:
+        model = Reservation
+        fields = "__all__"
+
+    def clean(self):
+        cleaned = super().clean()
+        pool = cleaned.get("pool")
+        if pool is not None:
+            # Validate against the pool as committed now, and keep it locked until the save.
+            cleaned["pool"] = pool_lock(pool_id=pool.pk)
+        return cleaned
 
 
 @admin.register(Reservation)
 class ReservationAdmin(admin.ModelAdmin):
+    form = ReservationAdminForm
     list_display = ("workload", "pool", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency")
     list_filter = ("pool",)
+
+    def save_model(self, request, obj, form, change):
+        reservation_save(reservation=obj)
+
+    def delete_model(self, request, obj):
+        reservation_delete(reservation=obj)
+
+    def delete_queryset(self, request, queryset):
+        reservations_delete(reservations=list(queryset))
 
 
 @admin.register(ModelPrice)

@@ -1,13 +1,17 @@
 """Bucket config follows model edits within moments (admin, API, services):
 the only thing these receivers do is schedule a push after commit. A spend
-budget's hard cap is part of its pools' admission config too."""
+budget's hard cap goes to its tenant's spend keys (the tenant's, not a
+pool's: a tenant spends on several pools)."""
 
 from __future__ import annotations
 
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
+from tenants.models import Workload
+
 from budgets.admission.pool_config import pool_config_push_on_commit
+from budgets.ledger.spend import spend_tenant_sync_on_commit
 from budgets.models import InferencePool, Reservation, SpendBudget
 
 
@@ -23,9 +27,7 @@ def _reservation_changed(sender, instance: Reservation, **kwargs) -> None:
 
 @receiver([post_save, post_delete], sender=SpendBudget)
 def _spend_budget_changed(sender, instance: SpendBudget, **kwargs) -> None:
-    if instance.workload_id:
-        reservations = Reservation.objects.filter(workload_id=instance.workload_id)
-    else:
-        reservations = Reservation.objects.filter(workload__tenant_id=instance.tenant_id)
-    for pool_id in set(reservations.values_list("pool_id", flat=True)):
-        pool_config_push_on_commit(pool_id=pool_id)
+    tenant_id = instance.tenant_id or Workload.objects.filter(pk=instance.workload_id).values_list(
+        "tenant_id", flat=True).first()
+    if tenant_id:
+        spend_tenant_sync_on_commit(tenant_id=tenant_id)

@@ -11,11 +11,11 @@
 --
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
---       8 capacity hash (adaptive factor of the pool, shed scale per workload),
---       9 month-to-date spend hash ('' when the request has no price)
+--       8 capacity hash (adaptive factor of the pool, shed scale per workload)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
---       5 lease ttl (ms), 6 estimated cost (micro-units), 7 tenant id,
---       8 end of the spend month (ms)
+--       5 lease ttl (ms)
+-- Spend caps are not checked here: a tenant's month-to-date spans its pools
+-- and lives under the tenant's hash tag (spend_hold.lua runs first).
 -- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms} admitted
 --         {2, borrowed, ...}                                          already admitted
 --         {0, reason, wait_ms, e_tok, e_req, e_tok_full_ms, e_req_full_ms} rejected
@@ -200,21 +200,6 @@ local e_req_full = time_to_full(wid .. '.E.req', e_req)
 if e_tok_full == INF then e_tok_full = -1 end
 if e_req_full == INF then e_req_full = -1 end
 
--- Spend budgets: a hard cap on month-to-date spend (estimated at admission,
--- corrected at settlement) for the tenant and for the workload.
-local cost = tonumber(ARGV[6]) or 0
-local spend_fields = {}
-if KEYS[9] ~= '' and cost > 0 then
-  spend_fields = {'T' .. ARGV[7], wid}
-  for _, field in ipairs(spend_fields) do
-    local spend_cap = cfg[field .. '.spend.cap']
-    if spend_cap ~= nil then
-      local spent = tonumber(redis.call('HGET', KEYS[9], field)) or 0
-      if spent + cost > spend_cap then fail('spend_budget', math.max(1, tonumber(ARGV[8]) - now)) end
-    end
-  end
-end
-
 if reason == nil then
   -- Upstream Retry-After is a floor: until it passes, loans and sheddable
   -- classes (batch, scheduled) wait; protected interactive work still flows.
@@ -269,11 +254,6 @@ redis.call('ZADD', KEYS[5], expires, ARGV[2])
 redis.call('HINCRBY', KEYS[7], wid .. '.debited_tok', k_tok)
 redis.call('HINCRBY', KEYS[7], 'P.debited_tok', k_tok)
 redis.call('HINCRBY', KEYS[7], wid .. '.admitted_req', 1)
-if #spend_fields > 0 then
-  for _, field in ipairs(spend_fields) do redis.call('HINCRBY', KEYS[9], field, string.format('%d', cost)) end
-  redis.call('PEXPIRE', KEYS[9], 70 * 86400 * 1000)
-  redis.call('HSET', KEYS[6], 'cost', string.format('%d', cost), 'tid', ARGV[7])
-end
 
 local function full_ms(name)
   local ms = time_to_full(name, levels[name])

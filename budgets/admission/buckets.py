@@ -44,6 +44,9 @@ class Admission:
     borrowed: bool
     rate_limits: RateLimitSnapshot
     admitted_ms: float  # Redis's clock: deadlines are measured on it too
+    # YYYY-MM of the tenant's month-to-date its estimated cost is held against
+    # ('' when it has no price): settlement corrects that month (spend_holds.py).
+    spend_month: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,21 +56,10 @@ class Settlement:
     borrowed: bool = False
 
 
-@dataclass(frozen=True)
-class SpendCharge:
-    """What a request is expected to cost, for the month-to-date spend caps."""
-
-    tenant_id: int
-    cost_micro: int  # currency x 1,000,000
-    month_key: str  # budgets.ledger.pricing.spend_month of the admission's month
-    month_end_ms: float
-
-
-NO_SPEND = SpendCharge(tenant_id=0, cost_micro=0, month_key="", month_end_ms=0)
-
-
 class NotConfigured(Exception):
-    """The pool's bucket config is missing from Redis (fresh or flushed)."""
+    """What a script needs is missing from Redis (fresh, flushed, a new month):
+    the pool's bucket config, or a tenant's spend caps or month-to-date. The
+    caller rebuilds it from the database and calls again."""
 
 
 def _snapshot(raw, first: int) -> RateLimitSnapshot:
@@ -81,9 +73,10 @@ def _snapshot(raw, first: int) -> RateLimitSnapshot:
 
 
 def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int,
-               lease_ttl_ms: int, spend: SpendCharge = NO_SPEND) -> ScriptCall[Admission]:
+               lease_ttl_ms: int) -> ScriptCall[Admission]:
     """Admit or raise Rejected (NotConfigured when Redis lost the pool's
-    config); one atomic Redis round trip."""
+    config); one atomic Redis round trip. Spend caps are a separate step on
+    the tenant's keys (spend_holds.py)."""
 
     def parse(raw) -> Admission:
         status = int(raw[0])
@@ -117,10 +110,8 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
             keys.lease(pool_id, request_id),
             keys.pool_counters(pool_id),
             keys.pool_capacity(pool_id),
-            spend.month_key if spend.cost_micro > 0 else "",
         ],
-        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend.cost_micro, spend.tenant_id,
-              spend.month_end_ms],
+        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms],
         parse=parse,
     )
 
@@ -132,11 +123,10 @@ def _settlement(raw) -> Settlement:
 
 
 def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input_tokens: int,
-                actual_output_tokens: int, pool_called: bool = True, actual_cost_micro: int = 0,
-                spend_month_key: str = "") -> ScriptCall[Settlement]:
-    """Refund or charge the estimate's difference from actual usage (tokens and
-    spend) and release the lease. Safe to run again: the second run changes
-    nothing."""
+                actual_output_tokens: int, pool_called: bool = True) -> ScriptCall[Settlement]:
+    """Refund or charge the estimate's difference from actual usage and
+    release the lease. Safe to run again: the second run changes nothing.
+    (Spend: spend_holds.spend_settle_call.)"""
     return ScriptCall(
         script=SETTLE,
         keys=[
@@ -147,9 +137,8 @@ def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input
             keys.lease(pool_id, request_id),
             keys.pool_counters(pool_id),
             keys.pool_capacity(pool_id),
-            spend_month_key,
         ],
-        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro],
+        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1],
         parse=_settlement,
     )
 

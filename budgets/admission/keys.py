@@ -1,6 +1,8 @@
 """The Redis key schema, in one place. Everything one admission or settlement
 script touches carries the pool's hash tag ``{pool:<id>}`` so Redis Cluster
-keeps it on one shard."""
+keeps it on one shard; a tenant's month-to-date spend carries the tenant's own
+tag ``{tenant:<id>}`` (a tenant spends on several pools), and no script
+touches both (budgets/admission/spend_holds.py)."""
 
 from __future__ import annotations
 
@@ -69,9 +71,30 @@ def rejection_pending_minutes(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:rej:pending"
 
 
-# --- spend (budgets.ledger.spend) --------------------------------------------------------
+# --- spend (budgets.admission.spend_holds, budgets.ledger.spend) ------------------------
 
 
-def spend_month(pool_id: int, year_month: str) -> str:
-    """Hash: month-to-date spend in micro-units, fields "T<tenant id>" and "<workload id>"."""
-    return f"{pool_tag(pool_id)}:spend:{year_month}"
+def tenant_tag(tenant_id: int) -> str:
+    """The prefix of every key of one tenant's spend: ``{tenant:<id>}`` is its
+    Redis Cluster hash tag, so the spend scripts stay on one shard."""
+    return f"sluice:{{tenant:{tenant_id}}}"
+
+
+def tenant_spend_month(tenant_id: int, year_month: str) -> str:
+    """Hash: the tenant's month-to-date spend over every pool in micro-units,
+    in-flight estimates included: field "T<tenant id>" (the tenant) and one
+    field "<workload id>" per workload of the tenant."""
+    return f"{tenant_tag(tenant_id)}:spend:{year_month}"
+
+
+def tenant_spend_caps(tenant_id: int) -> str:
+    """Hash: hard caps in micro-units, "T<tenant id>" and "<workload id>", and
+    "pushed" (present even without caps: a missing hash means Redis lost it)."""
+    return f"{tenant_tag(tenant_id)}:spend:caps"
+
+
+def tenant_spend_holds(tenant_id: int) -> str:
+    """Hash: request id -> "<workload id>|<micro>|<YYYY-MM>|<expires ms>|<e or s>":
+    a request's estimated cost held at admission (e), or its actual cost once
+    settled (s) until the ledger row that reconciliation reads is confirmed."""
+    return f"{tenant_tag(tenant_id)}:spend:holds"

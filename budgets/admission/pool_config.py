@@ -9,7 +9,6 @@ from django.db import transaction
 from budgets.admission import keys
 from budgets.admission.bucket_config import pool_bucket_fields
 from budgets.admission.capacity import capacity_signal
-from budgets.ledger.spend import spend_caps_for_pool
 from budgets.models import InferencePool, Reservation
 from budgets.admission.redis_client import get_redis
 
@@ -22,8 +21,6 @@ def pool_config_push(*, pool: InferencePool) -> None:
     Bucket levels are kept: a rate change applies from now on."""
     reservations = list(Reservation.objects.filter(pool=pool).select_related("workload")) if pool.is_active else []
     fields = pool_bucket_fields(pool, reservations) if pool.is_active else {}
-    if fields:
-        fields.update(spend_caps_for_pool(pool=pool))
     pipe = get_redis().pipeline(transaction=True)
     pipe.delete(keys.pool_config(pool.id), keys.pool_workloads(pool.id))
     if fields:

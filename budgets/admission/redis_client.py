@@ -4,7 +4,9 @@ Short timeouts on the admission path: when Redis is gone or hung the gateway
 must say 503 within a second, not hang. A script call is described once
 (``ScriptCall``: script, KEYS, ARGV and how to read the reply) and run by a
 sync or an async caller that differ only in the await; both translate
-"Redis is unreachable" the same way (``BudgetUnavailable``)."""
+"Redis is unreachable" the same way (``BudgetUnavailable``). A flow of
+several calls (hold spend, admit, take the hold back if the pool refused) is
+written once as a ``Plan`` and run by ``plan_run`` or ``plan_run_async``."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import importlib.resources
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generator, Generic, TypeVar, Union
 
 import redis
 import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from budgets.errors import BudgetUnavailable
@@ -136,6 +139,49 @@ class ScriptCall(Generic[T]):
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
+
+
+# A flow of script calls written once: a generator that yields each step and
+# receives its result (or has its exception thrown in at the yield), and
+# returns the flow's result. A step is a ScriptCall, or a plain callable for
+# blocking work between calls (rebuilding config from the database).
+Step = Union[ScriptCall, Callable[[], Any]]
+Plan = Generator[Step, Any, T]
+
+
+def plan_run(plan: Plan[T], client: redis.Redis | None = None) -> T:
+    """Run a plan's steps synchronously."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(result)
+        except StopIteration as done:
+            return done.value
+        result, error = None, None
+        try:
+            result = step.run(client) if isinstance(step, ScriptCall) else step()
+        except Exception as exc:  # noqa: BLE001 - the plan decides what it handles
+            error = exc
+
+
+async def plan_run_async(plan: Plan[T], client: aioredis.Redis | None = None) -> T:
+    """``plan_run`` for async callers: script calls awaited, blocking steps in a thread."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = plan.throw(error) if error is not None else plan.send(result)
+        except StopIteration as done:
+            return done.value
+        result, error = None, None
+        try:
+            if isinstance(step, ScriptCall):
+                result = await step.run_async(client)
+            else:
+                result = await sync_to_async(step, thread_sensitive=False)()
+        except Exception as exc:  # noqa: BLE001 - the plan decides what it handles
+            error = exc
 
 
 def raw_reply(raw: Any) -> Any:

@@ -1,33 +1,40 @@
 """Month-to-date spend against monthly spend budgets.
 
-Redis holds month-to-date spend per pool beside the token buckets, in
+Redis holds each tenant's month-to-date spend over all its pools, under the
+tenant's own hash tag (budgets/admission/keys.py, ``tenant_spend_month``), in
 micro-units of the price table's currency (an integer: 1.25 USD = 1_250_000),
-in one hash per pool and UTC month (``spend_month_key``) with fields
-``T<tenant id>`` and ``<workload id>``. The admission script estimates a
-request's cost when it admits it and settlement corrects it to the actual
-cost; ``spend_reconcile`` overwrites those fields from the ledger, which is
-the truth, every minute. Hard caps reach admission through the pool config
-(``spend_caps_for_pool``, called by ``pool_config_push``).
+one hash per tenant and UTC month with fields ``T<tenant id>`` and one
+``<workload id>`` per workload. Admission holds a request's estimated cost
+there before the pool admits it (budgets/admission/spend_holds.py) and
+settlement corrects it to the actual cost. Every minute ``spend_reconcile``
+rewrites it from the ledger, which is the truth, plus the requests still in
+flight, and pushes the hard caps beside it.
 
-A tenant's spend on several pools sits in several hashes; reads sum them."""
+Keep month-to-date = the ledger's cost of the month + the estimate of every
+request admitted and not settled (+ the actual cost of those settled whose
+ledger row is on its way): a reconcile that forgot the requests in flight
+would lower month-to-date under the cap and let more through."""
 
 from __future__ import annotations
 
 import calendar
 import logging
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import ROUND_HALF_UP, Decimal
 
-from django.db.models import Sum
+from django.db import connection, transaction
+from django.db.models import Q, Sum
 from django.dispatch import Signal
 from django.utils import timezone
 
 from tenants.models import Tenant, Workload
 
 from budgets.admission import keys
-from budgets.models import InferencePool, Reservation, UsageRecord
+from budgets.admission.spend_holds import spend_reconcile_call
+from budgets.models import UsageRecord
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notification_create
 from budgets.admission.redis_client import get_redis, unavailable_note
@@ -35,6 +42,9 @@ from budgets.admission.redis_client import get_redis, unavailable_note
 logger = logging.getLogger(__name__)
 
 MICRO = Decimal(1_000_000)
+# Request ids per database query when reconciliation asks which holds the
+# ledger already has.
+_IDS_PER_QUERY = 5_000
 
 # Sent when month-to-date spend first crosses a budget's soft threshold (or
 # reaches its hard cap) in a month; ``budget``, ``month_to_date``, ``kind``.
@@ -63,16 +73,26 @@ def month_bounds(at: datetime) -> tuple[datetime, datetime]:
     return start, start + timedelta(days=days)
 
 
-def spend_month_key(*, pool_id: int, at: datetime) -> str:
-    """The Redis hash of a pool's month-to-date spend for ``at``'s UTC month."""
-    return keys.spend_month(pool_id, f"{_utc(at):%Y-%m}")
+def month_of(at: datetime) -> str:
+    """The UTC month of ``at`` as month-to-date keys name it: ``YYYY-MM``."""
+    return f"{_utc(at):%Y-%m}"
 
 
-def spend_month(*, pool_id: int, at_ms: float) -> tuple[str, float]:
-    """For admission: the month-to-date spend hash of a moment (ms, Redis's
-    clock) and when that month ends (ms), after which the hash expires."""
+def month_start(month: str) -> datetime:
+    """The first instant of a ``YYYY-MM`` month (UTC)."""
+    return datetime.strptime(month, "%Y-%m").replace(tzinfo=dt_timezone.utc)
+
+
+def spend_month_key(*, tenant_id: int, at: datetime) -> str:
+    """The Redis hash of a tenant's month-to-date spend for ``at``'s UTC month."""
+    return keys.tenant_spend_month(tenant_id, month_of(at))
+
+
+def spend_month(*, at_ms: float) -> tuple[str, float]:
+    """For admission: the month (``YYYY-MM``) of a moment in ms, and when that
+    month ends (ms): a request refused for its spend cap may retry then."""
     at = datetime.fromtimestamp(at_ms / 1000, tz=dt_timezone.utc)
-    return spend_month_key(pool_id=pool_id, at=at), month_bounds(at)[1].timestamp() * 1000
+    return month_of(at), month_bounds(at)[1].timestamp() * 1000
 
 
 def tenant_field(tenant_id: int) -> str:
@@ -83,19 +103,19 @@ def workload_field(workload_id: int) -> str:
     return str(workload_id)
 
 
-def spend_caps_for_pool(*, pool: InferencePool) -> dict[str, str]:
-    """Hard caps of the tenants and workloads with a reservation on ``pool``,
-    as fields of the pool's config hash: ``T<tenant id>.spend.cap`` and
-    ``<workload id>.spend.cap``, in micro-units."""
-    reservations = Reservation.objects.filter(pool=pool).values_list("workload_id", "workload__tenant_id")
-    workload_ids = {wid for wid, _ in reservations}
-    tenant_ids = {tid for _, tid in reservations}
-    fields: dict[str, str] = {}
-    for budget in SpendBudget.objects.filter(hard_cap=True, tenant_id__in=tenant_ids):
-        fields[f"{tenant_field(budget.tenant_id)}.spend.cap"] = str(to_micro(budget.monthly_amount))
-    for budget in SpendBudget.objects.filter(hard_cap=True, workload_id__in=workload_ids):
-        fields[f"{workload_field(budget.workload_id)}.spend.cap"] = str(to_micro(budget.monthly_amount))
-    return fields
+def spend_caps_of_tenants(*, tenant_ids: list[int]) -> dict[int, dict[str, int]]:
+    """Hard caps in micro-units by tenant: ``T<tenant id>`` for the tenant's
+    own budget and ``<workload id>`` for each of its workloads' budgets."""
+    caps: dict[int, dict[str, int]] = {tenant_id: {} for tenant_id in tenant_ids}
+    budgets = (SpendBudget.objects.filter(hard_cap=True)
+               .filter(Q(tenant_id__in=tenant_ids) | Q(workload__tenant_id__in=tenant_ids))
+               .values_list("tenant_id", "workload_id", "workload__tenant_id", "monthly_amount"))
+    for tenant_id, workload_id, workload_tenant_id, amount in budgets:
+        if tenant_id:
+            caps[tenant_id][tenant_field(tenant_id)] = to_micro(amount)
+        else:
+            caps[workload_tenant_id][workload_field(workload_id)] = to_micro(amount)
+    return caps
 
 
 # --- reading month-to-date ------------------------------------------------------------
@@ -116,32 +136,36 @@ def _ledger_month_to_date(*, tenant_ids: set[int], workload_ids: set[int], at: d
 
 def spend_month_to_date_many(*, tenant_ids: set[int] = frozenset(), workload_ids: set[int] = frozenset(),
                              at: datetime | None = None) -> dict[str, Decimal]:
-    """Month-to-date spend keyed ``T<tenant id>`` / ``<workload id>``: summed
-    over every pool's Redis hash in one round trip; a field no pool has in
-    Redis (not spent through admission yet, Redis flushed or unreachable) is
-    read from the ledger."""
-    at = _utc(at)
-    fields = [tenant_field(t) for t in sorted(tenant_ids)] + [workload_field(w) for w in sorted(workload_ids)]
-    if not fields:
+    """Month-to-date spend keyed ``T<tenant id>`` / ``<workload id>``, from
+    the tenants' Redis hashes in one round trip (requests in flight at their
+    estimate); a field Redis lacks (not spent through admission yet, Redis
+    flushed or unreachable) is read from the ledger."""
+    if not tenant_ids and not workload_ids:
         return {}
+    at = _utc(at)
+    month = month_of(at)
+    owners = dict(Workload.objects.filter(id__in=workload_ids).values_list("id", "tenant_id")) if workload_ids else {}
+    fields_of: dict[int, list[str]] = defaultdict(list)
+    for tenant_id in sorted(tenant_ids):
+        fields_of[tenant_id].append(tenant_field(tenant_id))
+    for workload_id in sorted(workload_ids):
+        if workload_id in owners:
+            fields_of[owners[workload_id]].append(workload_field(workload_id))
     totals: dict[str, Decimal] = {}
-    seen: set[str] = set()
     try:
-        pool_ids = list(InferencePool.objects.values_list("id", flat=True))
         pipe = get_redis().pipeline(transaction=False)
-        for pool_id in pool_ids:
-            pipe.hmget(spend_month_key(pool_id=pool_id, at=at), fields)
-        for values in pipe.execute():
-            for field, value in zip(fields, values):
+        tenants = sorted(fields_of)
+        for tenant_id in tenants:
+            pipe.hmget(keys.tenant_spend_month(tenant_id, month), fields_of[tenant_id])
+        for tenant_id, values in zip(tenants, pipe.execute() if tenants else []):
+            for field, value in zip(fields_of[tenant_id], values):
                 if value is not None:
-                    seen.add(field)
-                    totals[field] = totals.get(field, Decimal(0)) + from_micro(int(float(value)))
+                    totals[field] = from_micro(int(float(value)))
     except Exception:  # noqa: BLE001 - Redis away: the ledger answers
         unavailable_note("month-to-date spend")
-        seen.clear()
         totals.clear()
-    missing_t = {t for t in tenant_ids if tenant_field(t) not in seen}
-    missing_w = {w for w in workload_ids if workload_field(w) not in seen}
+    missing_t = {t for t in tenant_ids if tenant_field(t) not in totals}
+    missing_w = {w for w in workload_ids if workload_field(w) not in totals}
     if missing_t or missing_w:
         from_ledger = _ledger_month_to_date(tenant_ids=missing_t, workload_ids=missing_w, at=at)
         for field in [tenant_field(t) for t in missing_t] + [workload_field(w) for w in missing_w]:
@@ -214,8 +238,6 @@ def spend_statuses(*, budgets: list[SpendBudget], at: datetime | None = None) ->
 
 def spend_budgets_of_tenant(*, tenant: Tenant) -> list[SpendBudget]:
     """The tenant's own budget first, then its workloads' budgets."""
-    from django.db.models import Q
-
     return list(
         SpendBudget.objects.filter(Q(tenant=tenant) | Q(workload__tenant=tenant))
         .select_related("tenant", "workload", "workload__tenant").order_by("workload__slug")
@@ -225,35 +247,116 @@ def spend_budgets_of_tenant(*, tenant: Tenant) -> list[SpendBudget]:
 # --- writing: reconciliation and threshold notifications -----------------------------
 
 
+@contextmanager
+def _one_snapshot():
+    """Every query inside reads the same snapshot of the database (taken at
+    the first query): PostgreSQL's REPEATABLE READ; SQLite's read transaction
+    is one snapshot already. Inside a caller's transaction, that transaction
+    is the snapshot it gets."""
+    if connection.in_atomic_block:
+        yield
+        return
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        yield
+
+
+@dataclass(frozen=True)
+class SpendSynced:
+    tenants: int
+    fields: int  # month-to-date fields written
+    holds_counted: int  # requests in flight (or settled, their ledger row on its way)
+    holds_dropped: int  # confirmed by the ledger, or expired (a leaked estimate repaired)
+
+
+def spend_tenants_sync(*, tenant_ids: list[int] | None = None, at: datetime | None = None) -> SpendSynced:
+    """Rewrite the tenants' spend keys in Redis (every tenant when
+    ``tenant_ids`` is None): hard caps from the spend budgets, month-to-date
+    of ``at``'s month from the ledger plus the requests in flight.
+
+    The ledger's sums and the question "which held requests are in the ledger
+    already" are answered from one database snapshot, and the holds are listed
+    after that snapshot was taken: a request is then counted exactly once, by
+    the ledger or by its hold, however settlements and ledger writes interleave
+    (budgets/admission/spend_reconcile.lua says why)."""
+    at = _utc(at)
+    month = month_of(at)
+    start, end = month_bounds(at)
+    client = get_redis()
+    ledger: dict[int, dict[str, int]] = defaultdict(dict)
+    with _one_snapshot():
+        rows = UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end).order_by()
+        if tenant_ids is not None:
+            rows = rows.filter(tenant_id__in=tenant_ids)
+        for row in rows.values("tenant_id", "workload_id").annotate(c=Sum("cost")):
+            ledger[row["tenant_id"]][workload_field(row["workload_id"])] = to_micro(row["c"] or 0)
+        for row in rows.values("tenant_id").annotate(c=Sum("cost")):
+            ledger[row["tenant_id"]][tenant_field(row["tenant_id"])] = to_micro(row["c"] or 0)
+        if tenant_ids is None:
+            tenants = sorted(set(Tenant.objects.values_list("id", flat=True)) | set(ledger))
+        else:
+            tenants = sorted(set(tenant_ids))
+        caps = spend_caps_of_tenants(tenant_ids=tenants)
+        # Listed now, after the snapshot began: see the docstring.
+        pipe = client.pipeline(transaction=False)
+        for tenant_id in tenants:
+            pipe.hkeys(keys.tenant_spend_holds(tenant_id))
+        held = dict(zip(tenants, pipe.execute() if tenants else []))
+        every_id = [request_id for ids in held.values() for request_id in ids]
+        in_ledger: set[str] = set()
+        for first in range(0, len(every_id), _IDS_PER_QUERY):
+            chunk = every_id[first:first + _IDS_PER_QUERY]
+            in_ledger.update(UsageRecord.objects.filter(request_id__in=chunk).values_list("request_id", flat=True))
+    fields = counted = dropped = 0
+    for tenant_id in tenants:
+        result = spend_reconcile_call(
+            tenant_id=tenant_id, month=month, caps_micro=caps.get(tenant_id, {}), ledger_micro=ledger.get(tenant_id, {}),
+            in_ledger=[request_id for request_id in held[tenant_id] if request_id in in_ledger],
+        ).run(client)
+        fields += result.fields
+        counted += result.holds_counted
+        dropped += result.holds_dropped
+    return SpendSynced(tenants=len(tenants), fields=fields, holds_counted=counted, holds_dropped=dropped)
+
+
+def spend_tenant_restore(*, tenant_id: int, month: str) -> None:
+    """Admission found the tenant's caps or month-to-date missing from Redis
+    (a new month, a flush, a restart): rebuild them before it admits, so a
+    lost month-to-date never reads as nothing spent."""
+    spend_tenants_sync(tenant_ids=[tenant_id], at=month_start(month))
+
+
+def spend_tenant_sync_on_commit(*, tenant_id: int) -> None:
+    """A spend budget changed: push the tenant's caps once the change commits."""
+
+    def push() -> None:
+        try:
+            spend_tenants_sync(tenant_ids=[tenant_id])
+        except Exception:  # Redis down: the next reconciliation catches up
+            logger.warning("could not push the spend caps of tenant %s to Redis", tenant_id, exc_info=True)
+
+    transaction.on_commit(push)
+
+
 @dataclass(frozen=True)
 class ReconcileResult:
-    pools: int
+    tenants: int
     fields: int
+    holds_counted: int
+    holds_dropped: int
     notifications: int
 
 
 def spend_reconcile(*, at: datetime | None = None) -> ReconcileResult:
-    """Overwrite the month's Redis spend fields from the ledger's sums, then
-    notify budgets that crossed a threshold. A settlement landing between the
-    ledger read and the write is lost from Redis until the next run, which
-    reads it from the ledger: the error is bounded and heals itself."""
+    """Every tenant's spend keys from the database and the requests in flight
+    (``spend_tenants_sync``), then notify budgets that crossed a threshold."""
     at = _utc(at)
-    start, end = month_bounds(at)
-    month = UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end).order_by()
-    per_pool: dict[int, dict[str, str]] = defaultdict(dict)
-    for row in month.values("pool_id", "tenant_id").annotate(c=Sum("cost")):
-        per_pool[row["pool_id"]][tenant_field(row["tenant_id"])] = str(to_micro(row["c"] or 0))
-    for row in month.values("pool_id", "workload_id").annotate(c=Sum("cost")):
-        per_pool[row["pool_id"]][workload_field(row["workload_id"])] = str(to_micro(row["c"] or 0))
-    written = 0
-    if per_pool:
-        pipe = get_redis().pipeline(transaction=False)
-        for pool_id, mapping in per_pool.items():
-            pipe.hset(spend_month_key(pool_id=pool_id, at=at), mapping=mapping)
-            written += len(mapping)
-        pipe.execute()
+    synced = spend_tenants_sync(at=at)
     notified = spend_thresholds_check(at=at)
-    return ReconcileResult(pools=len(per_pool), fields=written, notifications=notified)
+    return ReconcileResult(tenants=synced.tenants, fields=synced.fields, holds_counted=synced.holds_counted,
+                           holds_dropped=synced.holds_dropped, notifications=notified)
 
 
 def spend_threshold_notify(*, status: SpendStatus, at: datetime) -> Notification | None:

@@ -5,8 +5,11 @@ Approval can never oversubscribe a pool: it locks the pool's row
 (``SELECT ... FOR UPDATE``) before re-reading the reservations, so two
 approvals on one pool run one after the other and the second sees the first's
 reservation. Every approval path takes the pool lock first, then the request,
-so they cannot deadlock. The saved Reservation reaches admission through the
-on-commit push in budgets/signals.py, within moments of the commit."""
+so they cannot deadlock; the reservation itself is written by
+budgets/services/reservations.py, under that same lock, like every other
+write (Django admin included). The saved Reservation reaches admission
+through the on-commit push in budgets/signals.py, within moments of the
+commit."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from budgets.models import BudgetRequest, BudgetRequestEvent
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notification_create
 from budgets.selectors.pools import budget_request_preview
-from budgets.admission.pool_config import pool_config_push_on_commit
+from budgets.services.reservations import reservation_delete, reservation_save
 
 
 def _event(*, request: BudgetRequest, action: str, actor=None, comment: str = "", details: dict | None = None) -> None:
@@ -140,16 +143,12 @@ def budget_request_approve(*, request_id: int, approver, comment: str = "") -> B
         previous = _reservation_snapshot(reservation)
         if reservation is None:
             reservation = Reservation(workload=workload)
-        old_pool_id = reservation.pool_id
         reservation.pool = pool
         reservation.reserved_tpm = request.reserved_tpm
         reservation.ceiling_tpm = request.ceiling_tpm
         reservation.rpm = request.rpm
         reservation.lend_fraction = request.lend_fraction
-        reservation.full_clean()
-        reservation.save()
-        if old_pool_id and old_pool_id != pool.id:
-            pool_config_push_on_commit(pool_id=old_pool_id)  # the workload left that pool
+        reservation_save(reservation=reservation)
         if request.monthly_spend_budget is not None:
             SpendBudget.objects.update_or_create(
                 workload=workload,
@@ -196,6 +195,21 @@ def budget_request_reject(*, request_id: int, reviewer, comment: str) -> BudgetR
     return request
 
 
+def _reservation_restore(*, reservation: Reservation, previous: dict) -> str:
+    """Put back the reservation an approval replaced (its pool is locked). It
+    may no longer fit: the approval shrank it and others took the freed
+    headroom since. Then the slice stays as approved, and the outcome says so."""
+    for name in ("reserved_tpm", "ceiling_tpm", "rpm", "lend_fraction"):
+        setattr(reservation, name, previous[name])
+    try:
+        reservation_save(reservation=reservation)
+    except ValidationError as exc:
+        reservation.refresh_from_db()
+        problems = " ".join(message for messages in exc.message_dict.values() for message in messages)
+        return f"the previous reservation no longer fits the pool ({problems}); left as approved"
+    return "previous reservation restored"
+
+
 def budget_requests_expire(*, today: date | None = None) -> int:
     """Lapse approved slices whose end date has passed: restore the workload's
     reservation from before the approval (or remove it, if the approval
@@ -218,17 +232,14 @@ def budget_requests_expire(*, today: date | None = None) -> int:
             ) == (request.pool_id, request.reserved_tpm, request.ceiling_tpm, request.rpm)
             outcome = "superseded by a later change; left as is"
             if unchanged and previous is None:
-                reservation.delete()
+                reservation_delete(reservation=reservation)
                 outcome = "reservation removed"
             elif unchanged and previous["pool_id"] == request.pool_id:
-                for name in ("reserved_tpm", "ceiling_tpm", "rpm", "lend_fraction"):
-                    setattr(reservation, name, previous[name])
-                reservation.save()
-                outcome = "previous reservation restored"
+                outcome = _reservation_restore(reservation=reservation, previous=previous)
             elif unchanged:
                 # It came from another pool: give the slice back rather than
                 # re-checking that pool's headroom without its lock.
-                reservation.delete()
+                reservation_delete(reservation=reservation)
                 outcome = "reservation removed (it had moved from another pool)"
             request.status = BudgetRequest.Status.EXPIRED
             request.save()

@@ -1,25 +1,36 @@
-"""A request's admission, as the gateway asks for it: its expected spend, its
-lease, one atomic Redis call (budgets.admission.buckets), the pool's config
-rebuilt once if Redis lost it, and Redis being away turned into a clear 503.
-The sync caller (jobs: the API and the pacer) and the async one (the chat
-API) share the call and its translation; they differ only in the await."""
+"""A request's admission, as the gateway asks for it: its expected spend held
+against its tenant's month-to-date (across every pool of the tenant), its
+lease on the pool's buckets, each config rebuilt once if Redis lost it, and
+Redis being away turned into a clear 503.
+
+Two atomic steps, because a tenant's spend and a pool's buckets carry
+different Redis Cluster hash tags and no script may touch both
+(budgets/admission/spend_holds.py): hold the spend, then admit on the pool,
+and take the hold back when the pool refuses. The flow is written once
+(``admission_plan``); the sync caller (jobs: the API and the pacer) and the
+async one (the chat API) run it and differ only in the await."""
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
+from functools import partial
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from budgets.admission.buckets import NO_SPEND, Admission, NotConfigured, SpendCharge, admit_call
+from budgets.admission.buckets import Admission, NotConfigured, admit_call
 from budgets.admission.estimation import Estimate
 from budgets.admission.pool_config import pool_config_push
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, ScriptCall
+from budgets.admission.redis_client import REDIS_UNAVAILABLE, Plan, ScriptCall, plan_run, plan_run_async
+from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_settle_call
 from budgets.errors import BudgetUnavailable
-from budgets.ledger.spend import spend_month
+from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable, no_reservation
+
+logger = logging.getLogger(__name__)
 
 
 def lease_ttl_ms(*, queue_s: float) -> int:
@@ -27,15 +38,17 @@ def lease_ttl_ms(*, queue_s: float) -> int:
     return int((queue_s + settings.SLUICE_UPSTREAM_TIMEOUT_S + 30) * 1000)
 
 
-def spend_charge(ctx: CallerContext, *, model: str, estimate: Estimate) -> SpendCharge:
-    """The request's expected cost for the spend caps (none without a price)."""
+def spend_hold_for(ctx: CallerContext, *, model: str, estimate: Estimate) -> SpendHold | None:
+    """The request's expected cost for the spend caps (None without a price)."""
     price = ctx.prices.get(model)
     if price is None:
-        return NO_SPEND
-    month_key, month_end_ms = spend_month(pool_id=ctx.pool_id, at_ms=time.time() * 1000)
-    return SpendCharge(tenant_id=ctx.tenant_id, month_key=month_key, month_end_ms=month_end_ms,
-                       cost_micro=price.cost_micro(input_tokens=estimate.input_tokens,
-                                                   output_tokens=estimate.output_tokens))
+        return None
+    cost_micro = price.cost_micro(input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens)
+    if cost_micro <= 0:
+        return None
+    month, month_end_ms = spend_month(at_ms=time.time() * 1000)
+    return SpendHold(tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, cost_micro=cost_micro, month=month,
+                     month_end_ms=month_end_ms)
 
 
 def pool_config_rebuild(pool_id: int) -> None:
@@ -46,25 +59,68 @@ def pool_config_rebuild(pool_id: int) -> None:
         raise BudgetUnavailable(str(exc)) from exc
 
 
-def admission_call(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                   lease_ms: int) -> ScriptCall[Admission]:
+def spend_rebuild(hold: SpendHold) -> None:
+    """Redis lacks the tenant's caps or its month-to-date (a new month, a
+    flush): rebuild both from the database and the requests in flight."""
+    try:
+        spend_tenant_restore(tenant_id=hold.tenant_id, month=hold.month)
+    except REDIS_UNAVAILABLE as exc:
+        raise BudgetUnavailable(str(exc)) from exc
+
+
+def _configured(call: ScriptCall, rebuild) -> Plan:
+    """Run ``call``; if Redis lacks what it needs, rebuild that once and run it again."""
+    try:
+        return (yield call)
+    except NotConfigured:
+        yield rebuild
+    return (yield call)
+
+
+def admission_call(ctx: CallerContext, *, request_id: str, estimate: Estimate, lease_ms: int) -> ScriptCall[Admission]:
     return admit_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                      input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms,
-                      spend=spend_charge(ctx, model=model, estimate=estimate))
+                      input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms)
+
+
+def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
+                   lease_ms: int) -> Plan[Admission]:
+    """Hold the spend, admit on the pool, take the hold back if the pool
+    refuses. Raises Rejected (spend_budget, the pool's reasons,
+    no_reservation) or BudgetUnavailable."""
+    hold = spend_hold_for(ctx, model=model, estimate=estimate)
+    if hold is not None:
+        try:
+            yield from _configured(
+                spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
+                                estimated_tokens=estimate.total_tokens),
+                partial(spend_rebuild, hold))
+        except NotConfigured as exc:  # rebuilt, and gone again: Redis is not keeping what it is given
+            raise BudgetUnavailable(f"spend of tenant {hold.tenant_id}: {exc}") from exc
+    try:
+        try:
+            admission = yield from _configured(
+                admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms),
+                partial(pool_config_rebuild, ctx.pool_id))
+        except NotConfigured as exc:
+            raise no_reservation() from exc
+    except Exception:
+        if hold is not None:
+            # The pool refused (or could not be asked): the request does not
+            # exist, so neither does its spend. If Redis is away this fails
+            # too, and the hold expires a little after the lease would have.
+            try:
+                yield spend_settle_call(tenant_id=hold.tenant_id, month=hold.month, request_id=request_id,
+                                        forget=True)
+            except Exception:  # noqa: BLE001 - the refusal is what the caller must hear
+                logger.warning("could not take back the spend hold of %s", request_id, exc_info=True)
+        raise
+    return replace(admission, spend_month=hold.month if hold is not None else "")
 
 
 def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate, lease_ms: int) -> Admission:
     """Admit or raise Rejected (budget refusals, no_reservation, budget_unavailable)."""
-    call = admission_call(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms)
     try:
-        try:
-            return call.run()
-        except NotConfigured:
-            pool_config_rebuild(ctx.pool_id)
-        try:
-            return call.run()
-        except NotConfigured as exc:
-            raise no_reservation() from exc
+        return plan_run(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc
 
@@ -72,15 +128,8 @@ def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: 
 async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
                               lease_ms: int) -> Admission:
     """``request_admit`` for the async API views."""
-    call = admission_call(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms)
     try:
-        try:
-            return await call.run_async()
-        except NotConfigured:
-            await sync_to_async(pool_config_rebuild, thread_sensitive=False)(ctx.pool_id)
-        try:
-            return await call.run_async()
-        except NotConfigured as exc:
-            raise no_reservation() from exc
+        return await plan_run_async(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
+                                                   lease_ms=lease_ms))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc

@@ -2,7 +2,7 @@
 side, async) and for jobs (the API view and the pacer, sync): build the
 request's record, store it in Redis, enqueue its id on the lane's Celery
 queue by task name (the web side never imports the worker's task module),
-and refund if that fails."""
+and refund if that fails (gateway/core/settlement.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import uuid
 
 from celery import current_app
 
-from budgets.admission.buckets import Admission, settle_call
+from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
 from budgets.admission.redis_client import get_redis
-from budgets.ledger.spend import spend_month
 from gateway.core import keys
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
 from gateway.core.lanes import lane_for, queue_for_lane
 from gateway.core.metrics import arrival_commands
 from gateway.core.records import RequestRecord, ttl_ms
+from gateway.core.settlement import request_refund
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +48,8 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         price_input_per_million=str(price.input_per_million) if price else "",
         price_output_per_million=str(price.output_per_million) if price else "",
         price_id=(price.price_id or 0) if price else 0,
-        spend_month_key=spend_month(pool_id=ctx.pool_id, at_ms=admission.admitted_ms)[0] if price else "",
+        spend_month=admission.spend_month,
     )
-
-
-def refund_call(record: RequestRecord):
-    """Settle a request that never reached the pool: everything back."""
-    return settle_call(pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
-                       actual_input_tokens=0, actual_output_tokens=0, pool_called=False,
-                       spend_month_key=record.spend_month_key)
 
 
 def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
@@ -74,7 +67,7 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
     except Exception as exc:  # Redis or the broker
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:
-            refund_call(record).run()
+            request_refund(record)
         except Exception:  # the lease expires by itself
             logger.warning("could not refund %s", record.request_id, exc_info=True)
         raise budget_unavailable() from exc

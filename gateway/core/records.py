@@ -51,7 +51,9 @@ class RequestRecord:
     price_input_per_million: str = ""
     price_output_per_million: str = ""
     price_id: int = 0  # 0: the model had no price at admission
-    spend_month_key: str = ""
+    # YYYY-MM of the tenant's month-to-date its estimated cost is held against
+    # ('' without a price): settlement corrects that month.
+    spend_month: str = ""
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -93,7 +95,7 @@ class RequestRecord:
             retry_deadline_ms=float(data.get("retry_deadline_ms", 0) or 0),
             price_input_per_million=data.get("price_input_per_million", ""),
             price_output_per_million=data.get("price_output_per_million", ""),
-            spend_month_key=data.get("spend_month_key", ""),
+            spend_month=data.get("spend_month", ""),
             price_id=int(data.get("price_id", 0) or 0),
         )
 

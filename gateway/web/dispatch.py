@@ -19,10 +19,11 @@ from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit_async
 from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.context import CallerContext
-from gateway.core.enqueue import new_request_id, record_build, record_enqueue, refund_call
+from gateway.core.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.errors import queue_timeout
 from gateway.core.metrics import departure_record
 from gateway.core.records import EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_call, ledger_entry
+from gateway.core.settlement import request_refund_async
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
         owner = await claim_call(GAVE_UP, record).run_async()
         if owner == GAVE_UP:
             # We own the refund: the worker will drop the task unrun.
-            await refund_call(record).run_async()
+            await request_refund_async(record)
             await sync_to_async(_record_timeout, thread_sensitive=False)(record, int(ctx.queue_timeout_s * 1000))
             raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
         if owner == EXPIRED:

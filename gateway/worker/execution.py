@@ -24,6 +24,7 @@ from gateway.core.jobs import job_complete
 from gateway.core.metrics import departure_record
 from gateway.core.records import (EXPIRED, GAVE_UP, REDELIVERED, WORKER, Outcome, RequestRecord, claim_call,
                                   ledger_entry, publish_call, ttl_ms)
+from gateway.core.settlement import request_settle
 from gateway.worker.pool_client import pool_client
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 
@@ -138,19 +139,11 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
 
 
 def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
-    """Settle the buckets, write the ledger row, publish the outcome. Each step
-    is idempotent on the request id, so a replay changes nothing."""
-    settle_call(
-        pool_id=record.pool_id,
-        workload_id=record.workload_id,
-        request_id=record.request_id,
-        actual_input_tokens=outcome.input_tokens,
-        actual_output_tokens=outcome.output_tokens,
-        pool_called=pool_called,
-        actual_cost_micro=record.actual_cost_micro(input_tokens=outcome.input_tokens,
-                                                   output_tokens=outcome.output_tokens),
-        spend_month_key=record.spend_month_key,
-    ).run()
+    """Settle the buckets and the spend, write the ledger row, publish the
+    outcome. Each step is idempotent on the request id, so a replay changes
+    nothing."""
+    request_settle(record=record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
+                   pool_called=pool_called)
     total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
     usage_record_write(entry=ledger_entry(
         record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
@@ -243,9 +236,11 @@ def leases_reap(*, pool_ids: list[int]) -> int:
             lease = client.hgetall(budget_keys.lease(pool_id, request_id))
             workload_id = int(data.get("workload_id") or lease.get("wid") or 0)
             if data:
+                # The estimate stays charged, tokens and spend alike; the next
+                # spend reconciliation reads the lease_expired row instead.
                 k_in, k_out = int(float(lease.get("k_in", 0))), int(float(lease.get("k_out", 0)))
-                settle_call(pool_id=pool_id, workload_id=workload_id, request_id=request_id,
-                            actual_input_tokens=k_in, actual_output_tokens=k_out, pool_called=True).run(client)
+                request_settle(record=RequestRecord.from_redis(data), input_tokens=k_in, output_tokens=k_out,
+                               pool_called=True, client=client)
             else:
                 settle_call(pool_id=pool_id, workload_id=workload_id, request_id=request_id,
                             actual_input_tokens=0, actual_output_tokens=0, pool_called=False).run(client)

@@ -39,6 +39,7 @@ def test_tasks_run_their_services(world, redis_client, monkeypatch):
     monkeypatch.undo()
     assert RejectionStat.objects.get().count == 1
     assert rollup_daily_usage.apply().get() >= 1 and DailyUsage.objects.exists()
-    assert reconcile_spend.apply().get()["fields"] == 2
-    assert redis_client.hget(spend_month_key(pool_id=world.pool.id, at=now), f"T{world.tenant_a.id}") is not None
+    # tenant A: itself and its workload; tenant B: itself (nothing spent)
+    assert reconcile_spend.apply().get()["fields"] == 3
+    assert redis_client.hget(spend_month_key(tenant_id=world.tenant_a.id, at=now), f"T{world.tenant_a.id}") is not None
     assert expire_budget_requests.apply().get() == 0

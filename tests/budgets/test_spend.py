@@ -12,7 +12,7 @@ import pytest
 from budgets.models import InferencePool, Notification, SpendBudget, UsageRecord
 from budgets.ledger.spend import (
     from_micro,
-    spend_caps_for_pool,
+    spend_caps_of_tenants,
     spend_month_key,
     spend_month_to_date,
     spend_projected_month_end,
@@ -29,10 +29,11 @@ NOW = datetime(2026, 11, 16, 0, 0, tzinfo=dt_timezone.utc)  # half-way through a
 
 def test_month_key_follows_the_contract():
     at = datetime(2026, 3, 5, 23, 59, tzinfo=dt_timezone.utc)
-    assert spend_month_key(pool_id=7, at=at) == "sluice:{pool:7}:spend:2026-03"
+    # the tenant's own hash tag: its spend spans pools, and no script touches both
+    assert spend_month_key(tenant_id=7, at=at) == "sluice:{tenant:7}:spend:2026-03"
     # a local time is read as the UTC month it falls in
     later = datetime(2026, 4, 1, 1, 0, tzinfo=dt_timezone(timedelta(hours=2)))
-    assert spend_month_key(pool_id=7, at=later) == "sluice:{pool:7}:spend:2026-03"
+    assert spend_month_key(tenant_id=7, at=later) == "sluice:{tenant:7}:spend:2026-03"
 
 
 def test_micro_units_round_half_up_and_back():
@@ -43,26 +44,27 @@ def test_micro_units_round_half_up_and_back():
     assert from_micro("42") == Decimal("0.000042")
 
 
-def test_caps_for_pool_are_hard_caps_of_its_tenants_and_workloads(world):
+def test_caps_of_tenants_are_their_hard_caps_and_their_workloads(world):
     other = build_world()
     SpendBudget.objects.create(tenant=world.tenant_a, monthly_amount=Decimal("100"), hard_cap=True)
     SpendBudget.objects.create(workload=world.wl_b, monthly_amount=Decimal("12.345678"), hard_cap=True)
     SpendBudget.objects.create(tenant=world.tenant_b, monthly_amount=Decimal("5"), hard_cap=False)  # soft only
-    SpendBudget.objects.create(tenant=other.tenant_a, monthly_amount=Decimal("9"), hard_cap=True)  # another pool
-    assert spend_caps_for_pool(pool=world.pool) == {
-        f"T{world.tenant_a.id}.spend.cap": "100000000",
-        f"{world.wl_b.id}.spend.cap": "12345678",
+    SpendBudget.objects.create(tenant=other.tenant_a, monthly_amount=Decimal("9"), hard_cap=True)  # not asked for
+    assert spend_caps_of_tenants(tenant_ids=[world.tenant_a.id, world.tenant_b.id]) == {
+        world.tenant_a.id: {f"T{world.tenant_a.id}": 100_000_000},
+        world.tenant_b.id: {str(world.wl_b.id): 12_345_678},
     }
 
 
-def test_month_to_date_sums_redis_over_pools(world, redis_client):
-    second = InferencePool.objects.create(name="second", slug=f"second-{world.pool.slug}", base_url="http://x/v1",
-                                          provider_tpm=1000, provider_rpm=10)
-    redis_client.hset(spend_month_key(pool_id=world.pool.id, at=NOW), mapping={f"T{world.tenant_a.id}": 1_500_000,
-                                                                             str(world.wl_a.id): 1_000_000})
-    redis_client.hset(spend_month_key(pool_id=second.id, at=NOW), mapping={f"T{world.tenant_a.id}": 250_000})
+def test_month_to_date_reads_the_tenants_hash(world, redis_client):
+    redis_client.hset(spend_month_key(tenant_id=world.tenant_a.id, at=NOW),
+                      mapping={f"T{world.tenant_a.id}": 1_750_000, str(world.wl_a.id): 1_000_000})
+    redis_client.hset(spend_month_key(tenant_id=world.tenant_b.id, at=NOW), mapping={str(world.wl_b.id): 250_000})
     assert spend_month_to_date(tenant=world.tenant_a, at=NOW) == Decimal("1.75")
     assert spend_month_to_date(workload=world.wl_a, at=NOW) == Decimal("1")
+    assert spend_month_to_date(workload=world.wl_b, at=NOW) == Decimal("0.25")
+    # a field Redis lacks is read from the ledger (nothing here)
+    assert spend_month_to_date(tenant=world.tenant_b, at=NOW) == Decimal("0")
 
 
 def test_month_to_date_falls_back_to_the_ledger(world):
@@ -84,20 +86,22 @@ def test_projection_is_linear_over_the_month():
 
 
 def test_reconcile_overwrites_redis_from_the_ledger(world, redis_client):
-    # given Redis drifted from the ledger
-    key = spend_month_key(pool_id=world.pool.id, at=NOW)
-    redis_client.hset(key, mapping={f"T{world.tenant_a.id}": 999_999_999, str(world.wl_a.id): 1})
+    # given Redis drifted from the ledger, and a second pool the tenant also spends on
+    key_a = spend_month_key(tenant_id=world.tenant_a.id, at=NOW)
+    key_b = spend_month_key(tenant_id=world.tenant_b.id, at=NOW)
+    redis_client.hset(key_a, mapping={f"T{world.tenant_a.id}": 999_999_999, str(world.wl_a.id): 1, "12345": 7})
+    second = InferencePool.objects.create(name="second", slug=f"second-{world.pool.slug}", base_url="http://x/v1",
+                                          provider_tpm=1000, provider_rpm=10)
     ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(hours=1), input_tokens=2_000_000, output_tokens=0)
+    ledger_add(workload=world.wl_a, pool=second, at=NOW - timedelta(hours=2), input_tokens=1_000_000, output_tokens=0)
     ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(hours=1), model="sim-large",
                input_tokens=0, output_tokens=1_000_000)
     # when reconciliation runs
     result = spend_reconcile(at=NOW)
-    # then the fields hold the ledger's sums in micro-units
-    assert redis_client.hgetall(key) == {
-        f"T{world.tenant_a.id}": "300000", str(world.wl_a.id): "300000",
-        f"T{world.tenant_b.id}": "10000000", str(world.wl_b.id): "10000000",
-    }
-    assert (result.pools, result.fields) == (1, 4)
+    # then each tenant's hash holds the ledger's sums over every pool, in micro-units
+    assert redis_client.hgetall(key_a) == {f"T{world.tenant_a.id}": "450000", str(world.wl_a.id): "450000"}
+    assert redis_client.hgetall(key_b) == {f"T{world.tenant_b.id}": "10000000", str(world.wl_b.id): "10000000"}
+    assert (result.tenants, result.fields, result.holds_counted, result.holds_dropped) == (2, 4, 0, 0)
     ledger_total = sum(UsageRecord.objects.values_list("cost", flat=True))
     assert spend_month_to_date(tenant=world.tenant_a, at=NOW) + spend_month_to_date(tenant=world.tenant_b, at=NOW) == ledger_total
 

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from budgets.models import InferencePool, ModelPrice, Reservation
 from budgets.admission.pool_config import pool_config_push
+from budgets.services.reservations import reservation_save
 from tenants.models import Membership, Tenant, Workload
 from tenants.services import api_key_create
 
@@ -80,8 +81,7 @@ class Command(BaseCommand):
                 for field, value in {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling,
                                      "lend_fraction": lend, "rpm": rpm}.items():
                     setattr(reservation, field, value)
-                reservation.full_clean()
-                reservation.save()
+                reservation_save(reservation=reservation)
                 key = api_key_create(workload=workload, name="demo")
                 workloads[slug] = {
                     "api_key": key.raw_key, "class": wclass, "tenant": tenant_slug, "reserved_tpm": reserved,
