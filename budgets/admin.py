@@ -13,6 +13,12 @@ from budgets.services.reservations import pool_lock, pool_save, reservation_dele
 
 
 class InferencePoolAdminForm(forms.ModelForm):
+    # Pools are mostly in-cluster http endpoints (vLLM): a URL typed without
+    # a scheme keeps meaning http, as it always did (and Django 6 will not
+    # silently change it).
+    base_url = forms.URLField(max_length=500, assume_scheme="http",
+                              help_text=InferencePool._meta.get_field("base_url").help_text)
+
     class Meta:
         model = InferencePool
         fields = "__all__"
