@@ -78,6 +78,9 @@ def main() -> None:
     port = int(env.get("PORT", "8000"))
     sim_port = int(env.get("SLUICE_SIM_PORT", "8100"))
     env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
+    # Every process writes its metrics here and /metrics adds them up; emptied
+    # first, since files of the last run would count again.
+    env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}
@@ -102,6 +105,8 @@ def main() -> None:
             _log(f"embedded Redis on {socket_path}")
         from gateway.core.lanes import LANE_NAMES
         from llm_platform import processes
+
+        processes.metrics_dir_prepare(Path(env["PROMETHEUS_MULTIPROC_DIR"]))
 
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
@@ -140,6 +145,7 @@ Sluice is up.
   API docs       : http://127.0.0.1:{port}/api/docs/
   OpenAI API     : {demo['base_url']}
   Health         : http://127.0.0.1:{port}/healthz
+  Metrics        : http://127.0.0.1:{port}/metrics   (Prometheus; docs/grafana-sluice.json is a dashboard)
   Logs           : {log_dir}/
 
 Demo logins (platform admin, finance auditor, a member of each tenant; kept in {logins_file}):
