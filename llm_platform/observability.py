@@ -71,8 +71,8 @@ class LiveCollector:
                                "1 when the live numbers (Redis, database) could be read for this scrape.")
         try:
             families = list(self._families())
-        except Exception:  # noqa: BLE001 - a scrape must still show the counters when Redis is away
-            logger.warning("metrics: live numbers unavailable", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - a scrape must still show the counters when Redis is away
+            logger.warning("metrics: live numbers unavailable: %s", exc)
             up.add_metric([], 0)
             return [up]
         up.add_metric([], 1)
@@ -129,8 +129,8 @@ class LiveCollector:
                     time_in_system, first_attempts, retries, retry_refusals, retry_tokens)
         try:
             depths = queue_depths()
-        except Exception:  # noqa: BLE001 - the broker may live elsewhere and be down
-            logger.warning("metrics: queue depths unavailable", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - the broker may live elsewhere and be down
+            logger.warning("metrics: queue depths unavailable: %s", exc)
             return
         depth = GaugeMetricFamily("sluice_queue_depth", "Messages waiting in each lane's queue.", labels=["lane"])
         for lane, waiting in depths.items():
