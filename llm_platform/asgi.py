@@ -8,7 +8,9 @@ process's CPU under a 429 storm). Everything else (web UI, admin,
 management API) goes through the full Django stack.
 
 A request waiting for its lane's worker parks on an awaitable Redis read,
-not on a thread."""
+not on a thread. Every /v1 answer gets a request id, an access log line and
+its metrics (gateway/web/access_log.py); /metrics is served here too, for
+the same reason as /healthz: a scrape needs no session."""
 
 import os
 
@@ -17,11 +19,15 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 django_application = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402  (after django.setup())
 from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
+from django.urls import set_urlconf  # noqa: E402
+
+from gateway.web.access_log import api_observed  # noqa: E402
 
 API_PREFIXES = ("/v1/",)
-API_PATHS = {"/healthz"}
+API_PATHS = {"/healthz", "/metrics"}
 
 
 class ApiHandler(ASGIHandler):
@@ -32,6 +38,20 @@ class ApiHandler(ASGIHandler):
         self._template_response_middleware = []
         self._exception_middleware = []
         self._middleware_chain = convert_exception_to_response(self._get_response_async)
+        self._observed_chain = api_observed(self._middleware_chain)
+
+    async def get_response_async(self, request):
+        if not request.path.startswith(API_PREFIXES):
+            return await super().get_response_async(request)
+        # Django's own version also logs every 4xx/5xx answer (django.request),
+        # each through a thread hop. The access log has a line for every /v1
+        # answer, with its reason; an unhandled exception is still logged,
+        # with its traceback, where it is caught (inside the request's log
+        # context, so with its request id).
+        set_urlconf(settings.ROOT_URLCONF)
+        response = await self._observed_chain(request)
+        response._resource_closers.append(request.close)
+        return response
 
 
 api_application = ApiHandler()

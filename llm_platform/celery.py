@@ -3,9 +3,11 @@ settings that make redelivery safe. Routing lives here and nowhere else."""
 
 from __future__ import annotations
 
+import logging.config
 import os
 
 from celery import Celery
+from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
 from gateway.core.keys import WORKERS_READY
@@ -57,6 +59,21 @@ app.conf.update(
     },
     timezone="UTC",
 )
+
+
+@setup_logging.connect
+@celeryd_init.connect
+def _configure_logging(**kwargs) -> None:
+    """Workers and beat log like every other process (settings.LOGGING: JSON
+    or plain, request ids, scrubbing). Connecting to setup_logging tells
+    Celery to leave logging alone: without it, it sets the root level from
+    its -l flag and adds its own plain handlers. celeryd_init comes earlier,
+    before the worker's start-up warnings (running as root, ...), which would
+    otherwise go to stderr as plain text."""
+    logging.config.dictConfig(settings.LOGGING)
+    logging.captureWarnings(True)
+
+
 # budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's
 # worker side). The web side never imports the latter: it enqueues by name.
 app.autodiscover_tasks(["budgets", "gateway.worker"])

@@ -22,6 +22,8 @@ def sim_command(*, port: int, extra: list[str] | None = None) -> list[str]:
 
 
 def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list[str]:
+    # No uvicorn access log: gateway/web/access_log.py writes one line per
+    # /v1 request, with the workload, lane, reason and request id.
     return [
         sys.executable, "-m", "uvicorn", "llm_platform.asgi:application",
         "--host", host, "--port", str(port), "--workers", str(workers),
@@ -29,18 +31,20 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
     ]
 
 
+# Celery's -q: no start-up banner (plain text in a JSON log). Log levels come
+# from settings.LOGGING (llm_platform/celery.py), not from -l.
 def worker_command(*, lane: str, concurrency: int | None = None) -> list[str]:
     return [
-        sys.executable, "-m", "celery", "-A", "llm_platform", "worker",
+        sys.executable, "-m", "celery", "-A", "llm_platform", "-q", "worker",
         "-Q", queue_for_lane(lane), "-P", "threads", "-c", str(concurrency or lane_concurrency(lane)),
-        "-n", f"{lane}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING",
+        "-n", f"{lane}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]
 
 
 def beat_command(*, schedule_dir: str) -> list[str]:
     return [
-        sys.executable, "-m", "celery", "-A", "llm_platform", "beat", "-S",
-        "django_celery_beat.schedulers:DatabaseScheduler", "-l", "WARNING",
+        sys.executable, "-m", "celery", "-A", "llm_platform", "-q", "beat", "-S",
+        "django_celery_beat.schedulers:DatabaseScheduler",
         "--pidfile", os.path.join(schedule_dir, "beat.pid"),
     ]
 
@@ -119,3 +123,15 @@ def wait_http(url: str, process: Process, timeout: float = 30.0) -> None:
 
 def pacer_command() -> list[str]:
     return [sys.executable, "manage.py", "run_pacer"]
+
+
+def metrics_dir_prepare(path: Path) -> Path:
+    """Create the metrics directory (PROMETHEUS_MULTIPROC_DIR) and empty it,
+    before any process starts: each process leaves a file per pid, and /metrics
+    adds up every file there, so files of an earlier run would count again.
+    Only prometheus-client's own ``*.db`` files are removed."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    return path

@@ -162,6 +162,9 @@ def main() -> None:
     log_dir.mkdir(exist_ok=True)
     sim_port = _sim_port(env, port)
     env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
+    # Every process writes its metrics here and /metrics adds them up; emptied
+    # first, since files of the last run would count again.
+    env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}
@@ -184,6 +187,8 @@ def main() -> None:
             env["REDIS_URL"] = f"unix://{socket_path}?db=0"
             _wait_for(socket_path.exists, "embedded Redis", 20)
             _log(f"embedded Redis on {socket_path}")
+        processes.metrics_dir_prepare(Path(env["PROMETHEUS_MULTIPROC_DIR"]))
+
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
         subprocess.run([*manage, "collectstatic", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
@@ -222,6 +227,7 @@ Sluice is up.
   OpenAI API     : {demo['base_url']}
   Health         : http://127.0.0.1:{port}/healthz
   Simulated pool : http://127.0.0.1:{sim_port}/v1
+  Metrics        : http://127.0.0.1:{port}/metrics   (Prometheus; docs/grafana-sluice.json is a dashboard)
   Logs           : {log_dir}/
 
 Demo logins (platform admin, finance auditor, a member of each tenant; kept in {logins_file}):

@@ -5,6 +5,7 @@ defaults that work on a fresh machine (SQLite file, embedded Redis started by
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -220,13 +221,62 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 
+# --- observability (docs/observability.md) -------------------------------------------
+# Prometheus metrics of every process, added up by /metrics: the directory
+# where each process writes its values (prometheus-client's multiprocess
+# mode, which reads this same variable). Unset: /metrics shows the web
+# process's own numbers only. Empty it before the processes start (`make run`
+# and the tests do): files of processes that are gone would add up forever.
+SLUICE_METRICS_DIR = os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+if "PROMETHEUS_MULTIPROC_DIR" in os.environ and not SLUICE_METRICS_DIR:
+    # Set but empty (an `.env` line left blank) would make prometheus-client
+    # write its files into the working directory.
+    del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+# Who may scrape /metrics: a request bearing this token (Authorization:
+# Bearer <token>), or one from these networks that came through no proxy
+# (no X-Forwarded-For / Forwarded / X-Real-IP). Empty token and networks:
+# /metrics refuses everyone.
+SLUICE_METRICS_TOKEN = os.environ.get("SLUICE_METRICS_TOKEN", "")
+SLUICE_METRICS_ALLOWED_NETWORKS = [ipaddress.ip_network(n.strip(), strict=False) for n in os.environ.get(
+    "SLUICE_METRICS_ALLOWED_NETWORKS", "127.0.0.1/32,::1/128").split(",") if n.strip()]
+
+# Log lines of every process: "json" (one object per line, for a log
+# pipeline) or "plain" (for a terminal). /v1 requests get one access line
+# each (logger sluice.access), settled requests one more (sluice.settlement).
+SLUICE_LOG_FORMAT = os.environ.get("SLUICE_LOG_FORMAT", "json").strip().lower()
+if SLUICE_LOG_FORMAT not in {"json", "plain"}:
+    raise ValueError(f"SLUICE_LOG_FORMAT must be 'json' or 'plain', not {SLUICE_LOG_FORMAT!r}")
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    # django.request logs every 4xx at WARNING: a storm of 429s would be a
-    # storm of log lines. 5xx stay (ERROR).
-    "loggers": {"django.db.backends": {"level": "WARNING"}, "django.request": {"level": "ERROR"}},
+    "filters": {"request_context": {"()": "llm_platform.log_format.ContextFilter"}},
+    "formatters": {
+        "sluice": {
+            "()": "llm_platform.log_format.JsonFormatter" if SLUICE_LOG_FORMAT == "json"
+            else "llm_platform.log_format.PlainFormatter",
+            # Scrubbed wherever they would appear (they never should).
+            "secrets": [SECRET_KEY, SLUICE_METRICS_TOKEN],
+        },
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "sluice", "filters": ["request_context"]}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        # django.request logs every 4xx at WARNING: a storm of 429s would be a
+        # storm of log lines. 5xx stay (ERROR). /v1 has the access log instead.
+        "django.request": {"level": "ERROR"},
+        # uvicorn's own lines (start, stop, errors) in the same format; its
+        # access log stays off (--no-access-log): sluice.access replaces it.
+        "uvicorn": {"handlers": ["console"], "level": "INFO", "propagate": False},
+        # Configuring "uvicorn" would otherwise revive its access logger.
+        "uvicorn.access": {"handlers": [], "propagate": False},
+        # Celery's per-task lines ("received", "succeeded") say less than the
+        # request's own settlement line; its warnings and errors stay.
+        "celery": {"level": "WARNING"},
+        # The SDK's and httpx's per-call INFO lines, once per pool call.
+        "httpx": {"level": "WARNING"},
+        "openai": {"level": "WARNING"},
+    },
 }

@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from gateway.web import views as gateway_views
+from llm_platform import observability
 
 urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
@@ -10,6 +11,7 @@ urlpatterns = [
     path("v1/jobs", gateway_views.jobs, name="jobs"),
     path("v1/jobs/<uuid:job_id>", gateway_views.job_detail, name="job-detail"),
     path("healthz", gateway_views.healthz, name="healthz"),
+    path("metrics", observability.metrics, name="metrics"),
     path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
     path("admin/", admin.site.urls),
     # Web UI and management API (issue 5)

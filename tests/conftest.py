@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,17 @@ def _database_url() -> str:
     return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
 
 
+PLANTED_POOL_KEY_ENV = "SLUICE_TEST_POOL_API_KEY"
+
+
 @pytest.fixture(scope="session")
 def platform(django_db_setup, django_db_blocker, redis_client):
     """The simulated pool, the gateway and one worker per lane, all pointed at
     this session's test database and Redis."""
     from gateway.core.lanes import LANE_NAMES
     from tests.platform_harness import Platform
+
+    from llm_platform.processes import metrics_dir_prepare
 
     log_dir = Path(os.environ.get("SLUICE_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="sluice-test-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -67,6 +73,14 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         "SLUICE_AUTH_CACHE_S": "0.5",
         "PYTHONUNBUFFERED": "1",
         "DB_CONN_MAX_AGE": "0",
+        # The processes add up their metrics here, as under `make run`.
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir_prepare(log_dir / "metrics")),
+        "SLUICE_LOG_FORMAT": "json",
+        # Secrets planted for tests/test_observability.py to look for in the
+        # logs: the processes' secret key, and a pool API key a test pool
+        # names (InferencePool.api_key_env).
+        "DJANGO_SECRET_KEY": "planted-django-secret-" + secrets.token_hex(16),
+        PLANTED_POOL_KEY_ENV: "sk-planted-pool-" + secrets.token_hex(16),
     })
     harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
     try:

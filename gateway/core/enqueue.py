@@ -19,6 +19,7 @@ from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
 from gateway.core.lanes import lane_for, queue_for_lane
 from gateway.core.metrics import arrival_commands
+from gateway.core.observability import admission_observe
 from gateway.core.records import RequestRecord, ttl_ms
 from gateway.core.settlement import request_refund
 
@@ -71,3 +72,4 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
         except Exception:  # the lease expires by itself
             logger.warning("could not refund %s", record.request_id, exc_info=True)
         raise budget_unavailable() from exc
+    admission_observe(record=record)

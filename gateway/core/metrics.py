@@ -33,19 +33,21 @@ def arrival_commands(pipe, *, pool_id: int, lane: str, request_id: str, expires_
 
 
 def departure_record(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
-                     upstream_429s: int = 0) -> None:
+                     upstream_429s: int = 0) -> bool:
+    """Count the departure; False when an earlier finish of the same request did."""
     key = keys.pool_metrics(pool_id, lane)
     now_slot = slot()
     client = get_redis()
     # Count a departure once, even when a redelivered task finishes again.
     if not client.zrem(keys.lane_in_flight(pool_id, lane), request_id):
-        return
+        return False
     pipe = client.pipeline(transaction=False)
     pipe.hincrby(key, f"d:{now_slot}", 1)
     pipe.hincrby(key, f"w:{now_slot}", max(0, int(time_in_system_ms)))
     if upstream_429s:
         pipe.hincrby(key, f"u429:{now_slot}", upstream_429s)
     pipe.execute()
+    return True
 
 
 def _window_sums(raw: dict[str, str], now_s: float) -> dict[str, int]:

@@ -24,6 +24,7 @@ from gateway.core.chat import ChatRequest, body_digest, parse_json_body, validat
 from gateway.core.context import CallerContext
 from gateway.core.errors import bad_request, budget_unavailable, no_reservation
 from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
+from gateway.core.log_context import log_annotate
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
 from gateway.web.auth import bearer_key, caller_context
@@ -66,6 +67,7 @@ async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
     if ctx is None:
         return openai_error(status=401, message="Incorrect or revoked API key.", error_type="invalid_request_error",
                             code="invalid_api_key")
+    log_annotate(tenant=ctx.tenant_slug, workload=ctx.workload_slug, workload_id=ctx.workload_id, pool_id=ctx.pool_id)
     return ctx
 
 
@@ -153,7 +155,8 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
                                 error_type="invalid_request_error", code="idempotency_key_in_progress")
 
     try:
-        dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=request.headers.get("X-Session-Id", "")[:128])
+        dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=request.headers.get("X-Session-Id", "")[:128],
+                                           request_id=getattr(request, "request_id", None))
     except Rejected as rejected:
         if idem_key:
             await idempotency_release(workload_id=ctx.workload_id, key=idem_key)
@@ -222,6 +225,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     except Rejected as rejected:
         return await _rejection(ctx, rejected)
     job = submitted.job
+    log_annotate(job_id=str(job.id), job_request_id=job.request_id or "")
     base_url = f"{request.scheme}://{request.get_host()}"
     view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)
     if job.status == Job.Status.REJECTED:

@@ -21,7 +21,9 @@ from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
 from gateway.core.errors import error_body
 from gateway.core.jobs import job_complete
+from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
+from gateway.core.observability import lease_expiry_report, settlement_report, upstream_answer_observe
 from gateway.core.records import (EXPIRED, GAVE_UP, REDELIVERED, WORKER, Outcome, RequestRecord, claim_call,
                                   ledger_entry, publish_call, ttl_ms)
 from gateway.core.settlement import request_settle
@@ -30,6 +32,14 @@ from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_e
 
 logger = logging.getLogger(__name__)
 
+
+def _answer_label(outcome: Outcome) -> str:
+    """The pool's answer to one attempt, as a metric label: its HTTP status,
+    or what stood in for one (timeout, unreachable, invalid_response)."""
+    if outcome.upstream_status:
+        return str(outcome.upstream_status)
+    code = str((outcome.body or {}).get("error", {}).get("code", ""))
+    return code.removeprefix("upstream_") or "unknown"
 
 
 def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
@@ -116,6 +126,7 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     throttled = 0
     while True:
         outcome, retryable = _single_call(record)
+        upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
         if outcome.status == "ok":
@@ -145,14 +156,19 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
     request_settle(record=record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
                    pool_called=pool_called)
     total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
+    writing = time.monotonic()
     usage_record_write(entry=ledger_entry(
         record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
         actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
         upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
         error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
     ))
-    departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                     time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s)
+    written_s = time.monotonic() - writing
+    if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                        time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
+        # Reported by the first finish only: a redelivery replaying it counts nothing twice.
+        settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
+                          ledger_lag_s=total_ms / 1000 + written_s)
     publish_call(record, outcome).run()
     if record.job_id:
         job_complete(job_id=record.job_id, outcome=outcome)
@@ -171,6 +187,7 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
         logger.warning("request %s has no record (expired?); dropping", request_id)
         return "missing"
     record = RequestRecord.from_redis(data)
+    log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
     owner = claim_call(WORKER, record).run(client)
     if owner == GAVE_UP:
         return GAVE_UP  # the web side refunded and recorded it
@@ -247,9 +264,12 @@ def leases_reap(*, pool_ids: list[int]) -> int:
             client.zrem(budget_keys.pool_leases(pool_id), request_id)
             if data:
                 record = RequestRecord.from_redis(data)
+                writing = time.monotonic()
                 usage_record_write(entry=ledger_entry(
                     record, status="lease_expired", total_ms=max(0, int(now_ms - record.admitted_ms)),
                     error="lease_expired"))
+                lease_expiry_report(record=record, ledger_lag_s=(now_ms - record.admitted_ms) / 1000
+                                    + (time.monotonic() - writing))
                 client.delete(keys.request_record(request_id))
             reaped += 1
     return reaped

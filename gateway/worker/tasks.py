@@ -17,6 +17,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from budgets.errors import BudgetUnavailable
 from budgets.models import InferencePool
 from gateway.core.enqueue import EXECUTE_REQUEST_TASK
+from gateway.core.log_context import log_context
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
 from gateway.worker.execution import leases_reap, request_execute
@@ -49,20 +50,22 @@ REDIS_WAIT_MAX_S = 5.0
     max_retries=40,
 )
 def execute_request(request_id: str) -> str:
-    """Run one admitted request (the record lives in Redis, keyed by id)."""
+    """Run one admitted request (the record lives in Redis, keyed by id).
+    Every line logged meanwhile carries the request id."""
     close_old_connections()  # a connection broken by a database restart is replaced
     give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
     answered: dict = {}
     wait_s = REDIS_WAIT_FIRST_S
-    while True:
-        try:
-            return request_execute(request_id=request_id, answered=answered)
-        except REDIS_AWAY as exc:
-            if time.monotonic() + wait_s > give_up_at:
-                raise
-            logger.warning("request %s: Redis unavailable (%s); trying again in %.2fs", request_id, exc, wait_s)
-            time.sleep(wait_s)
-            wait_s = min(REDIS_WAIT_MAX_S, wait_s * 2)
+    with log_context(request_id=request_id):
+        while True:
+            try:
+                return request_execute(request_id=request_id, answered=answered)
+            except REDIS_AWAY as exc:
+                if time.monotonic() + wait_s > give_up_at:
+                    raise
+                logger.warning("request %s: Redis unavailable (%s); trying again in %.2fs", request_id, exc, wait_s)
+                time.sleep(wait_s)
+                wait_s = min(REDIS_WAIT_MAX_S, wait_s * 2)
 
 
 @shared_task(name="gateway.reap_leases", ignore_result=True)

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.django_db
 
 # Routes that hold no tenant's data (asserted below to leak none anyway).
 PUBLIC = {"login", "logout", "api-token", "api-schema", "api-docs", "home", "tenant-list"}
-# Routes of other parts of the project, tested where they live.
-FOREIGN_PREFIXES = ("v1/", "healthz", "admin/")
+# Routes of other parts of the project, tested where they live. /metrics is
+# for the operator's scraper, by token or network, never by a user's session
+# (tests/test_observability.py).
+FOREIGN_PREFIXES = ("v1/", "healthz", "metrics", "admin/")
 
 
 def _names(resolver=None, prefix=""):

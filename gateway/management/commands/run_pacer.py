@@ -13,5 +13,4 @@ class Command(BaseCommand):
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        self.stdout.write("pacer started")
-        pacer_run(stop=stop)
+        pacer_run(stop=stop)  # it logs its start, in the log format every process uses

@@ -1,0 +1,166 @@
+"""The request path's Prometheus metrics, defined once for both sides: the
+web process counts admissions, refusals and answers; the worker counts what
+the pool answered, the tokens it used, the time each phase took and how long
+the ledger row trailed the admission. docs/observability.md lists them.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set (settings.SLUICE_METRICS_DIR) every
+process writes its values to files in that directory and ``/metrics``
+(llm_platform/observability.py) adds them up, so a scrape of the web process
+shows the workers' counters too. Live state (in-flight, lambda*W, queue depth,
+capacity factor, retry budgets) is in Redis and read at scrape time.
+
+Labels stay bounded: pool and workload ids, lanes, reason codes, HTTP
+statuses; never a request id, a key or anything a caller can choose freely.
+
+Recording a metric never fails a request: a broken metrics directory costs
+the numbers, not the caller's answer."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+import prometheus_client
+from prometheus_client import Counter, Histogram
+
+from gateway.core.lanes import LANE_NAMES
+from gateway.core.records import Outcome, RequestRecord
+
+logger = logging.getLogger(__name__)
+# One line per settled request, from whichever process settled it (worker, web, reaper).
+settlement_log = logging.getLogger("sluice.settlement")
+
+# One ``_created`` series per counter child doubles the series count and
+# multiprocess mode does not export them anyway.
+prometheus_client.disable_created_metrics()
+
+# Seconds, from a cache-hot interactive call to a batch job's upstream timeout.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+NONE = "none"  # label value for "not known": no workload yet (bad key), no lane yet (refused at the door)
+_REASON = re.compile(r"^[a-z0-9_]{1,64}$")
+
+ADMISSIONS = Counter("sluice_admissions", "Requests admitted and put on a lane (sync calls and jobs).",
+                     ["pool_id", "workload_id", "lane", "borrowed"])
+REFUSALS = Counter("sluice_refusals", "Chat completions and job submissions answered with an error, by its code "
+                   "(lane 'none': refused before a lane was chosen).", ["reason", "workload_id", "lane"])
+API_RESPONSES = Counter("sluice_api_responses", "Every /v1 answer, by route and HTTP status.", ["route", "status"])
+ESTIMATED_TOKENS = Counter("sluice_estimated_tokens", "Tokens admission debited (the estimate).",
+                           ["pool_id", "workload_id", "lane", "direction"])
+ACTUAL_TOKENS = Counter("sluice_actual_tokens", "Tokens the pool reported, at settlement.",
+                        ["pool_id", "workload_id", "lane", "direction"])
+SETTLED = Counter("sluice_settled_requests", "Admitted requests settled, by how they ended "
+                  "(ok, upstream_error, queue_timeout, lease_expired).", ["lane", "status"])
+UPSTREAM_ANSWERS = Counter("sluice_upstream_responses", "The pool's answers per attempt, by HTTP status "
+                           "(or timeout, unreachable, invalid_response).", ["pool_id", "status"])
+QUEUE_WAIT = Histogram("sluice_queue_wait_seconds", "Admission to a worker picking the request up.", ["lane"],
+                       buckets=LATENCY_BUCKETS)
+UPSTREAM_TIME = Histogram("sluice_upstream_seconds", "Time in the pool's calls, retries included.", ["lane"],
+                          buckets=LATENCY_BUCKETS)
+TOTAL_TIME = Histogram("sluice_request_seconds", "Admission to settlement.", ["lane"], buckets=LATENCY_BUCKETS)
+TIME_TO_FIRST_TOKEN = Histogram("sluice_time_to_first_token_seconds",
+                                "Admission to the first streamed token (streams only).", ["lane"],
+                                buckets=LATENCY_BUCKETS)
+LEDGER_LAG = Histogram("sluice_ledger_write_lag_seconds", "Admission to the request's ledger row being written.",
+                       ["lane"], buckets=LATENCY_BUCKETS)
+
+# Every lane's histograms exist from the start (zero counts), so a quiet lane
+# reads 0 instead of "no data" and rate() has a starting point.
+for _lane in LANE_NAMES:
+    for _histogram in (QUEUE_WAIT, UPSTREAM_TIME, TOTAL_TIME, TIME_TO_FIRST_TOKEN, LEDGER_LAG):
+        _histogram.labels(lane=_lane)
+
+_failed: set[str] = set()
+
+
+def _never_raises(record_metric):
+    @functools.wraps(record_metric)
+    def wrapper(*args, **kwargs) -> None:
+        try:
+            record_metric(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - losing a number beats failing the request
+            if record_metric.__name__ not in _failed:  # once per process, not once per request
+                _failed.add(record_metric.__name__)
+                logger.warning("metrics: %s failed; the metric is not recorded", record_metric.__name__,
+                               exc_info=True)
+
+    return wrapper
+
+
+def reason_label(code: object) -> str:
+    """An error code as a label value: our codes are short snake_case; anything
+    else (an unexpected body) is 'other', never free text."""
+    return code if isinstance(code, str) and _REASON.match(code) else "other"
+
+
+@_never_raises
+def admission_observe(*, record: RequestRecord) -> None:
+    labels = {"pool_id": str(record.pool_id), "workload_id": str(record.workload_id), "lane": record.lane}
+    ADMISSIONS.labels(**labels, borrowed="true" if record.borrowed else "false").inc()
+    ESTIMATED_TOKENS.labels(**labels, direction="input").inc(record.estimated_input_tokens)
+    ESTIMATED_TOKENS.labels(**labels, direction="output").inc(record.estimated_output_tokens)
+
+
+@_never_raises
+def refusal_observe(*, reason: object, workload_id: int | None, lane: str | None) -> None:
+    REFUSALS.labels(reason=reason_label(reason), workload_id=str(workload_id) if workload_id else NONE,
+                    lane=lane if lane in LANE_NAMES else NONE).inc()
+
+
+@_never_raises
+def api_response_observe(*, route: str, status: int) -> None:
+    API_RESPONSES.labels(route=route, status=str(status)).inc()
+
+
+@_never_raises
+def upstream_answer_observe(*, pool_id: int, status: str) -> None:
+    UPSTREAM_ANSWERS.labels(pool_id=str(pool_id), status=status).inc()
+
+
+def settlement_report(*, record: RequestRecord, outcome: Outcome, pool_called: bool, total_ms: int,
+                      ledger_lag_s: float) -> None:
+    """A request settled and its ledger row is written: its metrics, and the
+    worker's one log line about it (the web side's access line has the
+    caller's view; this one has the pool's)."""
+    _settlement_observe(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
+                        ledger_lag_s=ledger_lag_s)
+    error = "" if outcome.status == "ok" else (outcome.body or {}).get("error", {}).get("code", "")
+    settlement_log.info("request %s settled: %s", record.request_id, outcome.status, extra={
+        "request_id": record.request_id, "status": outcome.status, "reason": str(error or ""), "lane": record.lane,
+        "pool_id": record.pool_id, "workload_id": record.workload_id, "http_status": outcome.http_status,
+        "upstream_status": outcome.upstream_status, "attempts": outcome.attempts, "queue_ms": outcome.queue_wait_ms,
+        "upstream_ms": outcome.upstream_ms, "total_ms": total_ms, "ledger_lag_ms": int(ledger_lag_s * 1000),
+        "input_tokens": outcome.input_tokens, "output_tokens": outcome.output_tokens,
+        "estimated_input_tokens": record.estimated_input_tokens,
+        "estimated_output_tokens": record.estimated_output_tokens,
+    })
+
+
+@_never_raises
+def _settlement_observe(*, record: RequestRecord, outcome: Outcome, pool_called: bool, total_ms: int,
+                        ledger_lag_s: float) -> None:
+    lane = record.lane
+    SETTLED.labels(lane=lane, status=outcome.status).inc()
+    QUEUE_WAIT.labels(lane=lane).observe(outcome.queue_wait_ms / 1000)
+    TOTAL_TIME.labels(lane=lane).observe(total_ms / 1000)
+    LEDGER_LAG.labels(lane=lane).observe(max(0.0, ledger_lag_s))
+    if pool_called:
+        UPSTREAM_TIME.labels(lane=lane).observe(outcome.upstream_ms / 1000)
+        labels = {"pool_id": str(record.pool_id), "workload_id": str(record.workload_id), "lane": lane}
+        ACTUAL_TOKENS.labels(**labels, direction="input").inc(outcome.input_tokens)
+        ACTUAL_TOKENS.labels(**labels, direction="output").inc(outcome.output_tokens)
+
+
+def lease_expiry_report(*, record: RequestRecord, ledger_lag_s: float) -> None:
+    """The reaper settled a request whose worker vanished (its estimate stays charged)."""
+    _lease_expiry_observe(record=record, ledger_lag_s=ledger_lag_s)
+    settlement_log.warning("request %s: lease expired; its estimate stays charged", record.request_id, extra={
+        "request_id": record.request_id, "status": "lease_expired", "lane": record.lane, "pool_id": record.pool_id,
+        "workload_id": record.workload_id, "ledger_lag_ms": int(ledger_lag_s * 1000)})
+
+
+@_never_raises
+def _lease_expiry_observe(*, record: RequestRecord, ledger_lag_s: float) -> None:
+    SETTLED.labels(lane=record.lane, status="lease_expired").inc()
+    LEDGER_LAG.labels(lane=record.lane).observe(max(0.0, ledger_lag_s))
