@@ -129,6 +129,20 @@ SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
+# --- job callbacks (gateway/core/callbacks.py) -----------------------------------------
+# Callbacks go to https URLs on public addresses only. Plain http, and private
+# or loopback receivers (a test listener, a receiver inside your own network),
+# each need their switch; cloud metadata, link-local, multicast and reserved
+# addresses are refused whatever the switches say.
+SLUICE_CALLBACK_ALLOW_HTTP = env_bool("SLUICE_CALLBACK_ALLOW_HTTP", False)
+SLUICE_CALLBACK_ALLOW_PRIVATE = env_bool("SLUICE_CALLBACK_ALLOW_PRIVATE", False)
+SLUICE_CALLBACK_TIMEOUT_S = env_float("SLUICE_CALLBACK_TIMEOUT_S", 5.0)
+# Attempts per callback, the first included; between attempts an exponential
+# backoff (base x 2^(n-1), capped, jittered) waits in Redis, not in Celery.
+SLUICE_CALLBACK_MAX_ATTEMPTS = env_int("SLUICE_CALLBACK_MAX_ATTEMPTS", 8)
+SLUICE_CALLBACK_BACKOFF_BASE_S = env_float("SLUICE_CALLBACK_BACKOFF_BASE_S", 2.0)
+SLUICE_CALLBACK_BACKOFF_CAP_S = env_float("SLUICE_CALLBACK_BACKOFF_CAP_S", 600.0)
+
 # The port `make run` serves on, for the URLs it prints (seed_demo --json).
 PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.

@@ -51,6 +51,11 @@ def pool_pacer(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:pace"
 
 
+CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
+"""Sorted set: '<job id>:<attempt>' of job callbacks waiting to be tried
+again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""
+
+
 # --- lanes and the pool's answers ---------------------------------------------------------
 
 
