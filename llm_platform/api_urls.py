@@ -3,13 +3,13 @@ authentication, the OpenAPI schema and its browsable docs."""
 
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-from rest_framework.authtoken.views import ObtainAuthToken
 
 from budgets.api import views as budgets_api
+from llm_platform.login import ThrottledObtainAuthToken
 from tenants import api as tenants_api
 
 urlpatterns = [
-    path("auth/token/", ObtainAuthToken.as_view(), name="api-token"),
+    path("auth/token/", ThrottledObtainAuthToken.as_view(), name="api-token"),
     path("tenants/", tenants_api.TenantList.as_view(), name="api-tenant-list"),
     path("tenants/<slug:slug>/", tenants_api.TenantDetail.as_view(), name="api-tenant-detail"),
     path("tenants/<slug:slug>/keys/", tenants_api.ApiKeyList.as_view(), name="api-key-list"),

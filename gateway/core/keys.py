@@ -56,6 +56,15 @@ CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
 again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""
 
 
+# --- attempt throttles ------------------------------------------------------------------
+
+
+def attempts(kind: str, subject_digest: str) -> str:
+    """String: failed attempts (sign-ins, API keys) of one user or client
+    address in the current window; expires with the window."""
+    return f"sluice:attempts:{kind}:{subject_digest}"
+
+
 # --- lanes and the pool's answers ---------------------------------------------------------
 
 

@@ -25,7 +25,8 @@ from gateway.core.errors import bad_request, budget_unavailable, no_reservation
 from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
-from gateway.web.auth import bearer_key, caller_context
+from gateway.core.throttle import request_client_address
+from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import chat_completion
 from gateway.web.health import health_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
@@ -61,11 +62,17 @@ async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
     if raw_key is None:
         return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
                             error_type="invalid_request_error", code="missing_api_key")
-    ctx = await caller_context(raw_key)
-    if ctx is None:
+    check = await key_check(raw_key, address=request_client_address(request.META))
+    if check.retry_after_ms is not None:
+        retry_after_s = max(1, -(-check.retry_after_ms // 1000))
+        return openai_error(status=429, message="Too many requests with incorrect API keys from this address; "
+                            f"retry after {retry_after_s} s.", error_type="rate_limit_error",
+                            code="too_many_invalid_api_keys",
+                            headers={"Retry-After": str(retry_after_s), "retry-after-ms": str(check.retry_after_ms)})
+    if check.context is None:
         return openai_error(status=401, message="Incorrect or revoked API key.", error_type="invalid_request_error",
                             code="invalid_api_key")
-    return ctx
+    return check.context
 
 
 async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
@@ -231,6 +238,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     return response
 
 
+@redis_unavailable_is_503
 async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
@@ -246,6 +254,7 @@ async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
     return JsonResponse(view)
 
 
+@redis_unavailable_is_503
 async def models(request: HttpRequest) -> JsonResponse:
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
