@@ -36,15 +36,29 @@ def _taken(raw) -> AttemptTaken:
     return AttemptTaken(allowed=bool(int(raw[0])), retry_after_ms=max(0, int(raw[1])))
 
 
+def address_subject(address: str) -> str:
+    """What an address is counted as: itself for IPv4, its /64 for IPv6 (one
+    host usually holds a whole /64, and would otherwise get a fresh budget
+    for each of its 2^64 addresses)."""
+    parsed = _address(address)
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return str(parsed.ipv4_mapped or parsed) if isinstance(parsed, ipaddress.IPv6Address) else address
+
+
 @dataclass(frozen=True)
 class AttemptBudget:
-    """``limit`` failures per ``window_s`` for one kind of subject (0: no limit)."""
+    """``limit`` failures per ``window_s`` for one kind of subject (0: no
+    limit); ``by_address``: subjects are client addresses."""
 
     kind: str  # 'login-user', 'login-address', 'api-key-address'
     limit: int
     window_s: int
+    by_address: bool = False
 
     def counter_key(self, subject: str) -> str:
+        if self.by_address:
+            subject = address_subject(subject)
         # Digested: subjects are user input (a username can be anything).
         return keys.attempts(self.kind, hashlib.sha256(subject.encode("utf-8", "replace")).hexdigest()[:32])
 
@@ -63,12 +77,12 @@ def login_user_budget() -> AttemptBudget:
 
 def login_address_budget() -> AttemptBudget:
     return AttemptBudget("login-address", settings.SLUICE_LOGIN_FAILURES_PER_ADDRESS,
-                         settings.SLUICE_LOGIN_FAILURE_WINDOW_S)
+                         settings.SLUICE_LOGIN_FAILURE_WINDOW_S, by_address=True)
 
 
 def api_key_address_budget() -> AttemptBudget:
     return AttemptBudget("api-key-address", settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS,
-                         settings.SLUICE_API_KEY_FAILURE_WINDOW_S)
+                         settings.SLUICE_API_KEY_FAILURE_WINDOW_S, by_address=True)
 
 
 @functools.lru_cache(maxsize=8)

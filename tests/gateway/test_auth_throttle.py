@@ -11,9 +11,10 @@ import threading
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import connection
 from django.utils import timezone
 
-from gateway.core.throttle import api_key_address_budget, client_address
+from gateway.core.throttle import address_subject, api_key_address_budget, client_address
 from gateway.web import auth
 from gateway.web.auth import ExpiringLRU, key_check
 from tenants.models import ApiKey
@@ -23,6 +24,21 @@ check = async_to_sync(key_check)
 
 def random_key() -> str:
     return "sk-sluice-" + secrets.token_urlsafe(32)
+
+
+@pytest.fixture(autouse=True)
+def lookups_close_their_connections(monkeypatch):
+    """Key lookups run in executor threads; their database connections are
+    closed after each, or they would hold the test database open at teardown."""
+    load = auth._load_context
+
+    def load_and_close(raw_key):
+        try:
+            return load(raw_key)
+        finally:
+            connection.close()
+
+    monkeypatch.setattr(auth, "_load_context", load_and_close)
 
 
 @pytest.fixture
@@ -99,6 +115,19 @@ def test_concurrent_unknown_keys_pass_the_limit_exactly(settings, make_caller, s
     # then exactly 5 were looked up, 35 refused without a lookup
     assert len(results) == 40
     assert sum(r.retry_after_ms is None for r in results) == 5
+
+
+def test_ipv6_addresses_are_counted_per_64_so_one_host_cannot_rotate_through_its_prefix(settings, make_caller,
+                                                                                      small_caches):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
+    make_caller()
+    results = [check(random_key(), address=f"2001:db8:1:2::{n:x}") for n in range(1, 5)]
+    assert [r.retry_after_ms is None for r in results] == [True, True, True, False]
+    assert check(random_key(), address="2001:db8:1:3::1").retry_after_ms is None  # the next /64
+    assert address_subject("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert address_subject("::ffff:203.0.113.5") == "203.0.113.5"
+    assert address_subject("203.0.113.5") == "203.0.113.5"
+    assert address_subject("unknown") == "unknown"
 
 
 @pytest.mark.parametrize("remote,forwarded,trusted,expected", [
