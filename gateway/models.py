@@ -119,6 +119,6 @@ class JobSchedule(models.Model):
             raise ValidationError({"body": getattr(exc, "message", str(exc))}) from exc
         if self.callback_url:
             try:
-                callback_url_check(self.callback_url)
+                callback_url_check(url=self.callback_url)
             except CallbackRefused as refused:
                 raise ValidationError({"callback_url": refused.message}) from None

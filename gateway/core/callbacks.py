@@ -175,7 +175,7 @@ def _host_refusal(host: str, *, allow_private: bool) -> str | None:
     return None
 
 
-def callback_url_parse(url: object) -> CallbackTarget:
+def callback_url_parse(*, url: object) -> CallbackTarget:
     """Check what can be checked without DNS: scheme, credentials, host
     spelling, an IP literal's address. Raises CallbackRefused."""
     allow_private = settings.SLUICE_CALLBACK_ALLOW_PRIVATE
@@ -224,10 +224,10 @@ def resolve_host(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0].split("%", 1)[0] for info in infos))
 
 
-def callback_target_resolve(url: object) -> CallbackTarget:
+def callback_target_resolve(*, url: object) -> CallbackTarget:
     """The URL checked in full: parsed, its host resolved once and every
     address checked; the first is where to connect. Raises CallbackRefused."""
-    target = callback_url_parse(url)
+    target = callback_url_parse(url=url)
     literal = _ip_literal(target.host)
     if literal is not None:
         return CallbackTarget(**{**target.__dict__, "address": str(literal)})
@@ -247,10 +247,10 @@ def callback_target_resolve(url: object) -> CallbackTarget:
     return CallbackTarget(**{**target.__dict__, "address": addresses[0]})
 
 
-def callback_url_check(url: object) -> str:
+def callback_url_check(*, url: object) -> str:
     """The submission-time check (raises CallbackRefused): everything that
     can be decided now, DNS included. Sending checks again."""
-    return callback_target_resolve(url).url
+    return callback_target_resolve(url=url).url
 
 
 # --- signing ------------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def callback_signature_verify(*, secret: str, header: str, body: bytes, now: flo
 # --- attempts -------------------------------------------------------------------------------
 
 
-def callback_backoff_s(failed_attempt: int) -> float:
+def callback_backoff_s(*, failed_attempt: int) -> float:
     """The wait after attempt ``failed_attempt`` (1-based) failed: base x
     2^(n-1), capped, then jittered over its upper half so receivers coming
     back from an outage are not hit by every retry at once."""

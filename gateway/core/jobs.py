@@ -62,7 +62,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
         raise no_reservation(on_any_pool=True)
     if callback_url:
         try:
-            callback_url_check(callback_url)  # resolves the host: this runs in a thread, not the event loop
+            callback_url_check(url=callback_url)  # resolves the host: this runs in a thread, not the event loop
         except CallbackRefused as refused:
             raise bad_request(refused.message, param="callback_url", code="invalid_callback_url") from None
     digest = body_digest(body)

@@ -61,7 +61,8 @@ def _retry_at(job_id: str, attempt: int) -> datetime | None:
     """Schedule attempt + 1 if there is one; when it is due."""
     if attempt >= settings.SLUICE_CALLBACK_MAX_ATTEMPTS:
         return None
-    due_ms = callback_retry_schedule(job_id=job_id, attempt=attempt + 1, delay_s=callback_backoff_s(attempt))
+    delay_s = callback_backoff_s(failed_attempt=attempt)
+    due_ms = callback_retry_schedule(job_id=job_id, attempt=attempt + 1, delay_s=delay_s)
     return datetime.fromtimestamp(due_ms / 1000, tz=dt_timezone.utc)
 
 
@@ -79,7 +80,7 @@ def callback_deliver(*, job_id: str, attempt: int) -> str:
     try:
         # Checked again now: the URL was checked at submission, but DNS may
         # answer differently today (or was made to).
-        target = callback_target_resolve(job.callback_url)
+        target = callback_target_resolve(url=job.callback_url)
     except CallbackRefused as refused:
         retry_at = _retry_at(job_id, attempt) if refused.retryable else None
         _log(job, attempt=attempt, at=at, started=started, error=f"refused: {refused.message}",

@@ -26,6 +26,8 @@ from hypothesis.errors import Unsatisfiable
 from rest_framework.authtoken.models import Token
 from schemathesis import GenerationMode
 
+from budgets.services.budget_requests import budget_request_submit
+
 pytestmark = pytest.mark.django_db
 
 POSITIVE_EXAMPLES = 10
@@ -111,8 +113,6 @@ def _fuzz(schema, *, token: str, known: dict[str, object]) -> list[str]:
 
 def test_no_management_api_operation_answers_5xx_to_admin_or_member(world, wsgi_app):
     # given an admin and a member with API tokens, and a budget request to act on
-    from budgets.services.budget_requests import budget_request_submit
-
     pending = budget_request_submit(
         tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a, new_workload_name="",
         new_workload_class="", reserved_tpm=1_000, ceiling_tpm=2_000, rpm=10, lend_fraction=0.0,

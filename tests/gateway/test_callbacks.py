@@ -27,6 +27,7 @@ from gateway.core.callbacks import (CallbackRefused, callback_backoff_s, callbac
 from gateway.models import Job, JobCallbackDelivery, JobSchedule
 from gateway.worker.callbacks import callback_deliver
 from tenants.models import Tenant
+from tenants.services import tenant_callback_secret_rotate
 from tests.receivers import CallbackReceiver
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -111,7 +112,7 @@ def dns(monkeypatch):
 def test_callback_urls_sluice_will_not_call_are_refused(strict, dns, url, why):
     dns.answers["hooks.example.com"] = [PUBLIC]
     with pytest.raises(CallbackRefused) as refused:
-        callback_url_check(url)
+        callback_url_check(url=url)
     assert why in refused.value.message
     assert not refused.value.retryable
 
@@ -119,7 +120,7 @@ def test_callback_urls_sluice_will_not_call_are_refused(strict, dns, url, why):
 @pytest.mark.parametrize("value", [None, 5, ["https://hooks.example.com/x"], {"url": "x"}])
 def test_a_callback_url_that_is_not_a_string_is_refused(strict, value):
     with pytest.raises(CallbackRefused, match="must be a URL string"):
-        callback_url_parse(value)
+        callback_url_parse(url=value)
 
 
 def test_a_host_name_that_resolves_to_a_private_address_is_refused(strict, dns):
@@ -127,29 +128,29 @@ def test_a_host_name_that_resolves_to_a_private_address_is_refused(strict, dns):
     dns.answers["hooks.example.com"] = ["10.1.2.3"]
     # when it is submitted, then it is refused, naming what it resolved to
     with pytest.raises(CallbackRefused, match=r"hooks.example.com resolves to 10.1.2.3, a private address"):
-        callback_url_check("https://hooks.example.com/x")
+        callback_url_check(url="https://hooks.example.com/x")
 
 
 def test_every_address_of_a_host_is_checked_not_only_the_first(strict, dns):
     dns.answers["hooks.example.com"] = [PUBLIC, "2606:4700::1111", "169.254.169.254"]
     with pytest.raises(CallbackRefused, match="169.254.169.254, a cloud metadata address"):
-        callback_url_check("https://hooks.example.com/x")
+        callback_url_check(url="https://hooks.example.com/x")
 
 
 def test_a_public_host_is_accepted_and_pinned_to_its_checked_address(strict, dns):
     dns.answers["hooks.example.com"] = [PUBLIC, "2606:4700::1111"]
-    target = callback_target_resolve("https://Hooks.Example.COM./cb?x=1")
+    target = callback_target_resolve(url="https://Hooks.Example.COM./cb?x=1")
     assert (target.host, target.port, target.address) == ("hooks.example.com", 443, PUBLIC)
     assert target.pinned_url == f"https://{PUBLIC}:443/cb?x=1"
     assert (target.host_header, target.sni_hostname) == ("hooks.example.com", "hooks.example.com")
-    target = callback_target_resolve("https://[2606:4700::1111]:8443/cb")
+    target = callback_target_resolve(url="https://[2606:4700::1111]:8443/cb")
     assert target.pinned_url == "https://[2606:4700::1111]:8443/cb"
     assert (target.host_header, target.sni_hostname) == ("[2606:4700::1111]:8443", None)
 
 
 def test_a_host_that_does_not_resolve_is_refused_and_may_work_later(strict, dns):
     with pytest.raises(CallbackRefused, match="does not resolve") as refused:
-        callback_url_check("https://nowhere.example.com/x")
+        callback_url_check(url="https://nowhere.example.com/x")
     assert refused.value.retryable
 
 
@@ -158,13 +159,13 @@ def test_settings_allow_http_and_private_receivers_but_never_metadata(settings, 
     settings.SLUICE_CALLBACK_ALLOW_PRIVATE = True
     dns.answers["localhost"] = ["127.0.0.1"]
     dns.answers["hooks.corp.internal"] = ["10.0.0.7"]
-    assert callback_url_check("http://127.0.0.1:9000/x") == "http://127.0.0.1:9000/x"
-    assert callback_url_check("http://localhost:9000/x") == "http://localhost:9000/x"
-    assert callback_url_check("https://hooks.corp.internal/x") == "https://hooks.corp.internal/x"
+    assert callback_url_check(url="http://127.0.0.1:9000/x") == "http://127.0.0.1:9000/x"
+    assert callback_url_check(url="http://localhost:9000/x") == "http://localhost:9000/x"
+    assert callback_url_check(url="https://hooks.corp.internal/x") == "https://hooks.corp.internal/x"
     for url in ("http://169.254.169.254/", "http://metadata.google.internal/", "http://[fe80::1]/",
                 "http://0.0.0.0/", "http://u:p@127.0.0.1/", "http://2130706433/"):
         with pytest.raises(CallbackRefused):
-            callback_url_check(url)
+            callback_url_check(url=url)
 
 
 # --- checked again at send time -------------------------------------------------------------
@@ -196,7 +197,7 @@ def test_a_dns_answer_that_changes_after_submission_is_refused_at_send_time(stri
         # given a job whose callback host was public when it was submitted
         url = f"https://hooks.example.com:{receiver.port}/hook"
         dns.answers["hooks.example.com"] = [PUBLIC]
-        assert callback_url_check(url) == url
+        assert callback_url_check(url=url) == url
         job = finished_job(url)
         # when its DNS answer has moved to loopback by the time it is sent (rebinding)
         dns.answers["hooks.example.com"] = ["127.0.0.1"]
@@ -311,7 +312,7 @@ def test_backoff_doubles_up_to_its_cap_with_jitter_over_the_upper_half(settings)
     settings.SLUICE_CALLBACK_BACKOFF_BASE_S = 2
     settings.SLUICE_CALLBACK_BACKOFF_CAP_S = 600
     for attempt, ceiling in [(1, 2), (2, 4), (3, 8), (9, 512), (10, 600), (30, 600)]:
-        samples = [callback_backoff_s(attempt) for _ in range(200)]
+        samples = [callback_backoff_s(failed_attempt=attempt) for _ in range(200)]
         assert all(ceiling / 2 <= s <= ceiling for s in samples), (attempt, min(samples), max(samples))
         assert max(samples) - min(samples) > ceiling / 4  # jittered, not fixed
 
@@ -365,8 +366,6 @@ def test_signatures_verify_only_for_the_same_secret_body_and_a_recent_time():
 
 @pytest.mark.django_db
 def test_each_tenant_gets_its_own_secret_and_rotation_replaces_it():
-    from tenants.services import tenant_callback_secret_rotate
-
     one = Tenant.objects.create(name="One", slug="one")
     two = Tenant.objects.create(name="Two", slug="two")
     assert one.callback_secret.startswith("whsec_") and len(one.callback_secret) > 40

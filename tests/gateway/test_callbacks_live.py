@@ -31,9 +31,9 @@ MAX_ATTEMPTS = 4
 
 @pytest.fixture(scope="module")
 def private_callbacks(platform):
-    with platform.environment({"SLUICE_CALLBACK_ALLOW_PRIVATE": "1", "SLUICE_CALLBACK_BACKOFF_BASE_S": str(BACKOFF_BASE_S),
-                               "SLUICE_CALLBACK_BACKOFF_CAP_S": "5", "SLUICE_CALLBACK_MAX_ATTEMPTS": str(MAX_ATTEMPTS)},
-                              lanes=[HOUSEKEEPING.name]):
+    overrides = {"SLUICE_CALLBACK_ALLOW_PRIVATE": "1", "SLUICE_CALLBACK_BACKOFF_BASE_S": str(BACKOFF_BASE_S),
+                 "SLUICE_CALLBACK_BACKOFF_CAP_S": "5", "SLUICE_CALLBACK_MAX_ATTEMPTS": str(MAX_ATTEMPTS)}
+    with platform.environment(overrides, lanes=[HOUSEKEEPING.name]):
         yield platform
 
 
