@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from gateway.models import Job, JobSchedule
+from gateway.models import Job, JobCallbackDelivery, JobSchedule
 from gateway.core.schedules import schedule_delete, schedule_sync
 
 
@@ -17,14 +17,46 @@ class JobScheduleAdmin(admin.ModelAdmin):
         schedule_delete(schedule=obj)
 
 
+class JobCallbackDeliveryInline(admin.TabularInline):
+    model = JobCallbackDelivery
+    extra = 0
+    can_delete = False
+    fields = readonly_fields = ("attempt", "at", "address", "status_code", "delivered", "error", "duration_ms",
+                                "next_attempt_at")
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("id", "workload", "status", "reason", "created_at", "release_at", "released_at", "finished_at")
+    list_display = ("id", "workload", "status", "reason", "created_at", "release_at", "released_at", "finished_at",
+                    "callback_status")
     list_filter = ("status", "workload")
     readonly_fields = [f.name for f in Job._meta.fields]
+    inlines = [JobCallbackDeliveryInline]
 
     def has_add_permission(self, request):
         return False
 
     def has_change_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(JobCallbackDelivery)
+class JobCallbackDeliveryAdmin(admin.ModelAdmin):
+    """The callback delivery log: read-only, it records what was sent."""
+
+    list_display = ("job", "attempt", "at", "status_code", "delivered", "error", "address")
+    list_filter = ("delivered",)
+    search_fields = ("job__id",)
+    readonly_fields = [f.name for f in JobCallbackDelivery._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
         return False

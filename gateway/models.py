@@ -9,6 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
+from gateway.core.callbacks import CallbackRefused, callback_url_check
 from gateway.core.chat import validate_chat_request
 from tenants.models import Tenant, Workload
 
@@ -65,6 +66,32 @@ class Job(models.Model):
         return f"job {self.id} ({self.status})"
 
 
+class JobCallbackDelivery(models.Model):
+    """One attempt to POST a finished job to its callback URL: the delivery
+    log, shown in Django admin and in the job's API view. Append-only in
+    practice: one row per (job, attempt), written after the attempt."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="callback_deliveries")
+    attempt = models.PositiveSmallIntegerField()
+    at = models.DateTimeField(help_text="When the attempt was made.")
+    address = models.GenericIPAddressField(null=True, blank=True, help_text="The checked address it connected to.")
+    status_code = models.IntegerField(null=True, blank=True, help_text="The receiver's HTTP status; empty on error.")
+    error = models.CharField(max_length=500, blank=True, help_text="Why no 2xx came back (refused, timeout, ...).")
+    delivered = models.BooleanField(default=False)
+    duration_ms = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True, help_text="When the next attempt is due, if any.")
+
+    class Meta:
+        ordering = ["job", "attempt"]
+        verbose_name = "job callback delivery"
+        verbose_name_plural = "job callback deliveries"
+        constraints = [models.UniqueConstraint(fields=["job", "attempt"], name="uniq_job_callback_attempt")]
+
+    def __str__(self) -> str:
+        outcome = self.status_code if self.status_code is not None else (self.error[:40] or "?")
+        return f"callback of job {self.job_id}, attempt {self.attempt}: {outcome}"
+
+
 class JobSchedule(models.Model):
     """A cron schedule producing jobs for a scheduled workload. Stored as a
     django-celery-beat PeriodicTask (kept in step by gateway.services), so
@@ -90,3 +117,8 @@ class JobSchedule(models.Model):
             validate_chat_request(self.body if isinstance(self.body, dict) else {})
         except Exception as exc:  # Rejected carries the OpenAI-style message
             raise ValidationError({"body": getattr(exc, "message", str(exc))}) from exc
+        if self.callback_url:
+            try:
+                callback_url_check(url=self.callback_url)
+            except CallbackRefused as refused:
+                raise ValidationError({"callback_url": refused.message}) from None

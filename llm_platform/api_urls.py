@@ -3,17 +3,20 @@ authentication, the OpenAPI schema and its browsable docs."""
 
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
-from rest_framework.authtoken.views import ObtainAuthToken
 
 from budgets.api import views as budgets_api
+from llm_platform.login import ThrottledObtainAuthToken
 from tenants import api as tenants_api
 
 urlpatterns = [
-    path("auth/token/", ObtainAuthToken.as_view(), name="api-token"),
+    path("auth/token/", ThrottledObtainAuthToken.as_view(), name="api-token"),
     path("tenants/", tenants_api.TenantList.as_view(), name="api-tenant-list"),
     path("tenants/<slug:slug>/", tenants_api.TenantDetail.as_view(), name="api-tenant-detail"),
     path("tenants/<slug:slug>/keys/", tenants_api.ApiKeyList.as_view(), name="api-key-list"),
     path("tenants/<slug:slug>/keys/<int:key_id>/revoke/", tenants_api.ApiKeyRevoke.as_view(), name="api-key-revoke"),
+    path("tenants/<slug:slug>/callback-secret/", tenants_api.CallbackSecret.as_view(), name="api-callback-secret"),
+    path("tenants/<slug:slug>/callback-secret/rotate/", tenants_api.CallbackSecretRotate.as_view(),
+         name="api-callback-secret-rotate"),
     path("tenants/<slug:slug>/workloads/", budgets_api.WorkloadList.as_view(), name="api-workload-list"),
     path("tenants/<slug:slug>/workloads/<int:workload_id>/", budgets_api.WorkloadDetail.as_view(),
          name="api-workload-detail"),

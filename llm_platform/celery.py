@@ -46,6 +46,7 @@ app.conf.update(
         "budgets.*": {"queue": HOUSEKEEPING.queue},
         "gateway.reap_leases": {"queue": HOUSEKEEPING.queue},
         "gateway.run_schedule": {"queue": HOUSEKEEPING.queue},
+        "gateway.deliver_callback": {"queue": HOUSEKEEPING.queue},
     },
     worker_hijack_root_logger=False,
     beat_schedule={

@@ -130,6 +130,38 @@ SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
+# --- job callbacks (gateway/core/callbacks.py) -----------------------------------------
+# Callbacks go to https URLs on public addresses only. Plain http, and private
+# or loopback receivers (a test listener, a receiver inside your own network),
+# each need their switch; cloud metadata, link-local, multicast and reserved
+# addresses are refused whatever the switches say.
+SLUICE_CALLBACK_ALLOW_HTTP = env_bool("SLUICE_CALLBACK_ALLOW_HTTP", False)
+SLUICE_CALLBACK_ALLOW_PRIVATE = env_bool("SLUICE_CALLBACK_ALLOW_PRIVATE", False)
+SLUICE_CALLBACK_TIMEOUT_S = env_float("SLUICE_CALLBACK_TIMEOUT_S", 5.0)
+# Attempts per callback, the first included; between attempts an exponential
+# backoff (base x 2^(n-1), capped, jittered) waits in Redis, not in Celery.
+SLUICE_CALLBACK_MAX_ATTEMPTS = env_int("SLUICE_CALLBACK_MAX_ATTEMPTS", 8)
+SLUICE_CALLBACK_BACKOFF_BASE_S = env_float("SLUICE_CALLBACK_BACKOFF_BASE_S", 2.0)
+SLUICE_CALLBACK_BACKOFF_CAP_S = env_float("SLUICE_CALLBACK_BACKOFF_CAP_S", 600.0)
+
+# --- attempt throttles (gateway/core/throttle.py) ----------------------------------------
+# Failed sign-ins (web login, Django admin, /api/auth/token/) counted per
+# user and per client address; past either limit sign-in answers 429 until
+# the window (counted from the first failure) ends. A limit of 0 turns it off.
+SLUICE_LOGIN_FAILURES_PER_USER = env_int("SLUICE_LOGIN_FAILURES_PER_USER", 10)
+SLUICE_LOGIN_FAILURES_PER_ADDRESS = env_int("SLUICE_LOGIN_FAILURES_PER_ADDRESS", 50)
+SLUICE_LOGIN_FAILURE_WINDOW_S = env_int("SLUICE_LOGIN_FAILURE_WINDOW_S", 900)
+# Unknown or revoked API keys on /v1 per client address; past the limit, 429.
+SLUICE_API_KEY_FAILURES_PER_ADDRESS = env_int("SLUICE_API_KEY_FAILURES_PER_ADDRESS", 100)
+SLUICE_API_KEY_FAILURE_WINDOW_S = env_int("SLUICE_API_KEY_FAILURE_WINDOW_S", 60)
+# The client address is REMOTE_ADDR, unless REMOTE_ADDR is one of these
+# proxies (comma-separated addresses or CIDRs): then it is the nearest
+# X-Forwarded-For hop that is not one of them.
+SLUICE_TRUSTED_PROXIES = tuple(p.strip() for p in os.environ.get("SLUICE_TRUSTED_PROXIES", "").split(",") if p.strip())
+# Keys remembered per web process: valid ones and, apart, unknown ones (a
+# flood of random keys only churns the second).
+SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
+
 # The port `make run` serves on, for the URLs it prints (seed_demo --json).
 PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.

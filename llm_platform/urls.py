@@ -4,6 +4,7 @@ from django.urls import include, path
 
 from gateway.web import views as gateway_views
 from llm_platform import observability
+from llm_platform.login import SluiceLoginView, login_throttled
 
 urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
@@ -13,9 +14,11 @@ urlpatterns = [
     path("healthz", gateway_views.healthz, name="healthz"),
     path("metrics", observability.metrics, name="metrics"),
     path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
+    # Admin's own login, throttled like ours (matched before admin's urls).
+    path("admin/login/", login_throttled(admin.site.login)),
     path("admin/", admin.site.urls),
     # Web UI and management API (issue 5)
-    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("accounts/login/", login_throttled(SluiceLoginView.as_view()), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include("llm_platform.api_urls")),
     path("", include("tenants.urls")),

@@ -17,7 +17,7 @@ from tenants.access import (
 )
 from tenants.api_permissions import ReadOnlyForFinance
 from tenants.models import ApiKey, Tenant, Workload
-from tenants.services import api_key_create, api_key_revoke
+from tenants.services import api_key_create, api_key_revoke, tenant_callback_secret_rotate
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -54,6 +54,19 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 
     class Meta(ApiKeySerializer.Meta):
         fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class CallbackSecretSerializer(serializers.Serializer):
+    callback_secret = serializers.CharField(read_only=True, help_text=(
+        "Verify job callbacks with it: X-Sluice-Signature is t=<unix seconds>,v1=<hex HMAC-SHA256 of "
+        "'<t>.' + the raw body, keyed with this secret>."))
+    callback_secret_rotated_at = serializers.DateTimeField(read_only=True, allow_null=True)
+
+
+def _secret_response(tenant: Tenant) -> Response:
+    response = Response(CallbackSecretSerializer(tenant).data)
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 class TenantList(APIView):
@@ -99,3 +112,24 @@ class ApiKeyRevoke(APIView):
         # Another tenant's key raises DoesNotExist: the exception handler's 404.
         key = api_key_of_tenant(tenant=tenant, key_id=key_id)
         return Response(ApiKeySerializer(api_key_revoke(api_key=key)).data)
+
+
+class CallbackSecret(APIView):
+    """The tenant's job-callback signing secret: its members and platform
+    admins (who may change the tenant) read it; others get a 404."""
+
+    permission_classes = [IsAuthenticated, ReadOnlyForFinance]
+
+    @extend_schema(responses=CallbackSecretSerializer, summary="The secret that signs the tenant's job callbacks")
+    def get(self, request, slug: str):
+        return _secret_response(tenant_for_user_or_404(user=request.user, slug=slug, write=True))
+
+
+class CallbackSecretRotate(APIView):
+    permission_classes = [IsAuthenticated, ReadOnlyForFinance]
+
+    @extend_schema(request=None, responses=CallbackSecretSerializer,
+                   summary="Replace the callback signing secret (the old one stops signing at once)")
+    def post(self, request, slug: str):
+        tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+        return _secret_response(tenant_callback_secret_rotate(tenant=tenant))

@@ -8,6 +8,7 @@ import hashlib
 import secrets
 
 KEY_PREFIX = "sk-sluice-"
+CALLBACK_SECRET_PREFIX = "whsec_"
 DISPLAY_PREFIX_LEN = len(KEY_PREFIX) + 4
 
 
@@ -21,3 +22,9 @@ def api_key_hash(raw_key: str) -> str:
 
 def api_key_display_prefix(raw_key: str) -> str:
     return raw_key[:DISPLAY_PREFIX_LEN]
+
+
+def callback_secret_generate() -> str:
+    """A tenant's job-callback signing secret. Kept readable (unlike API
+    keys): Sluice signs with it, and the tenant's members read it to verify."""
+    return CALLBACK_SECRET_PREFIX + secrets.token_urlsafe(32)

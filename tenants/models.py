@@ -9,12 +9,19 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
+from tenants.keys import callback_secret_generate
+
 
 class Tenant(models.Model):
     name = models.CharField(max_length=200)
     slug = models.SlugField(max_length=100, unique=True)
     cost_center = models.CharField(max_length=100, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    callback_secret = models.CharField(
+        max_length=100, default=callback_secret_generate, editable=False,
+        help_text="Signs this tenant's job callbacks (X-Sluice-Signature). Rotate it from the tenant page or API.",
+    )
+    callback_secret_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["slug"]

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from tenants.keys import api_key_display_prefix, api_key_generate, api_key_hash
-from tenants.models import ApiKey, Workload
+from tenants.keys import api_key_display_prefix, api_key_generate, api_key_hash, callback_secret_generate
+from tenants.models import ApiKey, Tenant, Workload
 
 
 @dataclass(frozen=True)
@@ -27,3 +27,12 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
         api_key.revoked_at = timezone.now()
         api_key.save(update_fields=["revoked_at"])
     return api_key
+
+
+def tenant_callback_secret_rotate(*, tenant: Tenant) -> Tenant:
+    """A new secret for the tenant's job callbacks; the old one stops
+    signing at once (attempts already signed keep their signature)."""
+    tenant.callback_secret = callback_secret_generate()
+    tenant.callback_secret_rotated_at = timezone.now()
+    tenant.save(update_fields=["callback_secret", "callback_secret_rotated_at"])
+    return tenant

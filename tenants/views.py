@@ -1,5 +1,6 @@
 """API keys in the web UI: create (the raw key is shown once, on the response
-to the POST, never stored or put in a cookie) and revoke."""
+to the POST, never stored or put in a cookie) and revoke; and rotating the
+tenant's job-callback signing secret."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from django.views.decorators.http import require_POST
 
 from tenants.access import api_key_of_tenant, tenant_for_user_or_404, workload_of_tenant
 from tenants.models import ApiKey, Workload
-from tenants.services import api_key_create, api_key_revoke
+from tenants.services import api_key_create, api_key_revoke, tenant_callback_secret_rotate
 
 
 @login_required
@@ -40,3 +41,11 @@ def api_key_revoke_view(request, slug: str, key_id: int):
         raise Http404("No such key.")
     api_key_revoke(api_key=key)
     return redirect(reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys")
+
+
+@login_required
+@require_POST
+def callback_secret_rotate_view(request, slug: str):
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    tenant_callback_secret_rotate(tenant=tenant)
+    return redirect(reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#callbacks")

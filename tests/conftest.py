@@ -71,6 +71,11 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         "REDIS_URL": settings.REDIS_URL,
         "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
         "SLUICE_AUTH_CACHE_S": "0.5",
+        # Test receivers listen on plain http; private and loopback receivers
+        # stay refused (tests that need one turn it on for themselves).
+        "SLUICE_CALLBACK_ALLOW_HTTP": "1",
+        # Few enough that the unknown-key throttle is reached quickly in a test.
+        "SLUICE_API_KEY_FAILURES_PER_ADDRESS": "20",
         "PYTHONUNBUFFERED": "1",
         "DB_CONN_MAX_AGE": "0",
         # The processes add up their metrics here, as under `make run`.

@@ -4,8 +4,10 @@ PostgreSQL test database and Redis as the test itself."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -72,6 +74,32 @@ class Platform:
         worker = self.workers.pop(lane, None)
         if worker is not None:
             worker.stop()
+
+    @contextlib.contextmanager
+    def environment(self, overrides: dict[str, str], *, lanes: Iterable[str]) -> Iterator[Platform]:
+        """Run the web process and these lanes' workers with ``overrides``
+        on top of the session's environment, then restart them as they were
+        (a setting a few tests need, such as private callback receivers,
+        stays off for all the others)."""
+        lanes = list(lanes)
+        saved = self.env
+
+        def restart(env: dict[str, str]) -> None:
+            self.env = env
+            for lane in lanes:
+                self.stop_worker(lane)
+            if self.web is not None:
+                self.web.stop()
+            self.start_web()
+            for lane in lanes:
+                self.start_worker(lane)
+            self.wait_workers_ready(lanes)
+
+        restart({**saved, **overrides})
+        try:
+            yield self
+        finally:
+            restart(saved)
 
     def stop_all(self) -> None:
         for lane in list(self.workers):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 
 from django.utils import timezone
@@ -17,7 +18,7 @@ from tenants.models import Workload
 from budgets.models import InferencePool, Reservation
 from budgets.models import BudgetRequest, BudgetRequestEvent
 from budgets.selectors.pools import pool_active_by_slug, pool_by_slug
-from budgets.selectors.usage import GROUPS, UsageFilters
+from budgets.selectors.usage import GROUPS, UsageFilters, usage_day_problem
 
 
 class ReservationSerializer(serializers.ModelSerializer):
@@ -123,6 +124,9 @@ class BudgetRequestCreateSerializer(serializers.Serializer):
             raise serializers.ValidationError({"workload_id": ["Give a workload id or a new workload name."]})
         if data.get("ends_on") and data["ends_on"] <= timezone.now().date():
             raise serializers.ValidationError({"ends_on": ["The end date must be in the future."]})
+        if data.get("ends_on") and data["ends_on"] > timezone.now().date() + timedelta(days=3 * 366):
+            # As on the web form: a slice is reviewed against today's pool, not the next decade's.
+            raise serializers.ValidationError({"ends_on": ["Pick an end date within three years."]})
         data["tenant"] = tenant_for_user_or_404(user=self.context["user"], slug=data["tenant"], write=True)
         try:
             data["pool"] = pool_active_by_slug(slug=data["pool"])
@@ -146,6 +150,13 @@ class DecisionSerializer(serializers.Serializer):
     comment = serializers.CharField(max_length=5000, required=False, allow_blank=True, default="")
 
 
+def _usage_day(day):
+    problem = usage_day_problem(day)
+    if problem:
+        raise serializers.ValidationError(problem)
+    return day
+
+
 class UsageQuerySerializer(serializers.Serializer):
     """Needs ``context["user"]``; adds ``filters`` (UsageFilters, scoped to
     the tenants the user may read) and turns ``group_by`` into an ordered
@@ -161,6 +172,12 @@ class UsageQuerySerializer(serializers.Serializer):
     pool = serializers.SlugField(required=False)
 
     MAX_DAYS = 400
+
+    def validate_start(self, day):
+        return _usage_day(day)
+
+    def validate_end(self, day):
+        return _usage_day(day)
 
     def validate(self, data):
         if data["end"] < data["start"]:

@@ -22,6 +22,17 @@ from budgets.models import DailyUsage
 from budgets.ledger.rollups import day_bounds, rollup_final_through
 
 GROUPS = ("tenant", "cost_center", "workload", "model", "pool", "day", "month")
+# The days a usage query may name. Day arithmetic near date.max overflows
+# (9999-12-31 + 1 day), and nothing was metered before 2000 or will be past 2100.
+FIRST_DAY = date(2000, 1, 1)
+LAST_DAY = date(2100, 12, 31)
+
+
+def usage_day_problem(day: date | None) -> str | None:
+    """Why ``day`` cannot be used in a usage query, or None."""
+    if day is not None and not FIRST_DAY <= day <= LAST_DAY:
+        return f"Choose a day between {FIRST_DAY:%Y-%m-%d} and {LAST_DAY:%Y-%m-%d}."
+    return None
 SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
         "actual_output_tokens", "cost")
 

@@ -11,6 +11,7 @@ from django.utils import timezone
 from tenants.models import Tenant, Workload
 
 from budgets.models import InferencePool
+from budgets.selectors.usage import usage_day_problem
 
 NEW = "new"
 
@@ -111,6 +112,13 @@ def period_range(period: str, today: date) -> tuple[date, date]:
     return today.replace(day=1), today
 
 
+def _usage_day(day: date | None) -> date | None:
+    problem = usage_day_problem(day)
+    if problem:
+        raise forms.ValidationError(problem)
+    return day
+
+
 class SpendFilterForm(forms.Form):
     """The finance page's filters, also used by its CSV export (GET)."""
 
@@ -135,8 +143,16 @@ class SpendFilterForm(forms.Form):
         self.fields["tenant"].empty_label = "All"
         self.fields["workload"].empty_label = "All"
 
+    def clean_start(self) -> date | None:
+        return _usage_day(self.cleaned_data.get("start"))
+
+    def clean_end(self) -> date | None:
+        return _usage_day(self.cleaned_data.get("end"))
+
     def clean(self):
         data = super().clean()
+        if self.errors:
+            return data
         today = timezone.now().date()
         start, end = data.get("start"), data.get("end")
         if not (start or end):  # explicit dates win over the period preset

@@ -11,7 +11,6 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
-import httpx
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -22,12 +21,13 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit
+from gateway.core.callbacks import CallbackRefused, callback_enqueue, callback_url_check
 from gateway.core.chat import ChatRequest, body_digest, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.context import CallerContext, context_for_workload
 from gateway.core.enqueue import new_request_id, record_build, record_enqueue
-from gateway.core.errors import budget_unavailable, error_body, no_reservation
+from gateway.core.errors import bad_request, budget_unavailable, error_body, no_reservation
 from gateway.core.records import Outcome
-from gateway.models import Job
+from gateway.models import Job, JobCallbackDelivery
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +55,16 @@ def _ms_to_datetime(ms: float) -> datetime:
 def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_url: str = "", idempotency_key: str = "",
                deadline_s: float | None = None, session_id: str = "", schedule_id: int | None = None) -> Submitted:
     """Create a job and try to start it. Raises Rejected for a job that can
-    never run (caps, size) or whose earliest start is past its deadline, and
-    IdempotencyConflict for a reused key with another body."""
+    never run (caps, size), a callback URL Sluice will not call, or whose
+    earliest start is past its deadline, and IdempotencyConflict for a reused
+    key with another body."""
     if ctx.pool_id is None:
         raise no_reservation(on_any_pool=True)
+    if callback_url:
+        try:
+            callback_url_check(url=callback_url)  # resolves the host: this runs in a thread, not the event loop
+        except CallbackRefused as refused:
+            raise bad_request(refused.message, param="callback_url", code="invalid_callback_url") from None
     digest = body_digest(body)
     if idempotency_key:
         existing = Job.objects.filter(workload_id=ctx.workload_id, idempotency_key=idempotency_key).first()
@@ -107,6 +113,8 @@ def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None
         job.result = error_body(message=f"Budget ({reason}) would hold this job past its deadline.",
                                 error_type="rate_limit_error", code="deadline_unreachable")
         job.save(update_fields=["status", "reason", "finished_at", "result"])
+        if not at_submit:  # at submission the caller hears it in the answer
+            _callback(job)
         return
     job.status = Job.Status.DELAYED
     job.release_at = _ms_to_datetime(release_ms)
@@ -163,6 +171,7 @@ def job_release(*, job_id: str) -> str:
         job.reason = "deadline_passed"
         job.finished_at = timezone.now()
         job.save(update_fields=["status", "reason", "finished_at"])
+        _callback(job)
         return "expired"
     ctx = context_for_workload(job.workload)
     chat = validate_chat_request(job.body)
@@ -177,6 +186,7 @@ def job_release(*, job_id: str) -> str:
         job.result = error_body(message=rejected.message, error_type=rejected.error_type, param=rejected.param,
                                 code=rejected.reason)
         job.save(update_fields=["status", "reason", "finished_at", "result"])
+        _callback(job)
     return job.status
 
 
@@ -188,11 +198,30 @@ def job_complete(*, job_id: str, outcome: Outcome) -> None:
         reason="" if outcome.status == "ok" else outcome.status,
     )
     if updated:
-        job_callback(job_id=job_id)
+        job = Job.objects.filter(pk=job_id).only("id", "callback_url").first()
+        if job is not None:
+            _callback(job)
 
 
-def job_view(job: Job, *, base_url: str = "") -> dict:
-    """The job as the API shows it; tokens and cost come from its ledger row."""
+def _callback(job: Job) -> None:
+    """A job reached its final state after its submission was answered: its
+    callback, if it has one, goes out from the housekeeping lane."""
+    if job.callback_url:
+        callback_enqueue(job_id=str(job.id))
+
+
+def job_callback_attempts(job: Job) -> list[dict]:
+    return [
+        {"attempt": d.attempt, "at": d.at.isoformat(), "status_code": d.status_code, "delivered": d.delivered,
+         "error": d.error or None, "next_attempt_at": d.next_attempt_at.isoformat() if d.next_attempt_at else None}
+        for d in JobCallbackDelivery.objects.filter(job=job).order_by("attempt")
+    ]
+
+
+def job_view(job: Job, *, base_url: str = "", with_callback: bool = True) -> dict:
+    """The job as the API shows it; tokens and cost come from its ledger row.
+    ``with_callback``: also how its callback went (not in the callback's own
+    body, which stays the same across attempts)."""
     row = UsageRecord.objects.filter(request_id=job.request_id).first() if job.request_id else None
     data = {
         "id": str(job.id),
@@ -218,18 +247,8 @@ def job_view(job: Job, *, base_url: str = "") -> dict:
                          "estimated_completion_tokens": row.estimated_output_tokens}
         data["cost"] = str(row.cost)
         data["request_id"] = row.request_id
+    if with_callback:
+        # callback_status: the last attempt's HTTP status, 0 when it got none.
+        data["callback_status"] = job.callback_status
+        data["callback_attempts"] = job_callback_attempts(job) if job.callback_url else []
     return data
-
-
-def job_callback(*, job_id: str) -> None:
-    """POST the settled job to its callback URL, once, best effort."""
-    job = Job.objects.select_related("workload").filter(pk=job_id).first()
-    if job is None or not job.callback_url:
-        return
-    try:
-        response = httpx.post(job.callback_url, json=job_view(job), timeout=5.0)
-        status = response.status_code
-    except httpx.HTTPError as exc:
-        logger.info("callback for job %s failed: %s", job_id, exc)
-        status = 0
-    Job.objects.filter(pk=job_id).update(callback_status=status)

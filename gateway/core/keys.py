@@ -51,6 +51,20 @@ def pool_pacer(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:pace"
 
 
+CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
+"""Sorted set: '<job id>:<attempt>' of job callbacks waiting to be tried
+again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""
+
+
+# --- attempt throttles ------------------------------------------------------------------
+
+
+def attempts(kind: str, subject_digest: str) -> str:
+    """String: failed attempts (sign-ins, API keys) of one user or client
+    address in the current window; expires with the window."""
+    return f"sluice:attempts:{kind}:{subject_digest}"
+
+
 # --- lanes and the pool's answers ---------------------------------------------------------
 
 

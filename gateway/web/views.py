@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from urllib.parse import urlparse
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -27,7 +26,8 @@ from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
-from gateway.web.auth import bearer_key, caller_context
+from gateway.core.throttle import request_client_address
+from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import chat_completion
 from gateway.web.health import health_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
@@ -63,10 +63,17 @@ async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
     if raw_key is None:
         return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
                             error_type="invalid_request_error", code="missing_api_key")
-    ctx = await caller_context(raw_key)
-    if ctx is None:
+    check = await key_check(raw_key, address=request_client_address(request.META))
+    if check.retry_after_ms is not None:
+        retry_after_s = max(1, -(-check.retry_after_ms // 1000))
+        return openai_error(status=429, message="Too many requests with incorrect API keys from this address; "
+                            f"retry after {retry_after_s} s.", error_type="rate_limit_error",
+                            code="too_many_invalid_api_keys",
+                            headers={"Retry-After": str(retry_after_s), "retry-after-ms": str(check.retry_after_ms)})
+    if check.context is None:
         return openai_error(status=401, message="Incorrect or revoked API key.", error_type="invalid_request_error",
                             code="invalid_api_key")
+    ctx = check.context
     log_annotate(tenant=ctx.tenant_slug, workload=ctx.workload_slug, workload_id=ctx.workload_id, pool_id=ctx.pool_id)
     return ctx
 
@@ -188,11 +195,8 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
 
 
 def _job_fields(body: dict) -> tuple[str, float | None]:
+    # Checked (DNS included) by job_submit, off the event loop.
     callback_url = body.pop("callback_url", None) or ""
-    if callback_url:
-        parsed = urlparse(callback_url) if isinstance(callback_url, str) else None
-        if parsed is None or parsed.scheme not in {"http", "https"} or not parsed.netloc or len(callback_url) > 1000:
-            raise bad_request("'callback_url' must be an http(s) URL.", param="callback_url")
     deadline = body.pop("deadline_seconds", None)
     if deadline is not None:
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not 0 < deadline <= MAX_JOB_DEADLINE_S:
@@ -239,6 +243,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     return response
 
 
+@redis_unavailable_is_503
 async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
@@ -254,6 +259,7 @@ async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
     return JsonResponse(view)
 
 
+@redis_unavailable_is_503
 async def models(request: HttpRequest) -> JsonResponse:
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):

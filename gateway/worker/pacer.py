@@ -1,4 +1,5 @@
-"""The pacer: moves due jobs from the delayed sorted set onto their lanes.
+"""The pacer: moves due jobs from the delayed sorted set onto their lanes,
+and due job-callback retries onto the housekeeping lane.
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them. It sleeps until the earliest release, never
@@ -14,6 +15,7 @@ from django.db import close_old_connections
 from budgets.admission.redis_client import get_redis, redis_now_ms
 
 from gateway.core import keys
+from gateway.core.callbacks import callback_retries_release
 from gateway.core.jobs import job_release
 
 logger = logging.getLogger(__name__)
@@ -23,7 +25,7 @@ BATCH = 100
 
 
 def pacer_step() -> int:
-    """Release every job due now; returns how many this pacer released."""
+    """Release every job and callback retry due now; returns how many this pacer released."""
     client = get_redis()
     now_ms = redis_now_ms(client)
     due = client.zrangebyscore(keys.DELAYED_JOBS, "-inf", now_ms, start=0, num=BATCH)
@@ -37,7 +39,7 @@ def pacer_step() -> int:
                 # Put it back a second later rather than lose it.
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
-    return released
+    return released + callback_retries_release(now_ms=now_ms)
 
 
 def pacer_sleep_s() -> float:

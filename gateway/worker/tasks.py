@@ -16,10 +16,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.errors import BudgetUnavailable
 from budgets.models import InferencePool
+from gateway.core.callbacks import DELIVER_CALLBACK_TASK
 from gateway.core.enqueue import EXECUTE_REQUEST_TASK
 from gateway.core.log_context import log_context
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
+from gateway.worker.callbacks import callback_deliver
 from gateway.worker.execution import leases_reap, request_execute
 
 logger = logging.getLogger(__name__)
@@ -76,3 +78,23 @@ def reap_leases() -> int:
 @shared_task(name=RUN_SCHEDULE_TASK, ignore_result=True)
 def run_schedule(schedule_id: int) -> int:
     return len(schedule_run(schedule_id=schedule_id))
+
+
+@shared_task(
+    name=DELIVER_CALLBACK_TASK,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    # The database restarting: the attempt is idempotent (one log row per
+    # attempt), so run it again. The receiver failing is not retried here:
+    # the next attempt waits in Redis (gateway/core/callbacks.py).
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=1,
+    retry_backoff_max=30,
+    retry_jitter=True,
+    max_retries=10,
+)
+def deliver_callback(job_id: str, attempt: int = 1) -> str:
+    """One attempt at a finished job's callback (queue: the housekeeping lane)."""
+    close_old_connections()
+    return callback_deliver(job_id=job_id, attempt=attempt)

@@ -59,6 +59,7 @@ def page_cases(world, request_a, key_a):
         "budget-request-detail": [("get", f"/t/{a}/requests/{request_a.pk}/", {})],
         "api-key-new": [("post", f"/t/{a}/keys/new", {"workload": world.wl_a.id})],
         "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {})],
+        "callback-secret-rotate": [("post", f"/t/{a}/callback-secret/rotate", {})],
         "pool-list": [("get", "/ops/pools/", {})],
         "pool-detail": [("get", f"/ops/pools/{world.pool.slug}/", {})],
         "pool-live": [("get", f"/ops/pools/{world.pool.slug}/live", {})],
@@ -79,6 +80,8 @@ def api_cases(world, request_a, key_a):
         "api-tenant-detail": [("get", f"/api/tenants/{a}/", {})],
         "api-key-list": [("get", f"/api/tenants/{a}/keys/", {}), ("post", f"/api/tenants/{a}/keys/", {"workload_id": world.wl_a.id})],
         "api-key-revoke": [("post", f"/api/tenants/{a}/keys/{key_a.id}/revoke/", {})],
+        "api-callback-secret": [("get", f"/api/tenants/{a}/callback-secret/", {})],
+        "api-callback-secret-rotate": [("post", f"/api/tenants/{a}/callback-secret/rotate/", {})],
         "api-workload-list": [("get", f"/api/tenants/{a}/workloads/", {})],
         "api-workload-detail": [("get", f"/api/tenants/{a}/workloads/{world.wl_a.id}/", {})],
         "api-budget-request-detail": [("get", f"/api/budget-requests/{request_a.pk}/", {})],
@@ -95,7 +98,8 @@ def api_cases(world, request_a, key_a):
 
 
 def leaked(world, request_a, body: str) -> list[str]:
-    secrets = [world.tenant_a.slug, world.tenant_a.name, world.wl_a.slug, "secret plan A", "CC-A"]
+    secrets = [world.tenant_a.slug, world.tenant_a.name, world.wl_a.slug, "secret plan A", "CC-A",
+               world.tenant_a.callback_secret]
     return [s for s in secrets if s in body]
 
 

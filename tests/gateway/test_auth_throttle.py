@@ -1,0 +1,166 @@
+"""API keys under attack: unknown keys are counted per client address in
+Redis and answered 429 past the limit (no database lookup); a flood of
+random keys does not push valid keys out of the key cache; the client
+address is REMOTE_ADDR unless a trusted proxy vouches for another."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+
+import httpx
+import pytest
+from asgiref.sync import async_to_sync
+from django.db import connection
+from django.utils import timezone
+
+from gateway.core.throttle import address_subject, api_key_address_budget, client_address
+from gateway.web import auth
+from gateway.web.auth import ExpiringLRU, key_check
+from tenants.models import ApiKey
+
+check = async_to_sync(key_check)
+
+
+def random_key() -> str:
+    return "sk-sluice-" + secrets.token_urlsafe(32)
+
+
+@pytest.fixture(autouse=True)
+def lookups_close_their_connections(monkeypatch):
+    """Key lookups run in executor threads; their database connections are
+    closed after each, or they would hold the test database open at teardown."""
+    load = auth._load_context
+
+    def load_and_close(raw_key):
+        try:
+            return load(raw_key)
+        finally:
+            connection.close()
+
+    monkeypatch.setattr(auth, "_load_context", load_and_close)
+
+
+@pytest.fixture
+def small_caches(monkeypatch):
+    """Key caches of 8 entries each, so a flood overflows them in a test."""
+    monkeypatch.setattr(auth, "_valid", ExpiringLRU(8))
+    monkeypatch.setattr(auth, "_unknown", ExpiringLRU(8))
+
+
+def test_a_flood_of_random_keys_does_not_evict_valid_keys(settings, make_caller, small_caches):
+    settings.SLUICE_AUTH_CACHE_S = 60
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 0  # no throttle: the caches alone
+    caller = make_caller()
+    # given a valid key in the cache
+    assert check(caller.api_key, address="198.51.100.7").context.workload_id == caller.workload.id
+    # when 100 random keys (12 times the cache) arrive
+    assert all(check(random_key(), address="198.51.100.66").context is None for _ in range(100))
+    # then the unknown-key cache stayed bounded and the valid key is still
+    # served from its cache: revoked meanwhile, it still passes (the cache's
+    # documented few seconds), so no lookup happened
+    assert len(auth._unknown) == 8
+    ApiKey.objects.filter(workload=caller.workload).update(revoked_at=timezone.now())
+    assert check(caller.api_key, address="198.51.100.7").context.workload_id == caller.workload.id
+
+
+def test_the_valid_key_cache_is_bounded_least_recently_used_first():
+    cache: ExpiringLRU[int] = ExpiringLRU(3)
+    for n, key in enumerate("abc"):
+        cache.put(key, n, expires=100)
+    assert cache.get("a", now=0) == 0  # a is now the most recently used
+    cache.put("d", 3, expires=100)
+    assert [cache.get(k, now=0) for k in "abcd"] == [0, None, 2, 3]
+    assert cache.get("a", now=100) is None and "a" not in cache  # expired entries go
+
+
+def test_unknown_keys_from_one_address_are_refused_past_the_limit(settings, make_caller, small_caches, redis_client):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 5
+    settings.SLUICE_API_KEY_FAILURE_WINDOW_S = 60
+    caller = make_caller()
+    # given a valid key in use from the attacker's address
+    assert check(caller.api_key, address="203.0.113.9").context is not None
+    # when that address tries six unknown keys
+    results = [check(random_key(), address="203.0.113.9") for _ in range(6)]
+    # then five were looked up (401s) and the sixth refused with the window's rest
+    assert [r.retry_after_ms is None for r in results] == [True] * 5 + [False]
+    assert 58_000 <= results[-1].retry_after_ms <= 60_000
+    # and the key it already holds (cached) still works, another address is unaffected
+    assert check(caller.api_key, address="203.0.113.9").context is not None
+    assert check(random_key(), address="192.0.2.10").retry_after_ms is None
+    # and a valid key's lookup gave its attempt back: only the failures count
+    key = api_key_address_budget().counter_key("203.0.113.9")
+    assert redis_client.get(key) == "5"
+
+
+def test_concurrent_unknown_keys_pass_the_limit_exactly(settings, make_caller, small_caches):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 5
+    make_caller()
+    barrier = threading.Barrier(40)
+    results = []
+    lock = threading.Lock()
+
+    def attempt():
+        barrier.wait()
+        result = check(random_key(), address="203.0.113.50")
+        with lock:
+            results.append(result)
+
+    # when 40 threads try unknown keys at the same moment
+    threads = [threading.Thread(target=attempt) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    # then exactly 5 were looked up, 35 refused without a lookup
+    assert len(results) == 40
+    assert sum(r.retry_after_ms is None for r in results) == 5
+
+
+def test_ipv6_addresses_are_counted_per_64_so_one_host_cannot_rotate_through_its_prefix(settings, make_caller,
+                                                                                      small_caches):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
+    make_caller()
+    results = [check(random_key(), address=f"2001:db8:1:2::{n:x}") for n in range(1, 5)]
+    assert [r.retry_after_ms is None for r in results] == [True, True, True, False]
+    assert check(random_key(), address="2001:db8:1:3::1").retry_after_ms is None  # the next /64
+    assert address_subject("2001:db8:1:2:aaaa::1") == "2001:db8:1:2::/64"
+    assert address_subject("::ffff:203.0.113.5") == "203.0.113.5"
+    assert address_subject("203.0.113.5") == "203.0.113.5"
+    assert address_subject("unknown") == "unknown"
+
+
+@pytest.mark.parametrize("remote,forwarded,trusted,expected", [
+    ("203.0.113.9", "", (), "203.0.113.9"),
+    ("203.0.113.9", "198.51.100.1", (), "203.0.113.9"),  # nobody trusted: the header is the client's word
+    ("10.0.0.2", "198.51.100.1", ("10.0.0.0/8",), "198.51.100.1"),
+    ("10.0.0.2", "6.6.6.6, 198.51.100.1", ("10.0.0.0/8",), "198.51.100.1"),  # a spoofed left part proves nothing
+    ("10.0.0.2", "198.51.100.1, 10.0.0.9", ("10.0.0.0/8",), "198.51.100.1"),  # two proxies deep
+    ("10.0.0.2", "not-an-ip, 10.0.0.9", ("10.0.0.0/8",), "10.0.0.9"),
+    ("10.0.0.2", "", ("10.0.0.0/8",), "10.0.0.2"),
+    ("203.0.113.9", "198.51.100.1", ("10.0.0.0/8",), "203.0.113.9"),  # not from a trusted proxy
+    ("::1", "2001:db8::5", ("::1",), "2001:db8::5"),
+])
+def test_the_client_address_believes_x_forwarded_for_only_from_trusted_proxies(settings, remote, forwarded, trusted,
+                                                                                expected):
+    settings.SLUICE_TRUSTED_PROXIES = trusted
+    assert client_address(remote_addr=remote, forwarded_for=forwarded) == expected
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_gateway_answers_429_after_too_many_unknown_keys_from_one_address(platform, make_caller):
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    url = f"{platform.base_url}/v1/chat/completions"
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(timeout=10) as client:
+        # when one address sends `limit` unknown keys, then one more
+        answers = [client.post(url, json=body, headers={"Authorization": f"Bearer {random_key()}"})
+                   for _ in range(limit + 1)]
+    # then the first `limit` are 401s and the next a 429 in OpenAI's shape with Retry-After
+    assert [a.status_code for a in answers] == [401] * limit + [429]
+    assert answers[0].json()["error"]["code"] == "invalid_api_key"
+    refused = answers[-1]
+    assert refused.json()["error"]["code"] == "too_many_invalid_api_keys"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert 0 < int(refused.headers["retry-after-ms"]) <= 60_000
