@@ -56,6 +56,8 @@ class Services:
             "SLUICE_VAR_DIR": str(self.var_dir),
             "PYTHONUNBUFFERED": "1",
             "LOG_LEVEL": "WARNING",
+            # Scenarios steer the simulated pool per request ("sim" in a body).
+            "SLUICE_SIM_CONTROLS": "true",
         }
         # This process reads and writes the same database (seeding, the ledger).
         for name in ("DJANGO_SETTINGS_MODULE", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "SLUICE_VAR_DIR"):

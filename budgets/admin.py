@@ -5,7 +5,7 @@ from budgets.models import InferencePool, ModelPrice, Reservation, UsageRecord
 
 @admin.register(InferencePool)
 class InferencePoolAdmin(admin.ModelAdmin):
-    list_display = ("slug", "base_url", "provider_tpm", "provider_rpm", "headroom", "burst_seconds", "max_concurrency", "is_active")
+    list_display = ("slug", "base_url", "provider_tpm", "provider_rpm", "headroom", "burst_seconds", "max_concurrency", "is_active", "is_simulator")
     prepopulated_fields = {"slug": ("name",)}
 
 

@@ -78,6 +78,8 @@ def main() -> None:
     port = int(env.get("PORT", "8000"))
     sim_port = int(env.get("SLUICE_SIM_PORT", "8100"))
     env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
+    # The demo pool is the simulator: let callers use its test switches.
+    env.setdefault("SLUICE_SIM_CONTROLS", "true")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}
