@@ -22,10 +22,10 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit
-from gateway.core.chat import ChatRequest, body_digest, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.context import CallerContext, context_for_workload
 from gateway.core.enqueue import new_request_id, record_build, record_enqueue
-from gateway.core.errors import budget_unavailable, error_body, no_reservation
+from gateway.core.errors import budget_unavailable, error_body
 from gateway.core.records import Outcome
 from gateway.models import Job
 
@@ -57,8 +57,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
     """Create a job and try to start it. Raises Rejected for a job that can
     never run (caps, size) or whose earliest start is past its deadline, and
     IdempotencyConflict for a reused key with another body."""
-    if ctx.pool_id is None:
-        raise no_reservation(on_any_pool=True)
+    chat_check(ctx, chat)
     digest = body_digest(body)
     if idempotency_key:
         existing = Job.objects.filter(workload_id=ctx.workload_id, idempotency_key=idempotency_key).first()
@@ -165,10 +164,12 @@ def job_release(*, job_id: str) -> str:
         job.save(update_fields=["status", "reason", "finished_at"])
         return "expired"
     ctx = context_for_workload(job.workload)
-    chat = validate_chat_request(job.body)
-    estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
-                        max_tokens_requested=chat.max_tokens, clamped=False)
     try:
+        # Again at release: the pool or its settings may have changed since.
+        chat = validate_chat_request(job.body)
+        chat_check(ctx, chat)
+        estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
+                            max_tokens_requested=chat.max_tokens, clamped=False)
         job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, paced=True)
     except Rejected as rejected:
         job.status = Job.Status.REJECTED
