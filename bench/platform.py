@@ -72,6 +72,8 @@ class Services:
             "SLUICE_VAR_DIR": str(self.var_dir),
             "PYTHONUNBUFFERED": "1",
             "LOG_LEVEL": "WARNING",
+            # Scenarios steer the simulated pool per request ("sim" in a body).
+            "SLUICE_SIM_CONTROLS": "true",
         }
         # This process reads and writes the same database (seeding, the ledger)
         # and Redis (bucket config): its settings must be the children's.

@@ -25,7 +25,8 @@ def pool_create(*, slug: str, base_url: str, provider_tpm: int, provider_rpm: in
 
     pool = InferencePool(name=slug, slug=slug, base_url=base_url, served_models=["sim-small", "sim-large"],
                          provider_tpm=provider_tpm, provider_rpm=provider_rpm, headroom=headroom,
-                         burst_seconds=burst_seconds, max_concurrency=max_concurrency)
+                         burst_seconds=burst_seconds, max_concurrency=max_concurrency,
+                         is_simulator=True)  # scenarios steer inference_sim per request ("sim")
     pool.full_clean()
     pool.save()
     for model, price_in, price_out in (("sim-small", "0.15", "0.60"), ("sim-large", "2.50", "10.00")):

@@ -33,7 +33,7 @@ class InferencePoolAdminForm(forms.ModelForm):
 @admin.register(InferencePool)
 class InferencePoolAdmin(admin.ModelAdmin):
     form = InferencePoolAdminForm
-    list_display = ("slug", "base_url", "provider_tpm", "provider_rpm", "headroom", "burst_seconds", "max_concurrency", "is_active")
+    list_display = ("slug", "base_url", "provider_tpm", "provider_rpm", "headroom", "burst_seconds", "max_concurrency", "is_active", "is_simulator")
     prepopulated_fields = {"slug": ("name",)}
 
     def save_model(self, request, obj, form, change):

@@ -126,7 +126,7 @@ class ChatHandler:
         pool = self.pool
         config = pool.config
         chat = parse_chat_request(await request.body(), config.models, config.default_max_tokens)
-        prompt_tokens = pool.count_prompt_tokens(chat.messages)
+        prompt_tokens = pool.count_prompt_tokens(chat.messages, chat.prompt_fields)
 
         if chat.sim.latency_ms:
             await pool.clock.sleep(chat.sim.latency_ms / 1000)

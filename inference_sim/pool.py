@@ -75,9 +75,10 @@ class SimulatedPool:
 
     # -- token counting and output lengths -----------------------------------
 
-    def count_prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
-        # The same function the gateway estimates with, so both agree exactly.
-        return llm_tokens.count_chat_tokens(messages, encoding_name=self.config.encoding)
+    def count_prompt_tokens(self, messages: list[dict[str, Any]], prompt_fields: dict[str, Any] | None = None) -> int:
+        # The same function the gateway estimates with, so both agree exactly
+        # (images at llm_tokens' default charge).
+        return llm_tokens.count_chat_tokens(messages, encoding_name=self.config.encoding, request=prompt_fields)
 
     def output_length(self, override: int | None, max_tokens: int) -> tuple[int, str]:
         """(tokens to generate, finish_reason)."""

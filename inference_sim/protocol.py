@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import llm_tokens
 
 from inference_sim.config import OUTAGE_STATUSES
 from inference_sim.errors import invalid_request, model_not_found
@@ -32,6 +35,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     sim: SimOverrides
+    # Tools, response format...: prompt tokens too (llm_tokens.PROMPT_FIELDS).
+    prompt_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _is_int(value: Any) -> bool:
@@ -127,6 +132,7 @@ def parse_chat_request(raw_body: bytes, models: list[str], default_max_tokens: i
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         sim=sim,
+        prompt_fields={name: body[name] for name in llm_tokens.PROMPT_FIELDS if body.get(name) is not None},
     )
 
 

@@ -21,24 +21,36 @@ django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402  (after django.setup())
-from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
 from django.urls import set_urlconf  # noqa: E402
 
 from gateway.web.access_log import api_observed  # noqa: E402
+from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
 
 API_PREFIXES = ("/v1/",)
-API_PATHS = {"/healthz", "/metrics"}
+API_PATHS = {"/v1", "/healthz", "/metrics"}
 
 
 class ApiHandler(ASGIHandler):
-    """Django's ASGI handler with an empty middleware chain."""
+    """Django's ASGI handler with an empty middleware chain, every error
+    answered as OpenAI-shaped JSON (gateway/web/edge.py), not an HTML page,
+    and one access-log line per /v1 answer (gateway/web/access_log.py)."""
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []
         self._template_response_middleware = []
         self._exception_middleware = []
-        self._middleware_chain = convert_exception_to_response(self._get_response_async)
+        self._middleware_chain = self._api_response
         self._observed_chain = api_observed(self._middleware_chain)
+
+    async def _api_response(self, request):
+        try:
+            # A bad Host is refused before any view runs: a view that asked
+            # only after its work (a job created) would answer 400 for work done.
+            request.get_host()
+            response = await self._get_response_async(request)
+        except Exception as exc:  # noqa: BLE001 - every /v1 answer is JSON, whatever went wrong
+            response = api_error_response(request, exc)
+        return as_openai_error(response)
 
     async def get_response_async(self, request):
         if not request.path.startswith(API_PREFIXES):
@@ -53,8 +65,13 @@ class ApiHandler(ASGIHandler):
         response._resource_closers.append(request.close)
         return response
 
+    def create_request(self, scope, body_file):
+        request, error_response = super().create_request(scope, body_file)
+        return request, (as_openai_error(error_response) if error_response is not None else None)
 
-api_application = ApiHandler()
+
+# The body is read (at most SLUICE_MAX_BODY_BYTES of it) before Django sees it.
+api_application = body_limit(ApiHandler())
 
 
 async def application(scope, receive, send):

@@ -165,6 +165,8 @@ def main() -> None:
     # Every process writes its metrics here and /metrics adds them up; emptied
     # first, since files of the last run would count again.
     env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
+    # The demo pool is the simulator: let callers use its test switches.
+    env.setdefault("SLUICE_SIM_CONTROLS", "true")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}

@@ -122,6 +122,15 @@ SLUICE_UNACKED_RESTORE_INTERVAL_S = env_int("SLUICE_UNACKED_RESTORE_INTERVAL_S",
 # interactive-long, so short calls never queue behind long generations.
 SLUICE_LONG_REQUEST_TOKENS = env_int("SLUICE_LONG_REQUEST_TOKENS", 2048)
 SLUICE_MAX_BODY_BYTES = env_int("SLUICE_MAX_BODY_BYTES", 2 * 1024 * 1024)
+# What one image in a prompt is estimated at (tokens); settlement corrects it
+# to what the pool reports. Default: gpt-4o's largest high-detail image.
+SLUICE_IMAGE_TOKENS = env_int("SLUICE_IMAGE_TOKENS", 1105)
+# Callers may steer a simulated pool's test switches (the body's "sim":
+# latency, output length, injected failures) only where this is on AND the
+# pool is marked is_simulator. Off by default: on a real deployment a caller
+# must not be able to make the pool fail for everyone. `make run`, the tests
+# and bench turn it on for their simulator.
+SLUICE_SIM_CONTROLS = env_bool("SLUICE_SIM_CONTROLS", False)
 SLUICE_UPSTREAM_TIMEOUT_S = env_float("SLUICE_UPSTREAM_TIMEOUT_S", 120.0)
 # How long workload/key lookups are cached in each web process; reservation
 # changes reach admission through Redis at once, caps within this many seconds.

@@ -19,6 +19,7 @@ import functools
 import gzip
 import hashlib
 import importlib.resources
+import json
 import os
 import tempfile
 import threading
@@ -47,6 +48,17 @@ _RANK_FILES: dict[str, tuple[str, str]] = {
 TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 TOKENS_REPLY_PRIMING = 3
+
+# Body fields besides ``messages`` that a pool tokenizes into the prompt.
+PROMPT_FIELDS = ("tools", "functions", "tool_choice", "function_call", "response_format")
+# Content parts whose text is tokenized as it is, keyed by their own field name.
+TEXT_PARTS = ("text", "refusal")
+IMAGE_PARTS = ("image_url",)
+# What one image costs when nobody says otherwise: the most a high-detail
+# image costs on gpt-4o (85 + 170 per 512-px tile, 6 tiles). The gateway's
+# SLUICE_IMAGE_TOKENS overrides it; settlement corrects it to what the pool
+# reports.
+DEFAULT_IMAGE_TOKENS = 1105
 
 _prime_lock = threading.Lock()
 
@@ -101,34 +113,63 @@ def encoding_for_model(model: str, default: str = "cl100k_base") -> str:
         return default
 
 
-def _content_text(content: Any) -> Iterable[str]:
-    """Text parts of a message's content: a string, or a list of content parts."""
-    if content is None:
-        return
-    if isinstance(content, str):
-        yield content
-        return
-    for part in content:
-        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-            yield part["text"]
-
-
 def count_text_tokens(text: str, encoding_name: str = "cl100k_base") -> int:
     return len(get_encoding(encoding_name).encode(text, disallowed_special=()))
 
 
-def count_chat_tokens(messages: Iterable[Mapping[str, Any]], encoding_name: str = "cl100k_base") -> int:
-    """Prompt tokens of a chat-completions ``messages`` list, chat overhead included."""
+def _json_text(value: Any) -> str:
+    """A structured part as the text a pool's chat template would render:
+    compact JSON, every string in it included."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _content_tokens(content: Any, encoding: tiktoken.Encoding, image_tokens: int) -> int:
+    """Tokens of a message's content: a string, or a list of content parts.
+    Text and refusal parts are tokenized exactly; an image costs
+    ``image_tokens`` whatever its URL (a pool does not read the base64 as
+    text); any other part counts as its JSON text, so nothing is free."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(encoding.encode(content, disallowed_special=()))
+    if not isinstance(content, list):
+        return len(encoding.encode(_json_text(content), disallowed_special=()))
+    total = 0
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in TEXT_PARTS and isinstance(part.get(kind), str):
+            total += len(encoding.encode(part[kind], disallowed_special=()))
+        elif kind in IMAGE_PARTS:
+            total += image_tokens
+        else:
+            total += len(encoding.encode(_json_text(part), disallowed_special=()))
+    return total
+
+
+def count_chat_tokens(messages: Iterable[Mapping[str, Any]], encoding_name: str = "cl100k_base", *,
+                      request: Mapping[str, Any] | None = None, image_tokens: int = DEFAULT_IMAGE_TOKENS) -> int:
+    """Prompt tokens of a chat-completions request, chat overhead included:
+    every message (contents of every type, names, tool calls and their ids)
+    and, from ``request`` (the rest of the body), the parts a pool also puts
+    in front of the model (``PROMPT_FIELDS``: tool and function definitions,
+    the tool choice, the response format's JSON schema). Structured parts
+    count as their compact JSON text: close to how chat templates render
+    them, and never zero, so a prompt cannot hide in them."""
     encoding = get_encoding(encoding_name)
     total = TOKENS_REPLY_PRIMING
     for message in messages:
         total += TOKENS_PER_MESSAGE
         for key, value in message.items():
             if key == "content":
-                for text in _content_text(value):
-                    total += len(encoding.encode(text, disallowed_special=()))
+                total += _content_tokens(value, encoding, image_tokens)
             elif isinstance(value, str):
                 total += len(encoding.encode(value, disallowed_special=()))
                 if key == "name":
                     total += TOKENS_PER_NAME
+            elif value is not None:
+                total += len(encoding.encode(_json_text(value), disallowed_special=()))
+    for field in PROMPT_FIELDS:
+        value = (request or {}).get(field)
+        if value is not None:
+            total += len(encoding.encode(value if isinstance(value, str) else _json_text(value), disallowed_special=()))
     return total

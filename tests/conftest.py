@@ -19,6 +19,9 @@ def pytest_configure(config):
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
         raise pytest.UsageError("Sluice's tests run against PostgreSQL: set DATABASE_URL (make test does).")
+    # As in the platform's processes (below): tests steer the simulated pool
+    # per request, here too where a test runs the request path in-process.
+    settings.SLUICE_SIM_CONTROLS = True
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +89,8 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         # names (InferencePool.api_key_env).
         "DJANGO_SECRET_KEY": "planted-django-secret-" + secrets.token_hex(16),
         PLANTED_POOL_KEY_ENV: "sk-planted-pool-" + secrets.token_hex(16),
+        # Tests steer the simulated pool per request ("sim" in a body).
+        "SLUICE_SIM_CONTROLS": "true",
     })
     harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
     try:
@@ -122,12 +127,13 @@ def make_caller(transactional_db):
     counter = {"n": 0}
 
     def make_pool(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 1_000_000, provider_rpm: int = 10_000,
-                  headroom: float = 0.8, burst_seconds: float = 15.0, max_concurrency: int = 256, **extra):
+                  headroom: float = 0.8, burst_seconds: float = 15.0, max_concurrency: int = 256,
+                  is_simulator: bool = True, **extra):
         counter["n"] += 1
         pool = InferencePool(name=f"pool {counter['n']}", slug=f"pool-{counter['n']}-{os.getpid()}", base_url=base_url,
                              served_models=["sim-small", "sim-large"], provider_tpm=provider_tpm,
                              provider_rpm=provider_rpm, headroom=headroom, burst_seconds=burst_seconds,
-                             max_concurrency=max_concurrency, **extra)
+                             max_concurrency=max_concurrency, is_simulator=is_simulator, **extra)
         pool.full_clean()
         pool.save()
         return pool

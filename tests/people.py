@@ -72,7 +72,8 @@ def build_world(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 
 
     n = suffix or f"{next(_seq)}{uuid.uuid4().hex[:4]}"
     pool = InferencePool(name=f"Pool {n}", slug=f"pool-{n}", base_url=base_url, served_models=["sim-small", "sim-large"],
-                         provider_tpm=provider_tpm, provider_rpm=provider_rpm, headroom=0.8, burst_seconds=15.0)
+                         provider_tpm=provider_tpm, provider_rpm=provider_rpm, headroom=0.8, burst_seconds=15.0,
+                         is_simulator=True)  # the browser story steers inference_sim per request ("sim")
     pool.full_clean()
     pool.save()
     ModelPrice.objects.get_or_create(

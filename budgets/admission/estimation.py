@@ -1,11 +1,16 @@
 """A request's cost before it runs: exact prompt tokens (tiktoken, chat
-overhead included) plus the output tokens it may generate."""
+overhead included) plus the output tokens it may generate. The prompt is
+everything a pool tokenizes: every message part, tool definitions and calls,
+the response format's schema, and images at a fixed charge each
+(SLUICE_IMAGE_TOKENS); the workload's prompt cap applies to that total."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from django.conf import settings
 
 import llm_tokens
 
@@ -24,8 +29,11 @@ class Estimate:
         return self.input_tokens + self.output_tokens
 
 
-def prompt_tokens_estimate(*, messages: list[dict[str, Any]], encoding_name: str, safety_factor: float = 1.0) -> int:
-    counted = llm_tokens.count_chat_tokens(messages, encoding_name)
+def prompt_tokens_estimate(*, messages: list[dict[str, Any]], request_fields: dict[str, Any] | None = None,
+                           encoding_name: str, safety_factor: float = 1.0) -> int:
+    """``request_fields``: the body's other fields (tools, response_format...)."""
+    counted = llm_tokens.count_chat_tokens(messages, encoding_name, request=request_fields,
+                                           image_tokens=settings.SLUICE_IMAGE_TOKENS)
     # Models with another tokenizer: over-estimate by the pool's factor;
     # settlement corrects it with the usage the pool reports.
     return counted if safety_factor <= 1.0 else math.ceil(counted * safety_factor)
@@ -34,6 +42,7 @@ def prompt_tokens_estimate(*, messages: list[dict[str, Any]], encoding_name: str
 def request_estimate(
     *,
     messages: list[dict[str, Any]],
+    request_fields: dict[str, Any] | None = None,
     max_tokens: int | None,
     prompt_tokens_cap: int,
     max_tokens_cap: int,
@@ -43,13 +52,14 @@ def request_estimate(
 ) -> Estimate:
     """Estimate, enforcing the workload's caps: a prompt over its cap is
     refused; max_tokens above its cap is clamped, missing means the default."""
-    prompt_tokens = prompt_tokens_estimate(messages=messages, encoding_name=encoding_name, safety_factor=safety_factor)
+    prompt_tokens = prompt_tokens_estimate(messages=messages, request_fields=request_fields, encoding_name=encoding_name,
+                                           safety_factor=safety_factor)
     if prompt_tokens > prompt_tokens_cap:
         raise Rejected(
             reason="context_length_exceeded",
             message=(
                 f"This workload accepts prompts of at most {prompt_tokens_cap} tokens; "
-                f"your messages resulted in {prompt_tokens} tokens."
+                f"your prompt (messages, tools and response format) resulted in {prompt_tokens} tokens."
             ),
             status=400,
             param="messages",

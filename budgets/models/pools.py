@@ -47,6 +47,11 @@ class InferencePool(models.Model):
         help_text="Multiplier on prompt estimates for models whose tokenizer is not the one above.",
     )
     is_active = models.BooleanField(default=True)
+    is_simulator = models.BooleanField(
+        default=False,
+        help_text="A simulated pool (inference_sim): callers may use its test switches (the body's \"sim\") "
+                  "where SLUICE_SIM_CONTROLS is on. Never set it on a real pool.",
+    )
 
     class Meta:
         ordering = ["slug"]
@@ -177,6 +182,12 @@ class UsageRecord(models.Model):
         QUEUE_TIMEOUT = "queue_timeout", "Queue timeout"
         UPSTREAM_ERROR = "upstream_error", "Upstream error"
         LEASE_EXPIRED = "lease_expired", "Lease expired"
+        # The pool refused the request as malformed (its 400/404/413/422): the
+        # caller's error, relayed to it, not a pool failure.
+        INVALID_REQUEST = "invalid_request", "Invalid request (refused by the pool)"
+        # The worker failed on this request for a reason of its own (not
+        # Redis or the database away): settled and answered at once.
+        WORKER_ERROR = "worker_error", "Gateway error"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(db_index=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from django.conf import settings
 from django.utils import timezone
 
 from budgets.ledger.pricing import TokenPrice, prices_in_force
@@ -35,6 +36,9 @@ class CallerContext:
     rpm: int
     reserved_tpm: int = 0
     prices: dict[str, TokenPrice] = field(default_factory=dict)  # model -> price in force
+    # May the body carry the pool's test switches ("sim")? Only for a pool
+    # marked is_simulator, and only where SLUICE_SIM_CONTROLS is on.
+    sim_controls: bool = False
 
     @property
     def limits(self) -> dict[str, int]:
@@ -66,4 +70,5 @@ def context_for_workload(workload: Workload) -> CallerContext:
         rpm=reservation.rpm if reservation else 0,
         reserved_tpm=reservation.reserved_tpm if reservation else 0,
         prices=prices_in_force(models=pool.served_models or (), at=timezone.now()) if pool else {},
+        sim_controls=bool(pool and pool.is_simulator and settings.SLUICE_SIM_CONTROLS),
     )

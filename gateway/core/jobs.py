@@ -22,10 +22,10 @@ from budgets.models import UsageRecord
 from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit
 from gateway.core.callbacks import CallbackRefused, callback_enqueue, callback_url_check
-from gateway.core.chat import ChatRequest, body_digest, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.context import CallerContext, context_for_workload
 from gateway.core.enqueue import new_request_id, record_build, record_enqueue
-from gateway.core.errors import bad_request, budget_unavailable, error_body, no_reservation
+from gateway.core.errors import bad_request, budget_unavailable, error_body
 from gateway.core.records import Outcome
 from gateway.models import Job, JobCallbackDelivery
 
@@ -58,8 +58,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
     never run (caps, size), a callback URL Sluice will not call, or whose
     earliest start is past its deadline, and IdempotencyConflict for a reused
     key with another body."""
-    if ctx.pool_id is None:
-        raise no_reservation(on_any_pool=True)
+    chat_check(ctx, chat)
     if callback_url:
         try:
             callback_url_check(url=callback_url)  # resolves the host: this runs in a thread, not the event loop
@@ -174,10 +173,12 @@ def job_release(*, job_id: str) -> str:
         _callback(job)
         return "expired"
     ctx = context_for_workload(job.workload)
-    chat = validate_chat_request(job.body)
-    estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
-                        max_tokens_requested=chat.max_tokens, clamped=False)
     try:
+        # Again at release: the pool or its settings may have changed since.
+        chat = validate_chat_request(job.body)
+        chat_check(ctx, chat)
+        estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
+                            max_tokens_requested=chat.max_tokens, clamped=False)
         job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, paced=True)
     except Rejected as rejected:
         job.status = Job.Status.REJECTED

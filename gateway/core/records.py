@@ -104,7 +104,9 @@ class RequestRecord:
 class Outcome:
     """What happened to a request: a pool response, or an error to relay."""
 
-    status: str  # "ok" | "queue_timeout" | "upstream_error"
+    # "ok" | "queue_timeout" | "upstream_error" | "invalid_request" (the pool
+    # refused it as malformed) | "worker_error" (the worker failed on it)
+    status: str
     http_status: int = 200
     body: dict[str, Any] | None = None
     input_tokens: int = 0

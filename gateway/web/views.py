@@ -19,9 +19,9 @@ from budgets.admission.redis_client import REDIS_UNAVAILABLE
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.rejections import rejection_count_call
 from budgets.models import InferencePool
-from gateway.core.chat import ChatRequest, body_digest, parse_json_body, validate_chat_request
+from gateway.core.chat import body_digest, chat_check, parse_json_body, validate_chat_request
 from gateway.core.context import CallerContext
-from gateway.core.errors import bad_request, budget_unavailable, no_reservation
+from gateway.core.errors import bad_request, budget_unavailable
 from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import pool_live_metrics
@@ -101,17 +101,6 @@ def _read_body(request: HttpRequest) -> dict:
     return parse_json_body(request.body)
 
 
-def _check_chat(ctx: CallerContext, chat: ChatRequest) -> None:
-    if chat.stream:
-        raise Rejected(reason="stream_unsupported", message="Streaming is not supported yet; send stream=false.",
-                       status=400, param="stream", error_type="invalid_request_error")
-    if ctx.pool_id is None:
-        raise no_reservation(on_any_pool=True)
-    if chat.model not in ctx.served_models:
-        raise Rejected(reason="model_not_found", message=f"The model '{chat.model}' does not exist on this workload's pool.",
-                       status=404, param="model", error_type="invalid_request_error")
-
-
 def _idempotency_key(request: HttpRequest) -> str:
     key = request.headers.get("Idempotency-Key", "")
     if len(key) > MAX_KEY_LENGTH:
@@ -128,7 +117,8 @@ def _idempotency_conflict() -> JsonResponse:
 @redis_unavailable_is_503
 async def chat_completions(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
-        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed")
+        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
+                            headers={"Allow": "POST"})
     started = time.monotonic()
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
@@ -138,7 +128,7 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
     try:
         body = _read_body(request)
         chat = validate_chat_request(body)
-        _check_chat(ctx, chat)
+        chat_check(ctx, chat)
         idem_key = _idempotency_key(request)
     except Rejected as rejected:
         return await _rejection(ctx, rejected)
@@ -209,16 +199,20 @@ def _job_fields(body: dict) -> tuple[str, float | None]:
 async def jobs(request: HttpRequest) -> JsonResponse:
     """POST /v1/jobs: an async chat completion; 202 with the job and its status URL."""
     if request.method != "POST":
-        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed")
+        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
+                            headers={"Allow": "POST"})
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     ctx = auth
+    # Before the job exists: a request refused after its job was created
+    # would leave a job that runs and is billed (get_host() refuses a bad Host).
+    base_url = f"{request.scheme}://{request.get_host()}"
     try:
         body = _read_body(request)
         callback_url, deadline = _job_fields(body)
         chat = validate_chat_request(body)
-        _check_chat(ctx, chat)
+        chat_check(ctx, chat)
         idem_key = _idempotency_key(request)
         submitted = await sync_to_async(job_submit, thread_sensitive=False)(
             ctx=ctx, chat=chat, body=body, callback_url=callback_url, idempotency_key=idem_key, deadline_s=deadline,
@@ -230,7 +224,6 @@ async def jobs(request: HttpRequest) -> JsonResponse:
         return await _rejection(ctx, rejected)
     job = submitted.job
     log_annotate(job_id=str(job.id), job_request_id=job.request_id or "")
-    base_url = f"{request.scheme}://{request.get_host()}"
     view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)
     if job.status == Job.Status.REJECTED:
         error = (job.result or {}).get("error", {})
@@ -243,8 +236,17 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     return response
 
 
+def _get_only(request: HttpRequest) -> JsonResponse | None:
+    if request.method in ("GET", "HEAD"):
+        return None
+    return openai_error(status=405, message="Use GET.", error_type="invalid_request_error", code="method_not_allowed",
+                        headers={"Allow": "GET, HEAD"})
+
+
 @redis_unavailable_is_503
 async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
+    if (refused := _get_only(request)) is not None:
+        return refused
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
@@ -261,6 +263,8 @@ async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
 
 @redis_unavailable_is_503
 async def models(request: HttpRequest) -> JsonResponse:
+    if (refused := _get_only(request)) is not None:
+        return refused
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth

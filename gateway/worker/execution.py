@@ -1,22 +1,33 @@
 """The worker's half of a request: decide who owns it, call the pool at most
 once per delivery that owns it, settle, write the ledger, hand the outcome to
 the waiting web process. Every step is safe to repeat (acks_late redelivers a
-task whose worker died)."""
+task whose worker died).
+
+A request that fails in the worker for a reason of its own (anything but
+Redis or the database being away, which the task waits out or retries) is
+settled and answered at once as ``worker_error``: it must not hold its
+in-flight slot, its caller or its job until a lease expires."""
 
 from __future__ import annotations
 
 import json
 import logging
 import random
+import re
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import openai
+from django.db import InterfaceError, OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal
 from budgets.admission.redis_client import get_redis, redis_now_ms
 from budgets.admission import keys as budget_keys
+from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
 from gateway.core.errors import error_body
@@ -27,11 +38,22 @@ from gateway.core.observability import lease_expiry_report, settlement_report, u
 from gateway.core.records import (EXPIRED, GAVE_UP, REDELIVERED, WORKER, Outcome, RequestRecord, claim_call,
                                   ledger_entry, publish_call, ttl_ms)
 from gateway.core.settlement import request_settle
-from gateway.worker.pool_client import pool_client
+from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 
 logger = logging.getLogger(__name__)
 
+# Infrastructure away: the request is fine, so the task waits for Redis or
+# retries for the database (gateway/worker/tasks.py) instead of failing it.
+REDIS_AWAY = (BudgetUnavailable, RedisConnectionError, RedisTimeoutError)
+DATABASE_AWAY = (OperationalError, InterfaceError)
+INFRASTRUCTURE_AWAY = (*REDIS_AWAY, *DATABASE_AWAY)
+
+WORKER_ERROR = "worker_error"
+# A pool's answer that says the request itself is wrong: the caller's error,
+# relayed as it is (not retried, no capacity signal, tokens refunded).
+CALLER_ERROR_STATUSES = {400, 404, 413, 422}
+_CODE_CHARS = re.compile(r"[^A-Za-z0-9_.-]")
 
 def _answer_label(outcome: Outcome) -> str:
     """The pool's answer to one attempt, as a metric label: its HTTP status,
@@ -54,6 +76,30 @@ def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
     return None
 
 
+def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
+    """The pool's 4xx for a malformed request, as the caller's own error."""
+    try:
+        data = exc.response.json()
+    except ValueError:
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    error = error if isinstance(error, dict) else {}
+    message = error.get("message") if isinstance(error.get("message"), str) else exc.response.text
+    code = _CODE_CHARS.sub("", error.get("code") or "")[:64] if isinstance(error.get("code"), str) else ""
+    param = error.get("param") if isinstance(error.get("param"), str) else None
+    return Outcome(
+        status="invalid_request",
+        http_status=exc.status_code,
+        # Kept short and NUL-free: it reaches a job's JSON row in PostgreSQL.
+        body=error_body(message=f"The inference pool refused the request: {message[:1000]}".replace("\x00", ""),
+                        error_type="invalid_request_error", code=code or "invalid_request",
+                        param=param[:200].replace("\x00", "") if param else None),
+        upstream_ms=upstream_ms,
+        attempts=1,
+        upstream_status=exc.status_code,
+    )
+
+
 def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     """One call to the pool with the SDK (its retries are off). Returns the
     outcome and whether another attempt could help."""
@@ -68,6 +114,8 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
             **payload, extra_body={"sim": sim} if sim is not None else None)
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
+        if exc.status_code in CALLER_ERROR_STATUSES:
+            return _pool_refusal(exc, upstream_ms), False
         status = 429 if exc.status_code == 429 else 502
         return Outcome(
             status="upstream_error",
@@ -149,29 +197,87 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
 
 
-def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
+def _finish_steps(*, record: RequestRecord, outcome: Outcome,
+                  pool_called: bool) -> list[tuple[str, Callable[[], object]]]:
     """Settle the buckets and the spend, write the ledger row, publish the
-    outcome. Each step is idempotent on the request id, so a replay changes
-    nothing."""
-    request_settle(record=record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
-                   pool_called=pool_called)
+    outcome, finish the job. Each step is idempotent on the request id, and
+    built lazily so request_fail can run each one on its own."""
     total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
-    writing = time.monotonic()
-    usage_record_write(entry=ledger_entry(
-        record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
-        actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
-        upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
-        error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
-    ))
-    written_s = time.monotonic() - writing
-    if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                        time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
-        # Reported by the first finish only: a redelivery replaying it counts nothing twice.
-        settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
-                          ledger_lag_s=total_ms / 1000 + written_s)
-    publish_call(record, outcome).run()
+    written = {"s": 0.0}
+
+    def ledger() -> None:
+        writing = time.monotonic()
+        usage_record_write(entry=ledger_entry(
+            record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
+            actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
+            upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
+            error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+        ))
+        written["s"] = time.monotonic() - writing
+
+    def departure() -> None:
+        if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                            time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
+            # Reported by the first finish only: a redelivery replaying it counts nothing twice.
+            settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
+                              ledger_lag_s=total_ms / 1000 + written["s"])
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,
+                                          output_tokens=outcome.output_tokens, pool_called=pool_called)),
+        ("ledger", ledger),
+        ("departure", departure),
+        ("publish", lambda: publish_call(record, outcome).run()),
+    ]
     if record.job_id:
-        job_complete(job_id=record.job_id, outcome=outcome)
+        steps.append(("job", lambda: job_complete(job_id=record.job_id, outcome=outcome)))
+    return steps
+
+
+def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
+    """Settle the buckets, write the ledger row, publish the outcome. Each step
+    is idempotent on the request id, so a replay changes nothing."""
+    for _, step in _finish_steps(record=record, outcome=outcome, pool_called=pool_called):
+        step()
+
+
+def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome | None) -> Outcome:
+    """Settle and answer a request the worker failed on for a reason of its
+    own (a payload the SDK cannot encode, a bug): at once, not when its lease
+    expires minutes later, so it holds no in-flight slot and its caller and
+    job hear now. Each step runs even if another fails; only Redis or the
+    database being away stops it (the task then tries the request again).
+
+    What it is charged: the pool's answer if this delivery got one; the
+    estimate if a call went out and nothing came back (it may have run: the
+    safe side of I1, as for an expired lease); nothing if the pool was never
+    reached."""
+    if answer is not None:
+        input_tokens, output_tokens, pool_called = answer.input_tokens, answer.output_tokens, True
+        charged = "it is charged what the pool reported"
+    elif pool_reached:
+        input_tokens, output_tokens, pool_called = record.estimated_input_tokens, record.estimated_output_tokens, True
+        charged = "the pool may have run it, so its estimate is charged"
+    else:
+        input_tokens = output_tokens = 0
+        pool_called = False
+        charged = "the pool was not called and nothing is charged"
+    outcome = Outcome(
+        status=WORKER_ERROR, http_status=500,
+        body=error_body(message=f"Sluice failed while running this request; {charged}.", error_type="server_error",
+                        code=WORKER_ERROR),
+        input_tokens=input_tokens, output_tokens=output_tokens, attempts=answer.attempts if answer else int(pool_reached),
+        upstream_ms=answer.upstream_ms if answer else 0,
+        queue_wait_ms=max(0, int(redis_now_ms() - record.admitted_ms)),
+    )
+    for name, step in _finish_steps(record=record, outcome=outcome, pool_called=pool_called):
+        try:
+            step()
+        except INFRASTRUCTURE_AWAY:
+            raise
+        except Exception:  # noqa: BLE001 - the remaining steps (the caller's answer) matter more
+            logger.exception("request %s: step %s failed while settling a failed request", record.request_id, name)
+    return outcome
 
 
 def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = None) -> str:
@@ -188,6 +294,19 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
         return "missing"
     record = RequestRecord.from_redis(data)
     log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
+    sent_before = pool_requests_sent()
+    try:
+        return _request_run(record, client=client, answered=answered)
+    except INFRASTRUCTURE_AWAY:
+        raise
+    except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
+        logger.exception("request %s failed in the worker; settling it as %s", request_id, WORKER_ERROR)
+        request_fail(record=record, pool_reached=pool_requests_sent() > sent_before, answer=answered.get(request_id))
+        return WORKER_ERROR
+
+
+def _request_run(record: RequestRecord, *, client, answered: dict[str, Outcome]) -> str:
+    request_id = record.request_id
     owner = claim_call(WORKER, record).run(client)
     if owner == GAVE_UP:
         return GAVE_UP  # the web side refunded and recorded it
@@ -206,6 +325,7 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
     stored = client.get(keys.request_response(request_id))
     if stored is not None:
         outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
+        answered[request_id] = outcome
     elif request_id in answered:
         outcome = answered[request_id]  # this delivery's own call, before Redis went away
         client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())

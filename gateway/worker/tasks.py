@@ -9,12 +9,8 @@ import time
 
 from celery import shared_task
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections
+from django.db import close_old_connections
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-from budgets.errors import BudgetUnavailable
 from budgets.models import InferencePool
 from gateway.core.callbacks import DELIVER_CALLBACK_TASK
 from gateway.core.enqueue import EXECUTE_REQUEST_TASK
@@ -22,7 +18,7 @@ from gateway.core.log_context import log_context
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
 from gateway.worker.callbacks import callback_deliver
-from gateway.worker.execution import leases_reap, request_execute
+from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +26,8 @@ logger = logging.getLogger(__name__)
 # the queue itself are there. Celery's own retry would have to publish a new
 # message to that same Redis, and a publish that fails drops the message; so
 # the task waits for Redis itself, holding its unacknowledged message (a
-# worker that dies meanwhile has it redelivered).
-REDIS_AWAY = (BudgetUnavailable, RedisConnectionError, RedisTimeoutError)
+# worker that dies meanwhile has it redelivered). Any other failure is the
+# request's own: request_execute settles and answers it (worker_error).
 REDIS_WAIT_FIRST_S = 0.25
 REDIS_WAIT_MAX_S = 5.0
 
@@ -45,7 +41,7 @@ REDIS_WAIT_MAX_S = 5.0
     # request_execute is idempotent, so run it again (the pool is not called
     # twice: its answer is kept in Redis). Short, capped backoff. Redis
     # restarting or hanging is waited out in the task (below).
-    autoretry_for=(OperationalError, InterfaceError),
+    autoretry_for=DATABASE_AWAY,
     retry_backoff=1,
     retry_backoff_max=30,
     retry_jitter=True,
@@ -88,7 +84,7 @@ def run_schedule(schedule_id: int) -> int:
     # The database restarting: the attempt is idempotent (one log row per
     # attempt), so run it again. The receiver failing is not retried here:
     # the next attempt waits in Redis (gateway/core/callbacks.py).
-    autoretry_for=(OperationalError, InterfaceError),
+    autoretry_for=DATABASE_AWAY,
     retry_backoff=1,
     retry_backoff_max=30,
     retry_jitter=True,

@@ -29,6 +29,9 @@ POOL = {
     "headroom": 0.8,
     "burst_seconds": 15.0,
     "max_concurrency": 64,
+    # The demo's pool is inference_sim: its test switches ("sim" in a body)
+    # work where SLUICE_SIM_CONTROLS is on (make run turns it on).
+    "is_simulator": True,
 }
 
 # (tenant slug, tenant name, cost center, [workloads])
