@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from gateway.core.lanes import LANES
 
@@ -106,6 +107,15 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 # --- redis / celery -------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{VAR_DIR / 'redis.sock'}?db=0"
+# true: REDIS_URL names one node of a Redis Cluster (buckets, leases, request
+# records, results; every script's keys share a hash tag). Celery's Redis
+# broker cannot use a cluster, so CELERY_BROKER_URL must then name a plain Redis.
+SLUICE_REDIS_CLUSTER = env_bool("SLUICE_REDIS_CLUSTER", False)
+if SLUICE_REDIS_CLUSTER and not os.environ.get("CELERY_BROKER_URL"):
+    raise ImproperlyConfigured(
+        "SLUICE_REDIS_CLUSTER=true needs CELERY_BROKER_URL: Celery's Redis broker cannot run on a cluster; "
+        "point it at a plain Redis."
+    )
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
     REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
 )

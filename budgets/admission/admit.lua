@@ -12,9 +12,11 @@
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
 --       8 capacity hash (adaptive factor of the pool, shed scale per workload),
---       9 month-to-date spend hash ('' when the request has no price)
+--       9 month-to-date spend hash (KEYS[1] again when the request has no
+--         price: never an empty name, every key in the pool's hash slot)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
---       5 lease ttl (ms), 6 estimated cost (micro-units), 7 tenant id,
+--       5 lease ttl (ms), 6 estimated cost (micro-units; 0 when there is no
+--       spend hash: KEYS[9] is then not touched), 7 tenant id,
 --       8 end of the spend month (ms)
 -- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms} admitted
 --         {2, borrowed, ...}                                          already admitted
@@ -204,7 +206,7 @@ if e_req_full == INF then e_req_full = -1 end
 -- corrected at settlement) for the tenant and for the workload.
 local cost = tonumber(ARGV[6]) or 0
 local spend_fields = {}
-if KEYS[9] ~= '' and cost > 0 then
+if cost > 0 then
   spend_fields = {'T' .. ARGV[7], wid}
   for _, field in ipairs(spend_fields) do
     local spend_cap = cfg[field .. '.spend.cap']

@@ -106,6 +106,7 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
             estimated_tokens=input_tokens + output_tokens,
         )
 
+    charged = spend.cost_micro > 0 and bool(spend.month_key)
     return ScriptCall(
         script=ADMIT,
         keys=[
@@ -117,10 +118,12 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
             keys.lease(pool_id, request_id),
             keys.pool_counters(pool_id),
             keys.pool_capacity(pool_id),
-            spend.month_key if spend.cost_micro > 0 else "",
+            # No empty key names (a cluster routes by every key): without a
+            # spend hash the cfg hash stands in and a cost of 0 says so.
+            spend.month_key if charged else keys.pool_config(pool_id),
         ],
-        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend.cost_micro, spend.tenant_id,
-              spend.month_end_ms],
+        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, spend.cost_micro if charged else 0,
+              spend.tenant_id, spend.month_end_ms],
         parse=parse,
     )
 
@@ -147,9 +150,10 @@ def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input
             keys.lease(pool_id, request_id),
             keys.pool_counters(pool_id),
             keys.pool_capacity(pool_id),
-            spend_month_key,
+            spend_month_key or keys.pool_config(pool_id),  # no empty key names: a flag says which
         ],
-        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro],
+        args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1, actual_cost_micro,
+              1 if spend_month_key else 0],
         parse=_settlement,
     )
 

@@ -5,10 +5,11 @@
 --
 -- KEYS: 1 cfg hash, 2 bucket hash, 3 pool leases zset, 4 workload leases zset
 --       (of the lease's workload), 5 lease hash, 6 counters hash, 7 capacity hash,
---       8 month-to-date spend hash of the admission's month ('' if none)
+--       8 month-to-date spend hash of the admission's month (KEYS[1] again
+--         when there is none: never an empty name, one hash slot)
 -- ARGV: 1 request id, 2 actual input tokens, 3 actual output tokens,
 --       4 1 when the pool was never called (the request slot is refunded too),
---       5 actual cost (micro-units)
+--       5 actual cost (micro-units), 6 1 when KEYS[8] is a spend hash
 -- Returns {1, wid, k_in, k_out, borrowed} when it settled, {0} when there was
 -- nothing (left) to settle.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -80,7 +81,7 @@ redis.call('HINCRBY', KEYS[6], 'P.debited_tok', int(0 - delta_tok))
 redis.call('HINCRBY', KEYS[6], wid .. '.used_tok', int(a_in + a_out))
 if refund_request then redis.call('HINCRBY', KEYS[6], wid .. '.admitted_req', -1) end
 local estimated_cost = tonumber(lease['cost'])
-if estimated_cost ~= nil and KEYS[8] ~= '' then
+if estimated_cost ~= nil and ARGV[6] == '1' then
   local correction = int((tonumber(ARGV[5]) or 0) - estimated_cost)
   redis.call('HINCRBY', KEYS[8], 'T' .. lease['tid'], correction)
   redis.call('HINCRBY', KEYS[8], wid, correction)
