@@ -126,6 +126,20 @@ SLUICE_TASK_TIME_LIMIT_S = env_int("SLUICE_TASK_TIME_LIMIT_S", 300)
 SLUICE_VISIBILITY_TIMEOUT_S = env_int("SLUICE_VISIBILITY_TIMEOUT_S", 900)
 SLUICE_UNACKED_RESTORE_INTERVAL_S = env_int("SLUICE_UNACKED_RESTORE_INTERVAL_S", 5)
 
+# A lost worker (SIGKILL, OOM, a host gone) is noticed by its silence: each
+# worker process renews a heartbeat of every call it runs each interval
+# (gateway/worker/heartbeat.py); one older than the TTL is a lost worker.
+# Callers wait at most TTL + interval to learn of it, then get the result of a
+# redelivery or a 503 (gateway/core/claim.lua).
+SLUICE_HEARTBEAT_INTERVAL_S = env_float("SLUICE_HEARTBEAT_INTERVAL_S", 1.0)
+SLUICE_HEARTBEAT_TTL_S = env_float("SLUICE_HEARTBEAT_TTL_S", 3.0)
+if SLUICE_HEARTBEAT_TTL_S < 2 * SLUICE_HEARTBEAT_INTERVAL_S:
+    raise ImproperlyConfigured("SLUICE_HEARTBEAT_TTL_S must be at least twice SLUICE_HEARTBEAT_INTERVAL_S: "
+                               "one late beat must not look like a lost worker.")
+# How long a request taken from a lost worker may wait in its lane for a live
+# one before its caller gets a 503 (never past the request's retry deadline).
+SLUICE_REDELIVERY_WAIT_S = env_float("SLUICE_REDELIVERY_WAIT_S", 5.0)
+
 # --- gateway ----------------------------------------------------------------------
 # Requests whose estimate (prompt + max_tokens) is at least this go to
 # interactive-long, so short calls never queue behind long generations.

@@ -177,6 +177,9 @@ class UsageRecord(models.Model):
         QUEUE_TIMEOUT = "queue_timeout", "Queue timeout"
         UPSTREAM_ERROR = "upstream_error", "Upstream error"
         LEASE_EXPIRED = "lease_expired", "Lease expired"
+        # Its worker was lost mid-call and no other could take it over in
+        # time: the pool may have run it, so it is charged on its estimate.
+        WORKER_LOST = "worker_lost", "Worker lost"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(db_index=True)

@@ -19,6 +19,7 @@ from budgets.models import InferencePool
 from gateway.core.enqueue import EXECUTE_REQUEST_TASK
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
+from gateway.core.takeover import lost_requests_reap
 from gateway.worker.execution import leases_reap, request_execute
 
 logger = logging.getLogger(__name__)
@@ -48,15 +49,16 @@ REDIS_WAIT_MAX_S = 5.0
     retry_jitter=True,
     max_retries=40,
 )
-def execute_request(request_id: str) -> str:
-    """Run one admitted request (the record lives in Redis, keyed by id)."""
+def execute_request(request_id: str, generation: int = 0) -> str:
+    """Run one delivery of an admitted request (the record lives in Redis,
+    keyed by id; ``generation`` > 0: taken over from a lost worker)."""
     close_old_connections()  # a connection broken by a database restart is replaced
     give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
     answered: dict = {}
     wait_s = REDIS_WAIT_FIRST_S
     while True:
         try:
-            return request_execute(request_id=request_id, answered=answered)
+            return request_execute(request_id=request_id, generation=generation, answered=answered)
         except REDIS_AWAY as exc:
             if time.monotonic() + wait_s > give_up_at:
                 raise
@@ -68,6 +70,13 @@ def execute_request(request_id: str) -> str:
 @shared_task(name="gateway.reap_leases", ignore_result=True)
 def reap_leases() -> int:
     return leases_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+
+
+@shared_task(name="gateway.take_over_lost_requests", ignore_result=True)
+def take_over_lost_requests() -> int:
+    """Requests of lost workers that no web process watches (jobs, or a web
+    host lost too): the waiting web process handles its own each second."""
+    return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
 
 
 @shared_task(name=RUN_SCHEDULE_TASK, ignore_result=True)
