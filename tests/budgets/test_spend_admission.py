@@ -17,7 +17,7 @@ from budgets.ledger.pricing import TokenPrice
 from budgets.ledger.spend import spend_month
 from budgets.admission.pool_config import pool_config_push
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_cluster]
 
 PRICE = TokenPrice(Decimal("2.00"), Decimal("8.00"))  # per million tokens
 
