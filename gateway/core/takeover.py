@@ -64,12 +64,20 @@ def lost_requests_reap(*, pool_ids: list[int]) -> int:
                 pipe.get(keys.request_owner(request_id))
             candidates = [rid for rid, owner in zip(request_ids, pipe.execute()) if _watched(owner)]
             for request_id in candidates:
-                data = client.hgetall(keys.request_record(request_id))
-                if not data:
-                    continue
-                record = RequestRecord.from_redis(data)
-                claim = claim_call(REAP, record).run(client)
-                if claim.changed:
-                    request_take_over(record=record, claim=claim, client=client)
-                    moved += 1
+                try:
+                    moved += _reap_one(client, request_id)
+                except Exception:  # one request must not stop the pass; the next pass tries again
+                    logger.exception("taking over request %s failed", request_id)
     return moved
+
+
+def _reap_one(client: SyncRedis, request_id: str) -> int:
+    data = client.hgetall(keys.request_record(request_id))
+    if not data:
+        return 0
+    record = RequestRecord.from_redis(data)
+    claim = claim_call(REAP, record).run(client)
+    if not claim.changed:
+        return 0
+    request_take_over(record=record, claim=claim, client=client)
+    return 1

@@ -75,6 +75,13 @@ async def _claim(record: RequestRecord) -> Claim:
         raise _result_unavailable() from exc
 
 
+async def _take_over(record: RequestRecord, claim: Claim) -> None:
+    try:
+        await sync_to_async(request_take_over, thread_sensitive=False)(record=record, claim=claim)
+    except Exception:  # the database or Redis: the reaper and the lease settle it later
+        logger.exception("request %s: taking it over (%s) failed", record.request_id, claim.verdict)
+
+
 async def _await_outcome(ctx: CallerContext, record: RequestRecord) -> Outcome:
     """Wait for the outcome one heartbeat interval at a time. Between waits,
     gateway/core/claim.lua says whether the request is still queued or running, gives it
@@ -109,14 +116,14 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord) -> Outcome:
             raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
         if claim.verdict == LOST:
             if claim.changed:
-                await sync_to_async(request_take_over, thread_sensitive=False)(record=record, claim=claim)
+                await _take_over(record, claim)
             raise worker_lost()
         if claim.verdict in (REQUEUE, FINISH):
             if claim.verdict == REQUEUE:
                 redelivery_by_ms = min(record.retry_deadline_ms or record.deadline_ms,
                                        now_ms + settings.SLUICE_REDELIVERY_WAIT_S * 1000)
                 started_by_ms = max(started_by_ms, redelivery_by_ms)
-            await sync_to_async(request_take_over, thread_sensitive=False)(record=record, claim=claim)
+            await _take_over(record, claim)
             continue
         if claim.verdict == RUNNING and now_ms > started_by_ms + finish_ms:
             raise Rejected(reason="upstream_timeout", message="The inference pool did not answer in time.",
