@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -153,9 +154,15 @@ def _claim(raw) -> Claim:
     return Claim(verdict=raw[0], generation=int(raw[1]), changed=int(raw[2]) == 1, now_ms=float(raw[3]))
 
 
+_process_tokens: dict[int, str] = {}
+
+
 def heartbeat_holder(kind: str) -> str:
-    """Who holds a heartbeat, for people reading Redis: ``worker@host:pid``."""
-    return f"{kind}@{socket.gethostname()}:{os.getpid()}"
+    """Who holds a heartbeat: ``worker@host:pid:token``. The token tells apart
+    processes that share a host name and a pid (containers all run as pid 1)."""
+    pid = os.getpid()
+    token = _process_tokens.setdefault(pid, uuid.uuid4().hex[:8])
+    return f"{kind}@{socket.gethostname()}:{pid}:{token}"
 
 
 def claim_call(role: str, record: RequestRecord, *, generation: int = 0, holder: str = "") -> ScriptCall[Claim]:

@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 # Time a worker needs beyond the queue deadline to finish a started call.
 FINISH_GRACE_S = 5.0
-WEB_HOLDER = heartbeat_holder("web")  # holds a lost worker's request while finishing it
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ async def _claim(record: RequestRecord) -> Claim:
     try:
         # On the blocking client, as the wait it punctuates: a Redis that
         # hangs a few seconds delays the answer instead of failing it.
-        return await claim_call(WATCH, record, holder=WEB_HOLDER).run_async(get_async_redis(blocking=True))
+        return await claim_call(WATCH, record, holder=heartbeat_holder("web")).run_async(get_async_redis(blocking=True))
     except BudgetUnavailable as exc:
         raise _result_unavailable() from exc
 

@@ -278,8 +278,8 @@ def test_a_worker_killed_under_load_is_noticed_and_every_caller_answered_within_
                 assert time.monotonic() < deadline, f"only {len(beats)} calls started"
                 beats = {key: redis_client.get(key) for key in redis_client.scan_iter(match="sluice:req:*:hb")}
                 time.sleep(0.05)
-            victim_holder = f"worker@{socket.gethostname()}:{workers['victim'].popen.pid}"
-            held_by_victim = sum(1 for value in beats.values() if value and value.endswith(victim_holder))
+            victim_holder = f"worker@{socket.gethostname()}:{workers['victim'].popen.pid}:"
+            held_by_victim = sum(1 for value in beats.values() if value and victim_holder in value)
             time.sleep(0.3)
             killed_at = time.monotonic()
             workers["victim"].kill()
