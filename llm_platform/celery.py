@@ -45,6 +45,7 @@ app.conf.update(
     task_routes={
         "budgets.*": {"queue": HOUSEKEEPING.queue},
         "gateway.reap_leases": {"queue": HOUSEKEEPING.queue},
+        "gateway.take_over_lost_requests": {"queue": HOUSEKEEPING.queue},
         "gateway.run_schedule": {"queue": HOUSEKEEPING.queue},
         "gateway.deliver_callback": {"queue": HOUSEKEEPING.queue},
     },
@@ -52,6 +53,9 @@ app.conf.update(
     beat_schedule={
         "push-pool-configs": {"task": "budgets.push_pool_configs", "schedule": 10.0},
         "reap-leases": {"task": "gateway.reap_leases", "schedule": 30.0},
+        # Jobs whose worker was lost mid-call (a waiting web process takes
+        # over its own synchronous calls within seconds).
+        "take-over-lost-requests": {"task": "gateway.take_over_lost_requests", "schedule": 5.0},
         # Read models and guardrails of the web UI (budgets.periodic_tasks).
         "flush-rejections": {"task": "budgets.flush_rejections", "schedule": 15.0},
         "rollup-daily-usage": {"task": "budgets.rollup_daily_usage", "schedule": 60.0},

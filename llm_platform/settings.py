@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from gateway.core.lanes import LANES
 
@@ -107,6 +108,15 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 # --- redis / celery -------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{VAR_DIR / 'redis.sock'}?db=0"
+# true: REDIS_URL names one node of a Redis Cluster (buckets, leases, request
+# records, results; every script's keys share a hash tag). Celery's Redis
+# broker cannot use a cluster, so CELERY_BROKER_URL must then name a plain Redis.
+SLUICE_REDIS_CLUSTER = env_bool("SLUICE_REDIS_CLUSTER", False)
+if SLUICE_REDIS_CLUSTER and not os.environ.get("CELERY_BROKER_URL"):
+    raise ImproperlyConfigured(
+        "SLUICE_REDIS_CLUSTER=true needs CELERY_BROKER_URL: Celery's Redis broker cannot run on a cluster; "
+        "point it at a plain Redis."
+    )
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
     REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
 )
@@ -116,6 +126,20 @@ CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
 SLUICE_TASK_TIME_LIMIT_S = env_int("SLUICE_TASK_TIME_LIMIT_S", 300)
 SLUICE_VISIBILITY_TIMEOUT_S = env_int("SLUICE_VISIBILITY_TIMEOUT_S", 900)
 SLUICE_UNACKED_RESTORE_INTERVAL_S = env_int("SLUICE_UNACKED_RESTORE_INTERVAL_S", 5)
+
+# A lost worker (SIGKILL, OOM, a host gone) is noticed by its silence: each
+# worker process renews a heartbeat of every call it runs each interval
+# (gateway/worker/heartbeat.py); one older than the TTL is a lost worker.
+# Callers wait at most TTL + interval to learn of it, then get the result of a
+# redelivery or a 503 (gateway/core/claim.lua).
+SLUICE_HEARTBEAT_INTERVAL_S = env_float("SLUICE_HEARTBEAT_INTERVAL_S", 1.0)
+SLUICE_HEARTBEAT_TTL_S = env_float("SLUICE_HEARTBEAT_TTL_S", 3.0)
+if SLUICE_HEARTBEAT_TTL_S < 2 * SLUICE_HEARTBEAT_INTERVAL_S:
+    raise ImproperlyConfigured("SLUICE_HEARTBEAT_TTL_S must be at least twice SLUICE_HEARTBEAT_INTERVAL_S: "
+                               "one late beat must not look like a lost worker.")
+# How long a request taken from a lost worker may wait in its lane for a live
+# one before its caller gets a 503 (never past the request's retry deadline).
+SLUICE_REDELIVERY_WAIT_S = env_float("SLUICE_REDELIVERY_WAIT_S", 5.0)
 
 # --- gateway ----------------------------------------------------------------------
 # Requests whose estimate (prompt + max_tokens) is at least this go to

@@ -24,6 +24,11 @@ def pytest_configure(config):
     settings.SLUICE_SIM_CONTROLS = True
 
 
+def pytest_report_header(config):
+    kind = "Redis Cluster" if settings.SLUICE_REDIS_CLUSTER else "Redis"
+    return f"sluice: {kind} at {settings.REDIS_URL}, broker {settings.CELERY_BROKER_URL}"
+
+
 @pytest.fixture(scope="session")
 def redis_client():
     from budgets.admission.redis_client import get_redis
@@ -36,7 +41,8 @@ def redis_client():
 @pytest.fixture(autouse=True)
 def clean_redis(redis_client):
     """Each test starts with no buckets, leases or request records. Only our
-    keys go: the Celery broker's queue bindings must survive."""
+    keys go: the Celery broker's queue bindings must survive. (On a cluster
+    the scan visits every primary and the delete is split by slot.)"""
     keys = list(redis_client.scan_iter(match="sluice:*", count=1000))
     keep = {"sluice:workers:ready"}
     doomed = [k for k in keys if k not in keep]
@@ -73,6 +79,7 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         "DATABASE_URL": _database_url(),
         "REDIS_URL": settings.REDIS_URL,
         "CELERY_BROKER_URL": settings.CELERY_BROKER_URL,
+        "SLUICE_REDIS_CLUSTER": "true" if settings.SLUICE_REDIS_CLUSTER else "false",
         "SLUICE_AUTH_CACHE_S": "0.5",
         # Test receivers listen on plain http; private and loopback receivers
         # stay refused (tests that need one turn it on for themselves).

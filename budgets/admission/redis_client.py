@@ -6,7 +6,13 @@ must say 503 within a second, not hang. A script call is described once
 sync or an async caller that differ only in the await; both translate
 "Redis is unreachable" the same way (``BudgetUnavailable``). A flow of
 several calls (hold spend, admit, take the hold back if the pool refused) is
-written once as a ``Plan`` and run by ``plan_run`` or ``plan_run_async``."""
+written once as a ``Plan`` and run by ``plan_run`` or ``plan_run_async``.
+
+With ``SLUICE_REDIS_CLUSTER`` the clients are redis-py's cluster clients
+(``REDIS_URL`` names any node; the client finds the rest). They route a
+script call by its keys, which must share one hash slot (the key modules
+tag them: ``{pool:<id>}``, ``{<request id>}``), and load a script on every
+primary when a node answers NOSCRIPT."""
 
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from typing import Any, Callable, Generator, Generic, TypeVar, Union
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aioredis_cluster
+import redis.cluster
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
@@ -31,13 +39,20 @@ logger = logging.getLogger(__name__)
 # What "Redis is not answering" looks like from redis-py: a refused or reset
 # connection, a read that timed out (a hung server: redis-py's TimeoutError is
 # not a ConnectionError), or the socket failing underneath.
+# On a cluster also: the cluster (or the shard holding a slot) is down or
+# failing over, or a slot is moving (TRYAGAIN).
 REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+    redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError, redis.exceptions.TryAgainError,
 )
 
-_sync_clients: dict[str, redis.Redis] = {}
+# Either a single Redis or a cluster: both offer the commands Sluice uses.
+SyncRedis = redis.Redis | redis.cluster.RedisCluster
+AsyncRedis = aioredis.Redis | aioredis_cluster.RedisCluster
+
+_sync_clients: dict[str, SyncRedis] = {}
 _sync_lock = threading.Lock()
-_async_clients: dict[tuple[int, str], aioredis.Redis] = {}
+_async_clients: dict[tuple[int, str], AsyncRedis] = {}
 
 
 def _options(blocking: bool) -> dict:
@@ -51,25 +66,28 @@ def _options(blocking: bool) -> dict:
     }
 
 
-def get_redis(*, blocking: bool = False) -> redis.Redis:
+def get_redis(*, blocking: bool = False) -> SyncRedis:
     key = "blocking" if blocking else "fast"
     client = _sync_clients.get(key)
     if client is None:
         with _sync_lock:
             client = _sync_clients.get(key)
             if client is None:
-                client = redis.Redis.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
+                kind = redis.cluster.RedisCluster if settings.SLUICE_REDIS_CLUSTER else redis.Redis
+                # max_connections: per node on a cluster.
+                client = kind.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
                 _sync_clients[key] = client
     return client
 
 
-def get_async_redis(*, blocking: bool = False) -> aioredis.Redis:
+def get_async_redis(*, blocking: bool = False) -> AsyncRedis:
     """One client per event loop (a client's connections belong to its loop)."""
     loop = asyncio.get_running_loop()
     key = (id(loop), "blocking" if blocking else "fast")
     client = _async_clients.get(key)
     if client is None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
+        kind = aioredis_cluster.RedisCluster if settings.SLUICE_REDIS_CLUSTER else aioredis.Redis
+        client = kind.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
         _async_clients[key] = client
     return client
 
@@ -96,8 +114,10 @@ def lua_script(client, source: str):
     return script
 
 
-def redis_now_ms(client: redis.Redis | None = None) -> float:
-    """Redis's clock in ms: every host measures deadlines on the same clock."""
+def redis_now_ms(client: SyncRedis | None = None) -> float:
+    """Redis's clock in ms: every host measures deadlines on the same clock
+    (on a cluster, one node's: keep the nodes' clocks in sync, as any
+    cluster needs for its own failure detection)."""
     seconds, micros = (client or get_redis()).time()
     return seconds * 1000 + micros / 1000
 
@@ -124,7 +144,7 @@ class ScriptCall(Generic[T]):
     args: list[Any]
     parse: Callable[[Any], T]
 
-    def run(self, client: redis.Redis | None = None) -> T:
+    def run(self, client: SyncRedis | None = None) -> T:
         client = client or get_redis()
         try:
             raw = lua_script(client, self.script.source)(keys=self.keys, args=self.args)
@@ -132,7 +152,7 @@ class ScriptCall(Generic[T]):
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
 
-    async def run_async(self, client: aioredis.Redis | None = None) -> T:
+    async def run_async(self, client: AsyncRedis | None = None) -> T:
         client = client or get_async_redis()
         try:
             raw = await lua_script(client, self.script.source)(keys=self.keys, args=self.args)

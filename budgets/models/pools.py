@@ -188,6 +188,9 @@ class UsageRecord(models.Model):
         # The worker failed on this request for a reason of its own (not
         # Redis or the database away): settled and answered at once.
         WORKER_ERROR = "worker_error", "Gateway error"
+        # Its worker was lost mid-call and no other could take it over in
+        # time: the pool may have run it, so it is charged on its estimate.
+        WORKER_LOST = "worker_lost", "Worker lost"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(db_index=True)

@@ -2,7 +2,9 @@
 side, async) and for jobs (the API view and the pacer, sync): build the
 request's record, store it in Redis, enqueue its id on the lane's Celery
 queue by task name (the web side never imports the worker's task module),
-and refund if that fails (gateway/core/settlement.py)."""
+and refund if that fails (gateway/core/settlement.py). A request taken over
+from a lost worker goes back on its lane as its next delivery
+(``record_requeue``)."""
 
 from __future__ import annotations
 
@@ -73,3 +75,17 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
             logger.warning("could not refund %s", record.request_id, exc_info=True)
         raise budget_unavailable() from exc
     admission_observe(record=record)
+
+
+def record_requeue(record: RequestRecord, *, generation: int) -> bool:
+    """Enqueue delivery ``generation`` of a request whose worker was lost
+    (claim.lua moved it to ``queued:<generation>``). A failed send is only
+    logged: the request then misses its start-by time and is settled as
+    lost by whoever watches it next."""
+    try:
+        current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], kwargs={"generation": generation},
+                              queue=queue_for_lane(record.lane), task_id=f"{record.request_id}.{generation}")
+    except Exception:  # the broker
+        logger.warning("could not requeue %s (delivery %s)", record.request_id, generation, exc_info=True)
+        return False
+    return True

@@ -8,26 +8,42 @@ from __future__ import annotations
 from budgets.admission.keys import pool_tag
 
 # --- one request --------------------------------------------------------------------
+# A request's own keys share its hash tag ``{<request id>}``: claim.lua and
+# publish.lua touch several of them at once, never a pool's keys (the pool's
+# lease and buckets are settled by budgets/admission/settle.lua on the pool's
+# shard, and every finishing step is idempotent on its own). Tagged by the
+# request rather than the pool, they spread over the cluster, and a worker
+# that has only the id from its Celery message can name them.
+
+
+def request_tag(request_id: str) -> str:
+    return f"sluice:req:{{{request_id}}}"
 
 
 def request_record(request_id: str) -> str:
     """Hash: everything the worker needs (the task itself carries only the id)."""
-    return f"sluice:req:{request_id}"
+    return request_tag(request_id)
 
 
 def request_owner(request_id: str) -> str:
-    """String: who owns the request's outcome: 'worker', 'gaveup' or 'expired'."""
-    return f"sluice:req:{request_id}:owner"
+    """String: who owns the request's outcome (claim.lua lists the states)."""
+    return f"{request_tag(request_id)}:owner"
+
+
+def request_heartbeat(request_id: str) -> str:
+    """String ``<generation>|<worker>``, expiring within seconds unless the
+    worker running that delivery renews it (gateway/worker/heartbeat.py)."""
+    return f"{request_tag(request_id)}:hb"
 
 
 def request_response(request_id: str) -> str:
     """String: the pool's answer, kept so a redelivered task never calls twice."""
-    return f"sluice:req:{request_id}:response"
+    return f"{request_tag(request_id)}:response"
 
 
 def request_result(request_id: str) -> str:
     """List: the outcome, pushed once for the waiting web process to pop."""
-    return f"sluice:req:{request_id}:result"
+    return f"{request_tag(request_id)}:result"
 
 
 def request_result_published(request_id: str) -> str:
@@ -36,14 +52,20 @@ def request_result_published(request_id: str) -> str:
 
 
 def idempotency(workload_id: int, key: str) -> str:
-    """Hash: a sync request's Idempotency-Key: body digest, state, stored response."""
+    """String: a sync request's Idempotency-Key: body digest, state, stored
+    response. Only single-key commands touch it (SET NX, GET, DEL), so any
+    slot serves it on a cluster; no tag, and the name stays what stored keys
+    (kept 24 h) are called."""
     return f"sluice:idem:{workload_id}:{key}"
 
 
 # --- jobs ----------------------------------------------------------------------------
 
 DELAYED_JOBS = "sluice:jobs:delayed"
-"""Sorted set: ids of jobs waiting for budget, scored by release time (ms)."""
+"""Sorted set: ids of jobs waiting for budget, scored by release time (ms).
+One key that only single-key commands touch (ZADD, ZRANGEBYSCORE, ZREM): it
+needs no hash tag on a cluster, and keeping its name keeps parked jobs
+across an upgrade."""
 
 
 def pool_pacer(pool_id: int) -> str:
@@ -90,6 +112,6 @@ def retry_session(pool_id: int, workload_id: int, session_id: str) -> str:
 
 # --- processes -------------------------------------------------------------------------
 
-WORKERS_READY = "sluice:workers:ready"
+WORKERS_READY = "sluice:workers:ready"  # single-key commands only
 """Hash: lane worker hostname -> pid, set when a worker is ready to consume
 (`make run` and the test harness wait on it) and removed at shutdown."""

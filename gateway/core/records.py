@@ -1,12 +1,16 @@
 """A request's record in Redis, shared by the web process that admitted it and
-the worker that runs it (the Celery message carries only the id); what
-happened to it (``Outcome``); the two scripts that hand it over between the
-sides (``claim.lua``: who owns the outcome, ``publish.lua``: deliver it once);
-and its ledger row, built here once for every place that writes one."""
+the worker that runs it (the Celery message carries only the id and the
+delivery's generation); what happened to it (``Outcome``); the two scripts
+that hand it over between the sides (``claim.lua``: who owns the outcome,
+``publish.lua``: deliver it once); and its ledger row, built here once for
+every place that writes one."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from decimal import Decimal
@@ -14,18 +18,30 @@ from typing import Any
 
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall, raw_reply
+from budgets.admission.redis_client import LuaScript, ScriptCall
 from budgets.ledger.pricing import TokenPrice
 from budgets.ledger.writer import LedgerEntry
 from gateway.core import keys
+from gateway.core.errors import error_body
 
 CLAIM = LuaScript(__package__, "claim.lua")
 PUBLISH = LuaScript(__package__, "publish.lua")
 
+# Who asks claim.lua (its header has the states and verdicts).
 WORKER = "worker"
+WATCH = "watch"
+REAP = "reap"
+# Its verdicts.
 GAVE_UP = "gaveup"
 EXPIRED = "expired"
 REDELIVERED = "redelivered"
+LOST = "lost"
+RUNNING = "running"
+SUPERSEDED = "superseded"
+PUBLISHED = "published"
+QUEUED = "queued"
+REQUEUE = "requeue"
+FINISH = "finish"
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,8 @@ class Outcome:
     """What happened to a request: a pool response, or an error to relay."""
 
     # "ok" | "queue_timeout" | "upstream_error" | "invalid_request" (the pool
-    # refused it as malformed) | "worker_error" (the worker failed on it)
+    # refused it as malformed) | "worker_error" (the worker failed on it) |
+    # "worker_lost" (its worker died mid-call and none could take it over)
     status: str
     http_status: int = 200
     body: dict[str, Any] | None = None
@@ -130,10 +147,54 @@ def ttl_ms() -> int:
     return settings.SLUICE_RESULT_TTL_S * 1000
 
 
-def claim_call(role: str, record: RequestRecord) -> ScriptCall[str]:
-    """Who owns the outcome: WORKER, REDELIVERED, EXPIRED or GAVE_UP."""
-    return ScriptCall(script=CLAIM, keys=[keys.request_owner(record.request_id)],
-                      args=[role, record.deadline_ms, ttl_ms()], parse=raw_reply)
+@dataclass(frozen=True)
+class Claim:
+    verdict: str
+    generation: int  # the delivery the verdict is about
+    changed: bool  # this call moved the state: the caller acts on the verdict
+    now_ms: float  # Redis's clock when it was decided
+
+
+def _claim(raw) -> Claim:
+    return Claim(verdict=raw[0], generation=int(raw[1]), changed=int(raw[2]) == 1, now_ms=float(raw[3]))
+
+
+_process_tokens: dict[int, str] = {}
+
+
+def heartbeat_holder(kind: str) -> str:
+    """Who holds a heartbeat: ``worker@host:pid:token``. The token tells apart
+    processes that share a host name and a pid (containers all run as pid 1)."""
+    pid = os.getpid()
+    token = _process_tokens.setdefault(pid, uuid.uuid4().hex[:8])
+    return f"{kind}@{socket.gethostname()}:{pid}:{token}"
+
+
+def claim_call(role: str, record: RequestRecord, *, generation: int = 0, holder: str = "") -> ScriptCall[Claim]:
+    """One step of claim.lua: ``role`` WORKER (``generation``: the delivery
+    dequeued), WATCH (the waiting web process) or REAP (the reaper)."""
+    request_id = record.request_id
+    return ScriptCall(
+        script=CLAIM,
+        keys=[keys.request_owner(request_id), keys.request_heartbeat(request_id), keys.request_response(request_id),
+              keys.request_result_published(request_id)],
+        args=[role, record.deadline_ms, record.retry_deadline_ms or record.deadline_ms, ttl_ms(), generation,
+              int(settings.SLUICE_HEARTBEAT_TTL_S * 1000), holder or heartbeat_holder(role),
+              int(settings.SLUICE_REDELIVERY_WAIT_S * 1000)],
+        parse=_claim,
+    )
+
+
+def worker_lost_outcome(record: RequestRecord, *, queue_wait_ms: int = 0) -> Outcome:
+    """A call whose worker was lost and that no delivery could take over in
+    time. The pool may have run it: charged on its estimate, and said so."""
+    return Outcome(
+        status="worker_lost", http_status=503, queue_wait_ms=queue_wait_ms, retry_after_ms=1000,
+        input_tokens=record.estimated_input_tokens, output_tokens=record.estimated_output_tokens,
+        body=error_body(message="The worker running this request was lost and no other could take it over in "
+                                "time; it is charged on its estimate. Retry shortly.",
+                        error_type="service_unavailable", code="worker_lost"),
+    )
 
 
 def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:

@@ -1,6 +1,7 @@
 """The web process's half of a request: estimate, admit, enqueue on its lane,
-wait for the outcome without holding a thread, and give up at the deadline
-(atomically against the worker starting: gateway/core/claim.lua)."""
+wait for the outcome without holding a thread, give up at the deadline
+(atomically against the worker starting: gateway/core/claim.lua), and take
+the request over when its worker is lost mid-call (gateway/core/takeover.py)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ from django.conf import settings
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
 from budgets.admission.redis_client import REDIS_UNAVAILABLE, get_async_redis
-from budgets.errors import Rejected
+from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit_async
 from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.context import CallerContext
 from gateway.core.enqueue import new_request_id, record_build, record_enqueue
-from gateway.core.errors import queue_timeout
+from gateway.core.errors import queue_timeout, worker_lost
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
 from gateway.core.observability import settlement_report
-from gateway.core.records import EXPIRED, GAVE_UP, Outcome, RequestRecord, claim_call, ledger_entry
+from gateway.core.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
+                                  claim_call, heartbeat_holder, ledger_entry)
 from gateway.core.settlement import request_refund_async
+from gateway.core.takeover import request_take_over
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +64,79 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     try:
         popped = await blocking.blpop([result_key], timeout=max(0.01, timeout_s))
     except REDIS_UNAVAILABLE as exc:
-        # The request was admitted and queued; its worker settles it. The
-        # caller learns only that we lost sight of it.
-        raise Rejected(reason="result_unavailable", message="Sluice lost its connection to the result store; the request may still complete.",
-                       status=503, retry_after_ms=1000, error_type="service_unavailable") from exc
+        raise _result_unavailable() from exc
     return Outcome.from_json(popped[1]) if popped else None
+
+
+def _result_unavailable() -> Rejected:
+    # The request was admitted and queued; its worker settles it. The
+    # caller learns only that we lost sight of it.
+    return Rejected(reason="result_unavailable", message="Sluice lost its connection to the result store; the request may still complete.",
+                    status=503, retry_after_ms=1000, error_type="service_unavailable")
+
+
+async def _claim(record: RequestRecord) -> Claim:
+    try:
+        # On the blocking client, as the wait it punctuates: a Redis that
+        # hangs a few seconds delays the answer instead of failing it.
+        return await claim_call(WATCH, record, holder=heartbeat_holder("web")).run_async(get_async_redis(blocking=True))
+    except BudgetUnavailable as exc:
+        raise _result_unavailable() from exc
+
+
+async def _take_over(record: RequestRecord, claim: Claim) -> None:
+    try:
+        await sync_to_async(request_take_over, thread_sensitive=False)(record=record, claim=claim)
+    except Exception:  # the database or Redis: the reaper and the lease settle it later
+        logger.exception("request %s: taking it over (%s) failed", record.request_id, claim.verdict)
+
+
+async def _await_outcome(ctx: CallerContext, record: RequestRecord) -> Outcome:
+    """Wait for the outcome one heartbeat interval at a time. Between waits,
+    gateway/core/claim.lua says whether the request is still queued or running, gives it
+    up at its queue deadline (we refund), or takes it over from a lost worker
+    (we redeliver it, finish it with the pool's stored answer, or settle it
+    as lost): the caller hears within seconds, not at the broker's
+    visibility timeout."""
+    result_key = keys.request_result(record.request_id)
+    interval_s = settings.SLUICE_HEARTBEAT_INTERVAL_S
+    finish_ms = (settings.SLUICE_UPSTREAM_TIMEOUT_S + FINISH_GRACE_S) * 1000
+    # The latest a running delivery may have started: past this plus the
+    # upstream timeout, the pool is not answering.
+    started_by_ms = record.deadline_ms
+    now_ms = record.admitted_ms
+    while True:
+        until_deadline_s = (record.deadline_ms - now_ms) / 1000
+        # Wake at the queue deadline, not up to an interval after it.
+        wait_s = interval_s if until_deadline_s <= 0 else min(interval_s, until_deadline_s + 0.005)
+        outcome = await _wait_outcome(result_key, wait_s)
+        if outcome is not None:
+            return outcome
+        claim = await _claim(record)
+        now_ms = claim.now_ms
+        if claim.verdict == GAVE_UP:
+            if claim.changed:
+                # We own the refund: the worker will drop the task unrun.
+                await request_refund_async(record)
+                await sync_to_async(_record_timeout, thread_sensitive=False)(record, int(ctx.queue_timeout_s * 1000))
+            raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
+        if claim.verdict == EXPIRED:
+            # The worker found the deadline passed; it refunds and records.
+            raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
+        if claim.verdict == LOST:
+            if claim.changed:
+                await _take_over(record, claim)
+            raise worker_lost()
+        if claim.verdict in (REQUEUE, FINISH):
+            if claim.verdict == REQUEUE:
+                redelivery_by_ms = min(record.retry_deadline_ms or record.deadline_ms,
+                                       now_ms + settings.SLUICE_REDELIVERY_WAIT_S * 1000)
+                started_by_ms = max(started_by_ms, redelivery_by_ms)
+            await _take_over(record, claim)
+            continue
+        if claim.verdict == RUNNING and now_ms > started_by_ms + finish_ms:
+            raise Rejected(reason="upstream_timeout", message="The inference pool did not answer in time.",
+                           status=504, retry_after_ms=None, error_type="upstream_error")
 
 
 async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: str = "",
@@ -90,24 +161,11 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     log_annotate(lane=record.lane)
     await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
 
-    result_key = keys.request_result(request_id)
-    outcome = await _wait_outcome(result_key, ctx.queue_timeout_s)
-    if outcome is None:
-        owner = await claim_call(GAVE_UP, record).run_async()
-        if owner == GAVE_UP:
-            # We own the refund: the worker will drop the task unrun.
-            await request_refund_async(record)
-            await sync_to_async(_record_timeout, thread_sensitive=False)(record, int(ctx.queue_timeout_s * 1000))
-            raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
-        if owner == EXPIRED:
-            # The worker found the deadline passed; it refunds and records.
-            raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
-        outcome = await _wait_outcome(result_key, settings.SLUICE_UPSTREAM_TIMEOUT_S + FINISH_GRACE_S)
-        if outcome is None:
-            raise Rejected(reason="upstream_timeout", message="The inference pool did not answer in time.",
-                           status=504, retry_after_ms=None, error_type="upstream_error")
+    outcome = await _await_outcome(ctx, record)
     log_annotate(queue_ms=outcome.queue_wait_ms, upstream_ms=outcome.upstream_ms, attempts=outcome.attempts,
                  upstream_status=outcome.upstream_status)
     if outcome.status == "queue_timeout":
         raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
+    if outcome.status == "worker_lost":
+        raise worker_lost()
     return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=record.lane, outcome=outcome)

@@ -31,13 +31,14 @@ from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
 from gateway.core.errors import error_body
-from gateway.core.jobs import job_complete
+from gateway.core.finish import finish_steps, request_finish
 from gateway.core.log_context import log_annotate
-from gateway.core.metrics import departure_record
-from gateway.core.observability import lease_expiry_report, settlement_report, upstream_answer_observe
-from gateway.core.records import (EXPIRED, GAVE_UP, REDELIVERED, WORKER, Outcome, RequestRecord, claim_call,
-                                  ledger_entry, publish_call, ttl_ms)
+from gateway.core.observability import lease_expiry_report, upstream_answer_observe
+from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUNNING, WORKER, Outcome,
+                                  RequestRecord, claim_call, ledger_entry, ttl_ms, worker_lost_outcome)
 from gateway.core.settlement import request_settle
+from gateway.core.takeover import request_take_over
+from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 
@@ -197,50 +198,6 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
 
 
-def _finish_steps(*, record: RequestRecord, outcome: Outcome,
-                  pool_called: bool) -> list[tuple[str, Callable[[], object]]]:
-    """Settle the buckets and the spend, write the ledger row, publish the
-    outcome, finish the job. Each step is idempotent on the request id, and
-    built lazily so request_fail can run each one on its own."""
-    total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
-    written = {"s": 0.0}
-
-    def ledger() -> None:
-        writing = time.monotonic()
-        usage_record_write(entry=ledger_entry(
-            record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
-            actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
-            upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
-            error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
-        ))
-        written["s"] = time.monotonic() - writing
-
-    def departure() -> None:
-        if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                            time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
-            # Reported by the first finish only: a redelivery replaying it counts nothing twice.
-            settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
-                              ledger_lag_s=total_ms / 1000 + written["s"])
-
-    steps: list[tuple[str, Callable[[], object]]] = [
-        ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,
-                                          output_tokens=outcome.output_tokens, pool_called=pool_called)),
-        ("ledger", ledger),
-        ("departure", departure),
-        ("publish", lambda: publish_call(record, outcome).run()),
-    ]
-    if record.job_id:
-        steps.append(("job", lambda: job_complete(job_id=record.job_id, outcome=outcome)))
-    return steps
-
-
-def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
-    """Settle the buckets, write the ledger row, publish the outcome. Each step
-    is idempotent on the request id, so a replay changes nothing."""
-    for _, step in _finish_steps(record=record, outcome=outcome, pool_called=pool_called):
-        step()
-
-
 def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome | None) -> Outcome:
     """Settle and answer a request the worker failed on for a reason of its
     own (a payload the SDK cannot encode, a bug): at once, not when its lease
@@ -270,7 +227,7 @@ def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome |
         upstream_ms=answer.upstream_ms if answer else 0,
         queue_wait_ms=max(0, int(redis_now_ms() - record.admitted_ms)),
     )
-    for name, step in _finish_steps(record=record, outcome=outcome, pool_called=pool_called):
+    for name, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called):
         try:
             step()
         except INFRASTRUCTURE_AWAY:
@@ -280,8 +237,20 @@ def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome |
     return outcome
 
 
-def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = None) -> str:
-    """Run one admitted request. Returns what happened, for logs and tests.
+def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
+    """Store the pool's answer once: the first stored wins, so whoever
+    finishes the request (this worker, one that took it over, a late one)
+    settles and publishes the same answer."""
+    if client.set(keys.request_response(record.request_id), outcome.to_json(), nx=True, px=ttl_ms()):
+        return outcome
+    stored = client.get(keys.request_response(record.request_id))
+    return Outcome.from_json(stored) if stored is not None else outcome
+
+
+def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None) -> str:
+    """Run one delivery of an admitted request (``generation`` 0 is the first;
+    a request taken over from a lost worker is delivered again as the next).
+    Returns what happened, for logs and tests.
 
     ``answered`` carries the pool's answer across the task's own retries
     while Redis is away (gateway/worker/tasks.py): a call whose answer could
@@ -296,7 +265,7 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
     log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
     sent_before = pool_requests_sent()
     try:
-        return _request_run(record, client=client, answered=answered)
+        return _request_run(record, generation=generation, client=client, answered=answered)
     except INFRASTRUCTURE_AWAY:
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
@@ -305,13 +274,13 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
         return WORKER_ERROR
 
 
-def _request_run(record: RequestRecord, *, client, answered: dict[str, Outcome]) -> str:
+def _request_run(record: RequestRecord, *, generation: int, client, answered: dict[str, Outcome]) -> str:
     request_id = record.request_id
-    owner = claim_call(WORKER, record).run(client)
-    if owner == GAVE_UP:
-        return GAVE_UP  # the web side refunded and recorded it
-    queue_wait_ms = max(0, int(redis_now_ms(client) - record.admitted_ms))
-    if owner == EXPIRED:
+    if request_id in HEARTBEATS.running():
+        return RUNNING  # a duplicate delivery, while this very process runs the request
+    claim = claim_call(WORKER, record, generation=generation, holder=HEARTBEATS.holder).run(client)
+    queue_wait_ms = max(0, int(claim.now_ms - record.admitted_ms))
+    if claim.verdict == EXPIRED:
         # Deadline passed in the queue: never call the pool, refund everything.
         outcome = Outcome(
             status="queue_timeout",
@@ -322,29 +291,32 @@ def _request_run(record: RequestRecord, *, client, answered: dict[str, Outcome])
         )
         request_finish(record=record, outcome=outcome, pool_called=False)
         return EXPIRED
-    stored = client.get(keys.request_response(request_id))
-    if stored is not None:
-        outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
-        answered[request_id] = outcome
-    elif request_id in answered:
-        outcome = answered[request_id]  # this delivery's own call, before Redis went away
-        client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
-    elif owner == REDELIVERED and not record.job_id and redis_now_ms(client) > record.retry_deadline_ms:
-        # The worker that started this synchronous call died and its caller
-        # has stopped waiting: calling the pool now would be work nobody
-        # reads. A provider does not bill a call whose client hung up.
-        outcome = Outcome(
-            status="upstream_error", http_status=502, queue_wait_ms=queue_wait_ms,
-            body=error_body(message="The worker running this request was lost.", error_type="upstream_error",
-                            code="worker_lost"),
-        )
-        request_finish(record=record, outcome=outcome, pool_called=False)
-        return "abandoned"
-    else:
-        outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
-        answered[request_id] = outcome
-        client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
-    request_finish(record=record, outcome=outcome, pool_called=True)
+    if claim.verdict == LOST and claim.changed:
+        # A lost worker's call whose new delivery came too late to start:
+        # the first may have run, so it is charged on its estimate.
+        request_finish(record=record, outcome=worker_lost_outcome(record, queue_wait_ms=queue_wait_ms),
+                       pool_called=True)
+        return LOST
+    if claim.verdict not in (WORKER, REDELIVERED):
+        # The web side gave up, a later delivery owns it, or a live worker
+        # runs it: drop this one. An answer this delivery already got (before
+        # Redis went away) is kept for the one that owns it now.
+        if request_id in answered:
+            _answer_keep(client, record, answered[request_id])
+        logger.info("request %s delivery %s: %s", request_id, generation, claim.verdict)
+        return claim.verdict
+    with HEARTBEATS.kept(request_id=request_id, generation=claim.generation):
+        stored = client.get(keys.request_response(request_id))
+        if stored is not None:
+            outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
+        elif request_id in answered:
+            # This delivery's own call, before Redis went away.
+            outcome = _answer_keep(client, record, answered[request_id])
+        else:
+            outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+            answered[request_id] = outcome
+            outcome = _answer_keep(client, record, outcome)
+        request_finish(record=record, outcome=outcome, pool_called=True)
     return outcome.status
 
 
@@ -356,8 +328,11 @@ def leases_reap(*, pool_ids: list[int]) -> int:
 
     - With a request record, a task may have called the pool and we cannot
       know what it did, so the estimate stays charged (the safe side of I1),
-      the ledger gets a ``lease_expired`` row, and the record is deleted so a
-      late redelivery drops the task instead of calling the pool.
+      the ledger gets a ``lease_expired`` row charged on the estimate, and
+      the record is deleted so a late redelivery drops the task instead of
+      calling the pool. A call whose worker still beats is not lost (a
+      redelivery that started late): it keeps its lease. One whose worker is
+      lost is taken over first (gateway/core/takeover.py).
     - Without one, nothing could ever run it: an admission whose caller was
       told it failed (Redis answered the admit after the web process had
       timed out, or the enqueue failed and so did its refund). The pool was
@@ -370,6 +345,14 @@ def leases_reap(*, pool_ids: list[int]) -> int:
         expired = client.zrangebyscore(budget_keys.pool_leases(pool_id), "-inf", now_ms, start=0, num=500)
         for request_id in expired:
             data = client.hgetall(keys.request_record(request_id))
+            if data:
+                record = RequestRecord.from_redis(data)
+                claim = claim_call(REAP, record).run(client)
+                if claim.verdict == RUNNING:
+                    continue
+                request_take_over(record=record, claim=claim, client=client)
+                if claim.changed and claim.verdict == REQUEUE:
+                    continue  # a new delivery runs it
             lease = client.hgetall(budget_keys.lease(pool_id, request_id))
             workload_id = int(data.get("workload_id") or lease.get("wid") or 0)
             if data:
@@ -383,11 +366,11 @@ def leases_reap(*, pool_ids: list[int]) -> int:
                             actual_input_tokens=0, actual_output_tokens=0, pool_called=False).run(client)
             client.zrem(budget_keys.pool_leases(pool_id), request_id)
             if data:
-                record = RequestRecord.from_redis(data)
                 writing = time.monotonic()
                 usage_record_write(entry=ledger_entry(
-                    record, status="lease_expired", total_ms=max(0, int(now_ms - record.admitted_ms)),
-                    error="lease_expired"))
+                    record, status="lease_expired", actual_input_tokens=record.estimated_input_tokens,
+                    actual_output_tokens=record.estimated_output_tokens,
+                    total_ms=max(0, int(now_ms - record.admitted_ms)), error="lease_expired"))
                 lease_expiry_report(record=record, ledger_lag_s=(now_ms - record.admitted_ms) / 1000
                                     + (time.monotonic() - writing))
                 client.delete(keys.request_record(request_id))

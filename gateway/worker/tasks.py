@@ -17,6 +17,7 @@ from gateway.core.enqueue import EXECUTE_REQUEST_TASK
 from gateway.core.log_context import log_context
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
+from gateway.core.takeover import lost_requests_reap
 from gateway.worker.callbacks import callback_deliver
 from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
 
@@ -47,9 +48,9 @@ REDIS_WAIT_MAX_S = 5.0
     retry_jitter=True,
     max_retries=40,
 )
-def execute_request(request_id: str) -> str:
-    """Run one admitted request (the record lives in Redis, keyed by id).
-    Every line logged meanwhile carries the request id."""
+def execute_request(request_id: str, generation: int = 0) -> str:
+    """Run one delivery of an admitted request (the record lives in Redis,
+    keyed by id; ``generation`` > 0: taken over from a lost worker)."""
     close_old_connections()  # a connection broken by a database restart is replaced
     give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
     answered: dict = {}
@@ -57,7 +58,7 @@ def execute_request(request_id: str) -> str:
     with log_context(request_id=request_id):
         while True:
             try:
-                return request_execute(request_id=request_id, answered=answered)
+                return request_execute(request_id=request_id, generation=generation, answered=answered)
             except REDIS_AWAY as exc:
                 if time.monotonic() + wait_s > give_up_at:
                     raise
@@ -69,6 +70,13 @@ def execute_request(request_id: str) -> str:
 @shared_task(name="gateway.reap_leases", ignore_result=True)
 def reap_leases() -> int:
     return leases_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+
+
+@shared_task(name="gateway.take_over_lost_requests", ignore_result=True)
+def take_over_lost_requests() -> int:
+    """Requests of lost workers that no web process watches (jobs, or a web
+    host lost too): the waiting web process handles its own each second."""
+    return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
 
 
 @shared_task(name=RUN_SCHEDULE_TASK, ignore_result=True)

@@ -14,7 +14,7 @@ from budgets.admission import keys
 from budgets.admission.buckets import admit, settle
 from budgets.errors import Rejected
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_cluster]
 
 LEASE_MS = 600_000
 

@@ -33,7 +33,7 @@ from gateway.core.enqueue import record_build
 from gateway.core.records import ledger_entry
 from gateway.core.settlement import request_settle
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_cluster]
 
 MODEL = "sim-large"
 # $2 per million input tokens, $8 per million output: 1,000 + 1,000 tokens

@@ -19,6 +19,7 @@ def post(platform, api_key, body, key):
                       headers={"Authorization": f"Bearer {api_key}", "Idempotency-Key": key})
 
 
+@pytest.mark.redis_cluster
 def test_same_key_same_body_runs_once_and_replays(platform, make_caller):
     caller = make_caller(pool=make_caller.pool(base_url=f"{platform.sim_url}/v1"))
     platform.sim_reset()

@@ -39,6 +39,7 @@ def sim_pool(platform, make_caller):
     return make_caller.pool(base_url=f"{platform.sim_url}/v1")
 
 
+@pytest.mark.redis_cluster
 def test_a_job_runs_and_reports_result_tokens_and_cost(platform, make_caller, sim_pool):
     from budgets.models import ModelPrice
     from django.utils import timezone
@@ -68,6 +69,7 @@ def test_a_job_runs_and_reports_result_tokens_and_cost(platform, make_caller, si
     assert row.lane == "batch" and row.status == "ok"
 
 
+@pytest.mark.redis_cluster
 def test_over_budget_jobs_are_delayed_not_rejected(platform, make_caller, sim_pool):
     # given a ceiling bucket of 15 s x 8,000 TPM = 2,000 tokens, refilling at 133 tokens/s
     caller = make_caller(pool=sim_pool, workload_class="batch", reserved_tpm=8_000, ceiling_tpm=8_000,

@@ -14,6 +14,7 @@ from gateway.core.metrics import pool_live_metrics
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.mark.redis_cluster
 def test_arrivals_time_in_system_and_in_flight_per_lane(platform, make_caller):
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool)

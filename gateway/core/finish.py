@@ -1,0 +1,64 @@
+"""The end of a request, whoever reaches it: the worker that ran it, or the
+process that took it over from a lost worker (the waiting web process, the
+reaper: gateway/core/takeover.py). Settle the buckets, write the ledger row,
+publish the outcome; each step is idempotent on the request id, so a replay
+(a redelivered task, a late worker, a second taker) changes nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from budgets.admission.redis_client import redis_now_ms
+from budgets.ledger.writer import usage_record_write
+from gateway.core.jobs import job_complete
+from gateway.core.metrics import departure_record
+from gateway.core.observability import settlement_report
+from gateway.core.records import Outcome, RequestRecord, ledger_entry, publish_call
+from gateway.core.settlement import request_settle
+
+
+def finish_steps(*, record: RequestRecord, outcome: Outcome,
+                 pool_called: bool) -> list[tuple[str, Callable[[], object]]]:
+    """Settle the buckets and the spend, write the ledger row, publish the
+    outcome, finish the job. Each step is idempotent on the request id, and
+    built lazily so a failed request's settlement (request_fail in
+    gateway/worker/execution.py) can run each one on its own."""
+    total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
+    written = {"s": 0.0}
+
+    def ledger() -> None:
+        writing = time.monotonic()
+        usage_record_write(entry=ledger_entry(
+            record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
+            actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
+            upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
+            error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+        ))
+        written["s"] = time.monotonic() - writing
+
+    def departure() -> None:
+        if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                            time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
+            # Reported by the first finish only: a redelivery replaying it counts nothing twice.
+            settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
+                              ledger_lag_s=total_ms / 1000 + written["s"])
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,
+                                          output_tokens=outcome.output_tokens, pool_called=pool_called)),
+        ("ledger", ledger),
+        ("departure", departure),
+        ("publish", lambda: publish_call(record, outcome).run()),
+    ]
+    if record.job_id:
+        steps.append(("job", lambda: job_complete(job_id=record.job_id, outcome=outcome)))
+    return steps
+
+
+def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
+    """Settle the buckets and the spend, write the ledger row, publish the
+    outcome. Each step is idempotent on the request id, so a replay changes
+    nothing."""
+    for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called):
+        step()

@@ -1,0 +1,83 @@
+"""Taking a request over from a lost worker (SIGKILL, OOM, a host gone).
+
+A worker renews a heartbeat of every call it runs (gateway/worker/heartbeat.py).
+Whoever watches a request asks ``claim.lua``: the web process waiting for the
+outcome, every heartbeat interval (gateway/web/dispatch.py), and the reaper,
+for jobs and for calls whose web process is gone too (``lost_requests_reap``,
+a beat task). When the heartbeat has gone quiet, claim.lua moves the request
+to its next delivery, atomically against the old worker coming back, and the
+one asker that moved it acts here: put it back on its lane, finish it with
+the pool's stored answer, or settle it as ``worker_lost`` (charged on the
+estimate: the pool may have run it)."""
+
+from __future__ import annotations
+
+import logging
+
+from budgets.admission.redis_client import SyncRedis, get_redis
+from gateway.core import keys
+from gateway.core.enqueue import record_requeue
+from gateway.core.finish import request_finish
+from gateway.core.lanes import LANE_NAMES
+from gateway.core.records import (FINISH, LOST, REAP, REQUEUE, Claim, Outcome, RequestRecord, claim_call,
+                                  worker_lost_outcome)
+
+logger = logging.getLogger(__name__)
+
+
+def request_take_over(*, record: RequestRecord, claim: Claim, client: SyncRedis | None = None) -> None:
+    """Do what a claim that moved the request away from a lost worker asks."""
+    if not claim.changed:
+        return  # someone else moved it, and acts on it
+    if claim.verdict == REQUEUE:
+        logger.warning("request %s: its worker was lost; delivery %s goes back on lane %s", record.request_id,
+                       claim.generation, record.lane)
+        record_requeue(record, generation=claim.generation)
+    elif claim.verdict == FINISH:
+        stored = (client or get_redis()).get(keys.request_response(record.request_id))
+        # claim.lua said FINISH because the answer was stored; both expire together.
+        outcome = Outcome.from_json(stored) if stored is not None else worker_lost_outcome(record)
+        request_finish(record=record, outcome=outcome, pool_called=True)
+    elif claim.verdict == LOST:
+        logger.warning("request %s: its worker was lost and no delivery could start in time", record.request_id)
+        request_finish(record=record, outcome=worker_lost_outcome(record), pool_called=True)
+
+
+def _watched(owner: str | None) -> bool:
+    """Owner states in which a lost worker can leave a request stranded."""
+    return bool(owner) and owner.split(":", 1)[0] in ("worker", "queued")
+
+
+def lost_requests_reap(*, pool_ids: list[int]) -> int:
+    """Take over every started or re-queued request of the pools whose worker
+    is lost; returns how many moved. Requests still queued for their first
+    delivery are left to their deadline (the web side or the worker)."""
+    client = get_redis()
+    moved = 0
+    for pool_id in pool_ids:
+        for lane in LANE_NAMES:
+            request_ids = client.zrange(keys.lane_in_flight(pool_id, lane), 0, -1)
+            if not request_ids:
+                continue
+            pipe = client.pipeline(transaction=False)
+            for request_id in request_ids:
+                pipe.get(keys.request_owner(request_id))
+            candidates = [rid for rid, owner in zip(request_ids, pipe.execute()) if _watched(owner)]
+            for request_id in candidates:
+                try:
+                    moved += _reap_one(client, request_id)
+                except Exception:  # one request must not stop the pass; the next pass tries again
+                    logger.exception("taking over request %s failed", request_id)
+    return moved
+
+
+def _reap_one(client: SyncRedis, request_id: str) -> int:
+    data = client.hgetall(keys.request_record(request_id))
+    if not data:
+        return 0
+    record = RequestRecord.from_redis(data)
+    claim = claim_call(REAP, record).run(client)
+    if not claim.changed:
+        return 0
+    request_take_over(record=record, claim=claim, client=client)
+    return 1

@@ -1,0 +1,127 @@
+"""Sluice on Redis Cluster. Every Lua script's KEYS share one hash slot and
+none is empty (a cluster routes a script by its keys and refuses keys in two
+slots); and the tests marked ``redis_cluster`` (admission, settlement, the
+deadline claim, the outcome hand-back, lost workers, the pacer, jobs, the
+budget-accuracy test) pass against a real 3-master cluster that this test
+starts, with the Celery broker on a plain Redis beside it, exactly as an
+operator runs it (README, "Production")."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import dj_database_url
+import pytest
+from django.conf import settings
+from redis.crc import key_slot
+
+from budgets.admission.buckets import NO_SPEND, SpendCharge, admit_call, settle_call
+from budgets.admission.redis_client import get_redis
+from budgets.ledger.rejections import rejection_count_call
+from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call
+from llm_platform.processes import ROOT
+from tests.redis_servers import LocalRedisCluster, PlainRedis
+
+# The marked tests live here; the child run collects only these.
+MARKED_PATHS = ["tests/budgets/test_admission.py", "tests/budgets/test_spend_admission.py", "tests/gateway",
+                "tests/test_redis_cluster.py"]
+
+
+def _one_slot(keys: list[str]) -> set[int]:
+    assert all(keys), f"an empty key name: {keys}"
+    return {key_slot(key.encode()) for key in keys}
+
+
+def test_every_script_call_names_keys_of_one_slot_and_none_empty():
+    record = RequestRecord(
+        request_id="req_0123abcd", tenant_id=1, workload_id=2, pool_id=3, pool_base_url="http://pool/v1",
+        pool_api_key_env="", model="m", lane="interactive", borrowed=False, estimated_input_tokens=1,
+        estimated_output_tokens=1, admitted_ms=0.0, deadline_ms=1.0, payload={},
+    )
+    priced = SpendCharge(tenant_id=1, cost_micro=5, month_key="sluice:{pool:3}:spend:2026-01", month_end_ms=1.0)
+    calls = [
+        admit_call(pool_id=3, workload_id=2, request_id="req_0123abcd", input_tokens=1, output_tokens=1,
+                   lease_ttl_ms=1, spend=NO_SPEND),
+        admit_call(pool_id=3, workload_id=2, request_id="req_0123abcd", input_tokens=1, output_tokens=1,
+                   lease_ttl_ms=1, spend=priced),
+        settle_call(pool_id=3, workload_id=2, request_id="req_0123abcd", actual_input_tokens=1,
+                    actual_output_tokens=1),
+        settle_call(pool_id=3, workload_id=2, request_id="req_0123abcd", actual_input_tokens=1,
+                    actual_output_tokens=1, spend_month_key=priced.month_key),
+        claim_call(WORKER, record), claim_call(WATCH, record),
+        publish_call(record, Outcome(status="ok")),
+        rejection_count_call(pool_id=3, workload_id=2, tenant_id=1, reason="workload_tpm", estimated_tokens=1,
+                             retry_after_ms=1),
+    ]
+    for call in calls:
+        assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)
+    # without a price the spend hash is replaced by a key of the same slot, and a flag says so
+    assert calls[0].keys[-1] == calls[0].keys[0] and calls[0].args[5] == 0
+    assert calls[2].keys[-1] == calls[2].keys[0] and calls[2].args[5] == 0
+    assert calls[3].keys[-1] == priced.month_key and calls[3].args[5] == 1
+
+
+def test_a_cluster_without_a_broker_of_its_own_is_refused():
+    env = {**os.environ, "SLUICE_REDIS_CLUSTER": "true", "CELERY_BROKER_URL": ""}
+    result = subprocess.run([sys.executable, "-c", "import django; django.setup()"], cwd=ROOT, capture_output=True,
+                            text=True, env={**env, "DJANGO_SETTINGS_MODULE": "llm_platform.settings"}, timeout=60)
+    assert result.returncode != 0
+    assert "SLUICE_REDIS_CLUSTER=true needs CELERY_BROKER_URL" in result.stderr
+
+
+@pytest.mark.redis_cluster
+def test_the_clients_are_the_kind_the_setting_names():
+    from redis.cluster import RedisCluster
+
+    client = get_redis()
+    assert isinstance(client, RedisCluster) is settings.SLUICE_REDIS_CLUSTER
+    assert client.ping() is True
+
+
+def _child_database_url() -> str:
+    """The child run's own database (pytest-django prefixes test_)."""
+    url = dj_database_url.parse(os.environ["DATABASE_URL"])
+    user = url.get("USER") or "postgres"
+    password = f":{url['PASSWORD']}" if url.get("PASSWORD") else ""
+    return (f"postgres://{user}{password}@{url.get('HOST') or '127.0.0.1'}:{url.get('PORT') or 5432}/"
+            f"{url['NAME']}_cluster")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_marked_tests_pass_on_a_three_master_redis_cluster(tmp_path):
+    if settings.SLUICE_REDIS_CLUSTER:
+        pytest.skip("this run is the cluster run")
+    # given a 3-master Redis Cluster and a plain Redis for the broker
+    cluster = LocalRedisCluster(tmp_path / "cluster").start()
+    broker = PlainRedis(tmp_path / "broker").start()
+    try:
+        env = {**os.environ, "REDIS_URL": cluster.url, "SLUICE_REDIS_CLUSTER": "true",
+               "CELERY_BROKER_URL": broker.url, "DATABASE_URL": _child_database_url(),
+               "SLUICE_TEST_LOG_DIR": str(tmp_path / "logs")}
+        pytest_args = [sys.executable, "-m", "pytest", "-m", "redis_cluster", "-p", "no:randomly", *MARKED_PATHS]
+        collected = subprocess.run([*pytest_args, "--collect-only", "-q"], cwd=ROOT, env=env, capture_output=True,
+                                   text=True, timeout=120)
+        expected = re.search(r"(\d+)/\d+ tests collected", collected.stdout)
+        assert expected, collected.stdout[-3000:] + collected.stderr[-3000:]
+        # when the marked tests run against them
+        junit = tmp_path / "cluster-run.xml"
+        result = subprocess.run([*pytest_args, "-q", "--junitxml", str(junit), "--basetemp", str(tmp_path / "child")],
+                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
+        # then every one of them ran and passed (the client-kind test among them: on the cluster)
+        assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-3000:]
+        suite = ET.parse(junit).getroot().find("testsuite")
+        counts = {name: int(suite.get(name)) for name in ("tests", "failures", "errors", "skipped")}
+        assert counts == {"tests": int(expected.group(1)), "failures": 0, "errors": 0, "skipped": 0}
+        assert counts["tests"] >= 30
+        # and every master served scripts: the keys spread over all three shards
+        for node in cluster.nodes():
+            stats = node.info("commandstats")
+            assert stats.get("cmdstat_evalsha", {}).get("calls", 0) > 0, node
+    finally:
+        broker.stop()
+        cluster.stop()
