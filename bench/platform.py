@@ -11,6 +11,7 @@ wheel on a unix socket, both under bench/out/var/."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,8 +19,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from llm_platform import processes
-from llm_platform.processes import ROOT, Process, free_port, wait_http
+# Like make run, the bench brings its own secret key (settings require one);
+# set before llm_platform, imported next, reads the settings. Every process
+# the bench starts inherits it.
+os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
+
+from llm_platform import processes  # noqa: E402
+from llm_platform.processes import ROOT, Process, free_port, wait_http  # noqa: E402
 
 from bench.common import OUT_DIR, log
 
