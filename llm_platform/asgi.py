@@ -1,6 +1,6 @@
 """ASGI entry point.
 
-The OpenAI-compatible API (/v1/*) and /healthz are served by async views on a
+The OpenAI-compatible API (/v1/*), /healthz and /readyz are served by async views on a
 handler with no middleware: they need none of the browser's (sessions, CSRF,
 cookie auth, messages), and in an async stack Django runs each of those
 through a thread hop per request (measured: about a third of the web
@@ -21,7 +21,7 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402  (after django.s
 from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
 
 API_PREFIXES = ("/v1/",)
-API_PATHS = {"/healthz"}
+API_PATHS = {"/healthz", "/readyz"}
 
 
 class ApiHandler(ASGIHandler):

@@ -11,7 +11,8 @@
 --
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
---       8 capacity hash (adaptive factor of the pool, shed scale per workload),
+--       8 capacity hash (adaptive factor of the pool, shed scale per workload,
+--         and the prober's down mark: down_until_ms, probe_next_ms; probe.lua),
 --       9 month-to-date spend hash ('' when the request has no price)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
 --       5 lease ttl (ms), 6 estimated cost (micro-units), 7 tenant id,
@@ -20,6 +21,9 @@
 --         {2, borrowed, ...}                                          already admitted
 --         {0, reason, wait_ms, e_tok, e_req, e_tok_full_ms, e_req_full_ms} rejected
 --         {-1, why}                                                   not configured
+-- A pool marked down by its prober admits nothing: reason 'pool_unavailable',
+-- wait until its next probe (a request too large to ever fit still gets
+-- 'request_too_large'). The mark ends by itself (down_until_ms): fail open.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
@@ -213,6 +217,13 @@ if KEYS[9] ~= '' and cost > 0 then
       if spent + cost > spend_cap then fail('spend_budget', math.max(1, tonumber(ARGV[8]) - now)) end
     end
   end
+end
+
+-- Reachability (probe.lua): a pool that does not answer takes no work; its
+-- callers hear so at once instead of waiting on calls that cannot succeed.
+if now < (capacity['down_until_ms'] or 0) and wait ~= INF then
+  reason = 'pool_unavailable'
+  wait = math.max(1, (capacity['probe_next_ms'] or now) - now)
 end
 
 if reason == nil then

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.django_db
 # Routes that hold no tenant's data (asserted below to leak none anyway).
 PUBLIC = {"login", "logout", "api-token", "api-schema", "api-docs", "home", "tenant-list"}
 # Routes of other parts of the project, tested where they live.
-FOREIGN_PREFIXES = ("v1/", "healthz", "admin/")
+FOREIGN_PREFIXES = ("v1/", "healthz", "readyz", "admin/")
 
 
 def _names(resolver=None, prefix=""):
