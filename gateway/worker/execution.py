@@ -26,6 +26,7 @@ from gateway.core.records import (EXPIRED, GAVE_UP, REDELIVERED, WORKER, Outcome
                                   ledger_entry, publish_call, ttl_ms)
 from gateway.worker.pool_client import pool_client
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
+from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     started = time.monotonic()
     try:
         # The raw response: the pool's JSON is relayed as it came, and the
-        # SDK's model parsing (a fifth of a worker's CPU) is skipped.
-        raw = client.chat.completions.with_raw_response.create(
-            **payload, extra_body={"sim": sim} if sim is not None else None)
+        # SDK's model parsing (a fifth of a worker's CPU) is skipped. The call
+        # may be cut off when the worker stops (gateway/worker/shutdown.py).
+        raw = pool_call_within_grace(lambda: client.chat.completions.with_raw_response.create(
+            **payload, extra_body={"sim": sim} if sim is not None else None))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         status = 429 if exc.status_code == 429 else 502
@@ -133,7 +135,8 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
         if verdict != "ok":
             logger.info("request %s: no retry (%s)", record.request_id, verdict)
             break
-        time.sleep(delay_ms / 1000)
+        if not pause(delay_ms / 1000):
+            break  # the worker is stopping: the last attempt's outcome stands
     return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
 
 
@@ -165,6 +168,27 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
         job_complete(job_id=record.job_id, outcome=outcome)
 
 
+def interrupted_outcome(record: RequestRecord, *, queue_wait_ms: int) -> Outcome:
+    """A call cut off by its worker's stop. Nobody knows what the pool did
+    with it, so the estimate is charged (the safe side of I1, as for an
+    expired lease); the caller is told to retry."""
+    return Outcome(
+        status="upstream_error", http_status=503, queue_wait_ms=queue_wait_ms, retry_after_ms=1000,
+        input_tokens=record.estimated_input_tokens, output_tokens=record.estimated_output_tokens,
+        body=error_body(message="The worker running this request stopped before the pool answered; retry it.",
+                        error_type="service_unavailable", code="worker_shutdown"),
+    )
+
+
+def _answer_keep(client, request_id: str, outcome: Outcome) -> Outcome:
+    """Keep ``outcome`` as the request's answer unless one is kept already
+    (first writer wins: a pool's answer and an interruption never both count)."""
+    if client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms(), nx=True):
+        return outcome
+    stored = client.get(keys.request_response(request_id))
+    return Outcome.from_json(stored) if stored is not None else outcome
+
+
 def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = None) -> str:
     """Run one admitted request. Returns what happened, for logs and tests.
 
@@ -178,6 +202,9 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
         logger.warning("request %s has no record (expired?); dropping", request_id)
         return "missing"
     record = RequestRecord.from_redis(data)
+    if shutdown_requested() and request_id not in answered:
+        # Not claimed yet and the worker is stopping: the next worker runs it.
+        raise HandBack(request_id)
     owner = claim_call(WORKER, record).run(client)
     if owner == GAVE_UP:
         return GAVE_UP  # the web side refunded and recorded it
@@ -211,9 +238,15 @@ def request_execute(*, request_id: str, answered: dict[str, Outcome] | None = No
         request_finish(record=record, outcome=outcome, pool_called=False)
         return "abandoned"
     else:
-        outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+        try:
+            outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+        except CallInterrupted as interrupted:
+            if interrupted.started:
+                # The redelivery finishes it from this answer, without a call.
+                _answer_keep(client, request_id, interrupted_outcome(record, queue_wait_ms=queue_wait_ms))
+            raise HandBack(request_id) from interrupted
+        outcome = _answer_keep(client, request_id, outcome)
         answered[request_id] = outcome
-        client.set(keys.request_response(request_id), outcome.to_json(), px=ttl_ms())
     request_finish(record=record, outcome=outcome, pool_called=True)
     return outcome.status
 
