@@ -195,8 +195,9 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     assert admin.locator("svg.chart").count() == 2
     assert admin.locator("#pool-workloads", has_text=world.wl_a.slug).count() == 1
     # the live part refreshes by itself
-    admin.wait_for_function("document.getElementById('live-status').textContent.startsWith('updated')",
-                            timeout=12_000)
+    # (a selector, not wait_for_function: evaluating a string is eval, which
+    # the page's Content-Security-Policy refuses)
+    admin.wait_for_selector("#live-status:text-matches('^updated')", timeout=12_000)
     assert "workload_tpm" in admin.inner_text("#live")
     shot(admin, "09-pool-overview")
     admin.goto("/api/docs/")
