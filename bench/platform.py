@@ -18,6 +18,7 @@ use bench/out/var/."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -32,6 +33,10 @@ from urllib.parse import urlsplit, urlunsplit
 from gateway.core.keys import WORKERS_READY as WORKER_READY_KEY
 from gateway.core.lanes import LANE_NAMES as LANES
 from gateway.core.lanes import lane_named
+
+# Like make run, the bench brings its own secret key (settings require one);
+# every process the bench starts inherits it.
+os.environ.setdefault("DJANGO_SECRET_KEY", secrets.token_urlsafe(50))
 
 from .common import OUT_DIR, ROOT, log
 

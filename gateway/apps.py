@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.conf import settings
 
 
 class GatewayConfig(AppConfig):
@@ -6,6 +7,10 @@ class GatewayConfig(AppConfig):
     verbose_name = "Gateway"
 
     def ready(self) -> None:
+        # Every Sluice process sets Django up (web, workers, beat, pacer,
+        # manage.py): refuse to start without a secret key, with the reason
+        # (reading it raises llm_platform/settings.py's SECRET_KEY_MISSING).
+        settings.SECRET_KEY
         # The pool overview (budgets' pages) shows the lanes' live numbers,
         # which the gateway measures: hand budgets the function that reads
         # them, so budgets never imports gateway.

@@ -1,6 +1,6 @@
 """ASGI entry point.
 
-The OpenAI-compatible API (/v1/*) and /healthz are served by async views on a
+The OpenAI-compatible API (/v1/*), /healthz and /readyz are served by async views on a
 handler with no middleware: they need none of the browser's (sessions, CSRF,
 cookie auth, messages), and in an async stack Django runs each of those
 through a thread hop per request (measured: about a third of the web
@@ -27,7 +27,7 @@ from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
 
 API_PREFIXES = ("/v1/",)
-API_PATHS = {"/v1", "/healthz", "/metrics"}
+API_PATHS = {"/v1", "/healthz", "/readyz", "/metrics"}
 
 
 class ApiHandler(ASGIHandler):

@@ -3,6 +3,7 @@ settings that make redelivery safe. Routing lives here and nowhere else."""
 
 from __future__ import annotations
 
+import logging
 import logging.config
 import os
 
@@ -101,19 +102,38 @@ check_time_limits()
 
 # Readiness markers: `make run` and the test harness wait on these instead of
 # polling the broker with `inspect ping` (slow, and noisy under load).
-from celery.signals import worker_ready, worker_shutdown  # noqa: E402
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  # noqa: E402
 
 from budgets.admission.redis_client import get_redis  # noqa: E402
+from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
 
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
+    shutdown_watch_start()
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 
 
+WORKER_SHUTDOWN_GRACE_S = settings.SLUICE_WORKER_SHUTDOWN_GRACE_S  # read now, not in the handler
+
+
+@worker_shutting_down.connect
+def _stop_within_grace(sender=None, **kwargs) -> None:
+    # Sent from the SIGTERM handler: one attribute write, nothing that locks
+    # (gateway/worker/shutdown.py: calls in flight get the grace, then go back).
+    shutdown_begin(grace_s=WORKER_SHUTDOWN_GRACE_S)
+
+
 @worker_shutdown.connect
-def _mark_gone(sender=None, **kwargs) -> None:
+def _mark_gone_and_exit(sender=None, **kwargs) -> None:
     try:
         get_redis().hdel(WORKERS_READY, sender.hostname)
     except Exception:  # Redis may be the thing shutting down
         pass
+    # Sent once the worker has stopped for good: every task finished or was
+    # handed back, its ack or requeue sent, the broker connection closed.
+    # What is left is the interpreter's own teardown, a full garbage
+    # collection of a large heap that takes seconds on a busy host and would
+    # break the promise to be gone within 5 s of SIGTERM; skip it.
+    logging.shutdown()
+    os._exit(getattr(sender, "exitcode", None) or 0)

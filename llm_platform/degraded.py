@@ -42,7 +42,11 @@ class StoreUnavailableMiddleware:
         if not isinstance(exception, STORE_UNAVAILABLE):
             return None
         logger.warning("%s %s: Redis unavailable: %s", request.method, request.path, exception)
-        response = HttpResponse(render_to_string("503.html", {"retry_after_s": RETRY_AFTER_S}), status=503)
+        # The page reloads itself with a meta refresh (no script), and its one
+        # style block carries the response's CSP nonce.
+        nonce = str(request.csp_nonce) if hasattr(request, "csp_nonce") else ""  # str(): the nonce is lazy
+        context = {"retry_after_s": RETRY_AFTER_S, "csp_nonce": nonce}
+        response = HttpResponse(render_to_string("503.html", context), status=503)
         response["Retry-After"] = str(RETRY_AFTER_S)
         return response
 

@@ -6,6 +6,7 @@ the simulated pool."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,8 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+from django.conf import settings
 
 from gateway.core.lanes import lane_concurrency, queue_for_lane
+
 
 def sim_command(*, port: int, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "inference_sim", "--host", "127.0.0.1", "--port", str(port), *(extra or [])]
@@ -28,6 +31,11 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
         sys.executable, "-m", "uvicorn", "llm_platform.asgi:application",
         "--host", host, "--port", str(port), "--workers", str(workers),
         "--no-access-log", "--timeout-keep-alive", "30",
+        # On SIGTERM: stop accepting, let requests in flight finish for a few
+        # seconds, then close them (uvicorn's default waits for ever; a caller
+        # waiting on its lane could hold a stop for minutes). Their admitted
+        # work still runs on the workers, settles and reaches the ledger.
+        "--timeout-graceful-shutdown", f"{settings.SLUICE_WEB_SHUTDOWN_GRACE_S:g}",
     ]
 
 
@@ -135,3 +143,22 @@ def metrics_dir_prepare(path: Path) -> Path:
     for stale in path.glob("*.db"):
         stale.unlink()
     return path
+
+
+def local_secret_key(var_dir: Path) -> str:
+    """The secret key of local runs (`make run`, the benchmarks): random,
+    made once per checkout and kept in ``var_dir/secret_key`` (readable by its
+    owner only), so sessions survive a restart and `manage.py` commands run
+    beside it use the same key (llm_platform/settings.py reads that file
+    outside production)."""
+    path = Path(var_dir) / "secret_key"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another local run made it a moment ago
+            pass
+        else:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(50))
+    return path.read_text().strip()

@@ -191,6 +191,8 @@ def main() -> None:
             _log(f"embedded Redis on {socket_path}")
         processes.metrics_dir_prepare(Path(env["PROMETHEUS_MULTIPROC_DIR"]))
 
+        # make run brings its own secret key (settings require one elsewhere).
+        env.setdefault("DJANGO_SECRET_KEY", processes.local_secret_key(var_dir))
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
         subprocess.run([*manage, "collectstatic", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
@@ -208,8 +210,11 @@ def main() -> None:
         import httpx
 
         def web_up() -> bool:
+            # Ready: the web process answers and reaches the database and
+            # Redis. Pools are not part of it: they start in whatever state
+            # they are in (a dead one only refuses its own workloads).
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+                return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -227,7 +232,7 @@ Sluice is up.
   Web UI         : http://127.0.0.1:{port}/          (Django admin at /admin/)
   API docs       : http://127.0.0.1:{port}/api/docs/
   OpenAI API     : {demo['base_url']}
-  Health         : http://127.0.0.1:{port}/healthz
+  Health         : http://127.0.0.1:{port}/healthz (live), /readyz (ready)
   Simulated pool : http://127.0.0.1:{sim_port}/v1
   Metrics        : http://127.0.0.1:{port}/metrics   (Prometheus; docs/grafana-sluice.json is a dashboard)
   Logs           : {log_dir}/

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from csp.constants import NONCE, NONE, SELF
 from django.core.exceptions import ImproperlyConfigured
 
 from gateway.core.lanes import LANES
@@ -30,9 +31,54 @@ def env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
 
+# "local" (make run, the tests, a laptop) or "production": the one switch
+# between them. Production turns on HTTPS-only behaviour (HSTS, secure
+# cookies, the HTTPS redirect); each of those can still be set on its own.
+SLUICE_ENV = os.environ.get("SLUICE_ENV", "local").strip().lower()
+if SLUICE_ENV not in {"local", "production"}:
+    raise ImproperlyConfigured(f"SLUICE_ENV must be 'local' or 'production', not {SLUICE_ENV!r}.")
+PRODUCTION = SLUICE_ENV == "production"
+
 DEBUG = env_bool("DJANGO_DEBUG", False)
-# The fallback key only serves local demos; production sets DJANGO_SECRET_KEY.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY") or "insecure-local-only-" + "sluice-demo-key"
+if PRODUCTION and DEBUG:
+    raise ImproperlyConfigured("DJANGO_DEBUG=true with SLUICE_ENV=production would show tracebacks to the world.")
+
+
+SECRET_KEY_MISSING = (
+    "DJANGO_SECRET_KEY is not set. `make run` and the tests bring their own; anywhere else set it to a long "
+    "random value, e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'."
+)
+
+
+class _MissingSecretKey:
+    """Stands in for an unset key: the first use of ``settings.SECRET_KEY``
+    (gateway/apps.py makes one when Django starts: web, workers, beat, pacer,
+    manage.py) fails with SECRET_KEY_MISSING. Loading settings alone does not,
+    so `make run` can read them before it writes the key its children use."""
+
+    def __bool__(self) -> bool:
+        raise ImproperlyConfigured(SECRET_KEY_MISSING)
+
+    __str__ = __len__ = __bool__
+
+
+def _secret_key() -> str | _MissingSecretKey:
+    """DJANGO_SECRET_KEY, required everywhere but where a key comes with the
+    run: the tests (pytest sets PYTEST_VERSION for its session and for the
+    processes it starts) and a local checkout where `make run` wrote
+    var/secret_key (so `manage.py seed_demo --json` works beside it)."""
+    key = os.environ.get("DJANGO_SECRET_KEY", "")
+    if key:
+        return key
+    if os.environ.get("PYTEST_VERSION"):
+        return "insecure-tests-only-" + "sluice-test-session-key"
+    local_key = VAR_DIR / "secret_key"
+    if not PRODUCTION and local_key.is_file():
+        return local_key.read_text().strip()
+    return _MissingSecretKey()
+
+
+SECRET_KEY = _secret_key()
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("DJANGO_ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")]
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("DJANGO_CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
@@ -48,6 +94,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_celery_beat",
+    "csp",
     "tenants",
     "budgets",
     "gateway",
@@ -55,6 +102,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "llm_platform.static_files.StaticFilesMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -200,6 +248,28 @@ PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.
 SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
 
+# --- health (gateway/web/health.py) and pool probes (gateway/worker/prober.py) ------
+# /healthz (the process answers) and /readyz (database and Redis answer) tell
+# anonymous callers only up or down; details go to platform admins and to
+# callers with "Authorization: Bearer <this token>" (empty: admins only).
+SLUICE_HEALTH_TOKEN = os.environ.get("SLUICE_HEALTH_TOKEN", "")
+# The pacer process probes every active pool this often (GET <base_url>/models;
+# 0 turns probing off). A pool that fails this many probes in a row admits
+# nothing (503 pool_unavailable) until a probe succeeds; the mark lapses by
+# itself three intervals after the last failed probe, so a stopped prober
+# cannot keep a pool shut.
+SLUICE_POOL_PROBE_INTERVAL_S = env_float("SLUICE_POOL_PROBE_INTERVAL_S", 5.0)
+SLUICE_POOL_PROBE_TIMEOUT_S = env_float("SLUICE_POOL_PROBE_TIMEOUT_S", 2.0)
+SLUICE_POOL_PROBE_FAILURES = env_int("SLUICE_POOL_PROBE_FAILURES", 2)
+
+# --- stopping (docs/RELIABILITY.md) --------------------------------------------------
+# Every process exits within 5 s of SIGTERM. A lane worker lets pool calls in
+# flight answer for this long, then hands the rest back (gateway/worker/shutdown.py).
+SLUICE_WORKER_SHUTDOWN_GRACE_S = env_float("SLUICE_WORKER_SHUTDOWN_GRACE_S", 3.0)
+# The web server lets requests in flight finish for this long, then closes them
+# (their admitted work still runs, settles and reaches the ledger).
+SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
+
 # Worker threads per lane (gateway/core/lanes.py has the defaults and the
 # design load each is sized for): SLUICE_WORKERS_INTERACTIVE,
 # SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
@@ -312,6 +382,45 @@ SLUICE_LOG_FORMAT = os.environ.get("SLUICE_LOG_FORMAT", "json").strip().lower()
 if SLUICE_LOG_FORMAT not in {"json", "plain"}:
     raise ValueError(f"SLUICE_LOG_FORMAT must be 'json' or 'plain', not {SLUICE_LOG_FORMAT!r}")
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO").upper()
+
+# --- HTTPS and browser security (`manage.py check --deploy` is clean in production) ---
+# Behind a TLS-terminating proxy, name the header it sets (e.g.
+# X-Forwarded-Proto) so Django knows the request came in over HTTPS; set it
+# only where that proxy strips the header from what clients send.
+SLUICE_PROXY_SSL_HEADER = os.environ.get("DJANGO_SECURE_PROXY_SSL_HEADER", "").strip()
+if SLUICE_PROXY_SSL_HEADER:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + SLUICE_PROXY_SSL_HEADER.upper().replace("-", "_"), "https")
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", PRODUCTION)
+# Load balancers probe these over plain HTTP inside the network.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+SECURE_HSTS_SECONDS = env_int("DJANGO_SECURE_HSTS_SECONDS", 31_536_000 if PRODUCTION else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", PRODUCTION)
+SESSION_COOKIE_SECURE = env_bool("DJANGO_SECURE_COOKIES", PRODUCTION)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE
+SESSION_COOKIE_HTTPONLY = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+# The web UI, everywhere (not only in production, so the tests and the browser
+# test see the same policy): scripts and styles come from this origin or carry
+# the response's nonce (templates: nonce="{{ request.csp_nonce }}"); no
+# inline event handlers, no style attributes, no framing.
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, NONCE],
+        "img-src": [SELF, "data:"],
+        "font-src": [SELF],
+        "connect-src": [SELF],
+        "object-src": [NONE],
+        "base-uri": [SELF],
+        "form-action": [SELF],
+        "frame-ancestors": [NONE],
+    },
+}
 
 LOGGING = {
     "version": 1,

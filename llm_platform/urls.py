@@ -12,6 +12,7 @@ urlpatterns = [
     path("v1/jobs", gateway_views.jobs, name="jobs"),
     path("v1/jobs/<uuid:job_id>", gateway_views.job_detail, name="job-detail"),
     path("healthz", gateway_views.healthz, name="healthz"),
+    path("readyz", gateway_views.readyz, name="readyz"),
     path("metrics", observability.metrics, name="metrics"),
     path("api/pools/<int:pool_id>/metrics", gateway_views.pool_metrics, name="pool-metrics"),
     # Admin's own login, throttled like ours (matched before admin's urls).

@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponseForbidden
 from tenants.roles import user_is_finance_auditor
 
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
-EXEMPT_PREFIXES = ("/v1/", "/api/", "/healthz", "/accounts/logout/")
+EXEMPT_PREFIXES = ("/v1/", "/api/", "/healthz", "/readyz", "/accounts/logout/")
 
 
 def _applies(request: HttpRequest) -> bool:

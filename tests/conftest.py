@@ -68,7 +68,7 @@ def platform(django_db_setup, django_db_blocker, redis_client):
     """The simulated pool, the gateway and one worker per lane, all pointed at
     this session's test database and Redis."""
     from gateway.core.lanes import LANE_NAMES
-    from tests.platform_harness import Platform
+    from tests.platform_harness import HEALTH_TOKEN, Platform
 
     from llm_platform.processes import metrics_dir_prepare
 
@@ -98,6 +98,12 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         PLANTED_POOL_KEY_ENV: "sk-planted-pool-" + secrets.token_hex(16),
         # Tests steer the simulated pool per request ("sim" in a body).
         "SLUICE_SIM_CONTROLS": "true",
+        # Test pools point at a dead port unless a test gives them the
+        # simulator: probing them would shut them (503 pool_unavailable) under
+        # tests that never call them. The probe tests start their own pacer.
+        "SLUICE_POOL_PROBE_INTERVAL_S": "0",
+        # Health details for the tests that read them (gateway/web/health.py).
+        "SLUICE_HEALTH_TOKEN": HEALTH_TOKEN,
     })
     harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
     try:

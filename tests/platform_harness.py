@@ -16,6 +16,9 @@ from llm_platform import processes
 from gateway.core.keys import WORKERS_READY as WORKER_READY_KEY
 from llm_platform.processes import ROOT, Process, free_port, wait_http  # noqa: F401  (re-exported for tests)
 
+# SLUICE_HEALTH_TOKEN of the test platform: health details for tests that read them.
+HEALTH_TOKEN = "test-health-token"
+
 
 class Platform:
     """The running processes of one test session."""

@@ -51,3 +51,114 @@ def test_no_app_reads_the_environment_outside_settings():
             if re.search(r"\bos\.(environ|getenv)\b", path.read_text()):
                 offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+# --- production settings ---------------------------------------------------------------
+
+import os  # noqa: E402
+import secrets  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _manage(args: list[str], *, tmp_path: Path, **environment: str) -> subprocess.CompletedProcess:
+    """``manage.py`` in a fresh process with only the environment given (plus
+    the database and Redis of this run): no PYTEST_VERSION, so the tests' own
+    secret key does not apply."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "SLUICE_VAR_DIR": str(tmp_path / "var"),
+           "DATABASE_URL": os.environ.get("DATABASE_URL", ""), "REDIS_URL": os.environ.get("REDIS_URL", ""),
+           **environment}
+    return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_check_deploy_is_clean_with_the_production_environment(tmp_path):
+    result = _manage(["check", "--deploy", "--fail-level", "WARNING"], tmp_path=tmp_path, SLUICE_ENV="production",
+                     DJANGO_SECRET_KEY=secrets.token_urlsafe(50), DJANGO_SECURE_PROXY_SSL_HEADER="X-Forwarded-Proto")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "System check identified no issues (0 silenced)."
+
+
+def test_the_local_environment_is_not_mistaken_for_a_deployable_one(tmp_path):
+    result = _manage(["check", "--deploy", "--fail-level", "WARNING"], tmp_path=tmp_path,
+                     DJANGO_SECRET_KEY=secrets.token_urlsafe(50))
+    assert result.returncode != 0
+    for warning in ("security.W004", "security.W008", "security.W012", "security.W016"):  # HSTS, redirect, cookies
+        assert warning in result.stderr, warning
+
+
+def test_the_secret_key_is_required_outside_make_run_and_the_tests(tmp_path):
+    # without one: a clear message, and nothing starts
+    missing = _manage(["check"], tmp_path=tmp_path)
+    assert missing.returncode != 0
+    assert "DJANGO_SECRET_KEY is not set" in missing.stderr
+    # the key `make run` writes serves local commands beside it...
+    from llm_platform.processes import local_secret_key
+
+    key = local_secret_key(tmp_path / "var")
+    assert len(key) >= 50 and local_secret_key(tmp_path / "var") == key  # made once, then kept
+    assert (tmp_path / "var" / "secret_key").stat().st_mode & 0o077 == 0  # its owner's only
+    assert _manage(["check"], tmp_path=tmp_path).returncode == 0
+    # ...never production, which needs its own
+    production = _manage(["check"], tmp_path=tmp_path, SLUICE_ENV="production")
+    assert production.returncode != 0 and "DJANGO_SECRET_KEY is not set" in production.stderr
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"SLUICE_ENV": "prod"}, "SLUICE_ENV must be 'local' or 'production'"),
+    ({"SLUICE_ENV": "production", "DJANGO_DEBUG": "true"}, "would show tracebacks"),
+])
+def test_unsafe_or_unknown_environments_are_refused(tmp_path, environment, message):
+    result = _manage(["check"], tmp_path=tmp_path, DJANGO_SECRET_KEY=secrets.token_urlsafe(50), **environment)
+    assert result.returncode != 0 and message in result.stderr
+
+
+# --- the web UI under its Content-Security-Policy ----------------------------------------
+
+INLINE_SCRIPT = re.compile(r"<script(?![^>]*\b(?:src|nonce)=)[^>]*>", re.I)
+INLINE_STYLE = re.compile(r"<style(?![^>]*\bnonce=)[^>]*>", re.I)
+STYLE_ATTRIBUTE = re.compile(r"\sstyle\s*=", re.I)
+EVENT_HANDLER = re.compile(r"\son[a-z]+\s*=", re.I)
+
+
+def test_templates_keep_no_inline_code_the_policy_would_block():
+    offenders = []
+    for path in sorted((ROOT / "templates").rglob("*.html")):
+        text = path.read_text()
+        for name, pattern in (("inline script", INLINE_SCRIPT), ("inline style", INLINE_STYLE),
+                              ("style attribute", STYLE_ATTRIBUTE), ("event handler", EVENT_HANDLER)):
+            if pattern.search(text) or "javascript:" in text:
+                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []
+
+
+@pytest.mark.django_db
+def test_pages_carry_the_policy_and_their_inline_style_its_nonce():
+    from django.test import Client
+
+    response = Client().get("/accounts/login/")
+    policy = response["Content-Security-Policy"]
+    nonce = re.search(r"'nonce-([^']+)'", policy).group(1)
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy and "object-src 'none'" in policy
+    assert f"script-src 'self' 'nonce-{nonce}'" in policy and f"style-src 'self' 'nonce-{nonce}'" in policy
+    assert "unsafe-inline" not in policy
+    assert f'<style nonce="{nonce}">' in response.content.decode()
+    assert response["X-Frame-Options"] == "DENY"
+    assert response["Referrer-Policy"] == "same-origin"
+
+
+def test_the_redis_down_page_reloads_itself_without_a_script():
+    from django.test import RequestFactory
+
+    from budgets.errors import BudgetUnavailable
+    from llm_platform.degraded import StoreUnavailableMiddleware
+
+    request = RequestFactory().get("/ops/pools/")
+    request.csp_nonce = "n0nce"
+    response = StoreUnavailableMiddleware(lambda r: None).process_exception(request, BudgetUnavailable("down"))
+    page = response.content.decode()
+    assert response.status_code == 503 and response["Retry-After"] == "5"
+    assert '<meta http-equiv="refresh" content="5">' in page
+    assert "<script" not in page and '<style nonce="n0nce">' in page

@@ -11,7 +11,8 @@
 --
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
---       8 capacity hash (adaptive factor of the pool, shed scale per workload)
+--       8 capacity hash (adaptive factor of the pool, shed scale per workload,
+--         and the prober's down mark: down_until_ms, probe_next_ms; probe.lua)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
 --       5 lease ttl (ms)
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
@@ -20,6 +21,9 @@
 --         {2, borrowed, ...}                                          already admitted
 --         {0, reason, wait_ms, e_tok, e_req, e_tok_full_ms, e_req_full_ms} rejected
 --         {-1, why}                                                   not configured
+-- A pool marked down by its prober admits nothing: reason 'pool_unavailable',
+-- wait until its next probe (a request too large to ever fit still gets
+-- 'request_too_large'). The mark ends by itself (down_until_ms): fail open.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
@@ -199,6 +203,13 @@ local e_tok_full = time_to_full(wid .. '.E.tok', e_tok)
 local e_req_full = time_to_full(wid .. '.E.req', e_req)
 if e_tok_full == INF then e_tok_full = -1 end
 if e_req_full == INF then e_req_full = -1 end
+
+-- Reachability (probe.lua): a pool that does not answer takes no work; its
+-- callers hear so at once instead of waiting on calls that cannot succeed.
+if now < (capacity['down_until_ms'] or 0) and wait ~= INF then
+  reason = 'pool_unavailable'
+  wait = math.max(1, (capacity['probe_next_ms'] or now) - now)
+end
 
 if reason == nil then
   -- Upstream Retry-After is a floor: until it passes, loans and sheddable

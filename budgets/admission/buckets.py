@@ -30,6 +30,7 @@ REASON_MESSAGES = {
     "workload_concurrency": "This workload is at its in-flight request limit.",
     "spend_budget": "This month's spend budget is used up; it renews at the start of next month.",
     "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",
+    "pool_unavailable": "The inference pool of this workload is not answering; retry after its next health probe.",
     "request_too_large": "This request is larger than the workload's budget can ever admit at once; lower max_tokens or the prompt.",
 }
 
@@ -89,12 +90,15 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
         reason = raw[1]
         wait_ms = int(float(raw[2]))
         too_large = reason == "request_too_large"
+        # A pool that does not answer is not a budget the caller used up.
+        unavailable = reason == "pool_unavailable"
         raise Rejected(
             reason=reason,
             message=REASON_MESSAGES.get(reason, reason),
-            status=413 if too_large else 429,
+            status=413 if too_large else 503 if unavailable else 429,
             retry_after_ms=None if wait_ms < 0 else max(1, wait_ms),
-            error_type="invalid_request_error" if too_large else "rate_limit_error",
+            error_type=("invalid_request_error" if too_large else "service_unavailable" if unavailable
+                        else "rate_limit_error"),
             rate_limits=_snapshot(raw, 3),
             estimated_tokens=input_tokens + output_tokens,
         )

@@ -48,8 +48,14 @@ def pool_counters(pool_id: int) -> str:
 
 
 def pool_capacity(pool_id: int) -> str:
-    """Hash: adaptive capacity factor of the pool (1.0 = configured limits)."""
+    """Hash: adaptive capacity factor of the pool (1.0 = configured limits), and
+    whether the prober found it unreachable (``down_until_ms``, ``probe_next_ms``)."""
     return f"{pool_tag(pool_id)}:capacity"
+
+
+def pool_probe(pool_id: int) -> str:
+    """Hash: the pool's last probe (when, answered or not, why, failures in a row)."""
+    return f"{pool_tag(pool_id)}:probe"
 
 
 # --- rejection counters (budgets.ledger.rejections) -----------------------------------

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from budgets.admission.pool_status import NOT_PROBED, PoolStatus
 from budgets.admission.redis_client import unavailable_note
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class PoolLiveMetrics:
     upstream_429_per_min: float = 0.0
     window_s: int = 0
     lanes: dict[str, dict] = field(default_factory=dict)  # the same numbers per lane, where the gateway gives them
+    pool_status: PoolStatus = NOT_PROBED  # whether the pool answers its probes
 
 
 LiveMetricsProvider = Callable[..., dict]  # provider(pool_id=...) -> the gateway's numbers
@@ -56,6 +58,7 @@ def pool_live_metrics(*, pool_id: int) -> PoolLiveMetrics:
             upstream_429_per_min=float(raw.get("upstream_429_per_min", 0.0)),
             window_s=int(raw.get("window_s") or 0),
             lanes={str(k): dict(v) for k, v in (raw.get("lanes") or {}).items()},
+            pool_status=PoolStatus(**raw["pool_status"]) if raw.get("pool_status") else NOT_PROBED,
         )
     except Exception:  # noqa: BLE001 - a dashboard must not fail with the thing it watches
         unavailable_note(f"live metrics of pool {pool_id}")

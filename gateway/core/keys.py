@@ -115,3 +115,7 @@ def retry_session(pool_id: int, workload_id: int, session_id: str) -> str:
 WORKERS_READY = "sluice:workers:ready"  # single-key commands only
 """Hash: lane worker hostname -> pid, set when a worker is ready to consume
 (`make run` and the test harness wait on it) and removed at shutdown."""
+
+POOL_PROBE_ROUND = "sluice:pools:probe-round"
+"""String: held for one probe interval by the pacer whose prober runs this
+round, so N pacers (one per host) probe each pool once per interval."""

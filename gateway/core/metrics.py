@@ -13,6 +13,7 @@ from celery import current_app
 
 from budgets.admission import keys as budget_keys
 from budgets.admission.capacity import capacity_state
+from budgets.admission.pool_status import pool_status
 from budgets.admission.redis_client import get_redis
 from gateway.core import keys
 from gateway.core.lanes import LANE_NAMES, queue_for_lane
@@ -114,6 +115,9 @@ def pool_live_metrics(*, pool_id: int) -> dict:
     state = capacity_state(pool_id=pool_id)
     return {
         "pool_id": pool_id,
+        # Whether the pool answers its probes (gateway/worker/prober.py); while
+        # "available" is false its workloads get 503 pool_unavailable.
+        "pool_status": pool_status(pool_id=pool_id, client=client).as_dict(),
         "window_s": WINDOW_S,
         "effective_capacity_factor": round(state.factor, 4),
         "blocked_until_ms": state.blocked_until_ms,

@@ -1,54 +1,115 @@
-"""Reachability of what a request needs: the database, Redis, each pool."""
+"""Health, kept apart from pool status:
+
+- liveness (``/healthz``): this process answers. Nothing else is checked, so
+  a load balancer or an orchestrator restarts a process only when the
+  process itself is stuck.
+- readiness (``/readyz``): this gateway can admit work: the database and
+  Redis answer (each within a short timeout). Pools are not part of it: one
+  dead pool out of many must not pull every gateway instance out of its load
+  balancer; it refuses only its own workloads (503 pool_unavailable).
+
+Anonymous callers learn only up or down. Platform admins (a staff session)
+and callers presenting ``SLUICE_HEALTH_TOKEN`` also get the details: each
+check's outcome and every active pool's last probe (read from Redis, where
+the pacer's prober keeps it; a health check never calls a pool).
+
+Both are served by the middleware-free API handler (llm_platform/asgi.py),
+so the session is read here, not by middleware."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+from importlib import import_module
 
-import httpx
 from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth import aget_user
 from django.db import connection
+from django.http import HttpRequest
 
+from budgets.admission.pool_status import pool_statuses
+from budgets.admission.redis_client import get_async_redis, get_redis
 from budgets.models import InferencePool
-from budgets.admission.redis_client import get_async_redis
+from tenants.roles import user_is_platform_admin
+
+DATABASE_TIMEOUT_S = 2.0
+REDIS_TIMEOUT_S = 1.0
 
 
-def _database_check() -> tuple[bool, str, list[tuple[str, str]]]:
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _database_ping() -> None:
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
-        pools = [(p.slug, p.base_url) for p in InferencePool.objects.filter(is_active=True)]
-        return True, "ok", pools
+    finally:
+        # A worker thread of sync_to_async: leave no connection behind.
+        connection.close()
+
+
+async def _database_check() -> tuple[bool, str]:
+    try:
+        await asyncio.wait_for(sync_to_async(_database_ping, thread_sensitive=False)(), timeout=DATABASE_TIMEOUT_S)
+        return True, "ok"
     except Exception as exc:  # report, never raise: this is the health check
-        return False, f"{type(exc).__name__}: {exc}"[:300], []
+        return False, _short(exc)
 
 
 async def _redis_check() -> tuple[bool, str]:
     try:
-        await asyncio.wait_for(get_async_redis().ping(), timeout=1.0)
+        await asyncio.wait_for(get_async_redis().ping(), timeout=REDIS_TIMEOUT_S)
         return True, "ok"
     except Exception as exc:
-        return False, f"{type(exc).__name__}: {exc}"[:300]
+        return False, _short(exc)
 
 
-async def _pool_check(client: httpx.AsyncClient, base_url: str) -> tuple[bool, str]:
+def _pools_report() -> dict[str, dict]:
+    """Every active pool's status as its prober last recorded it."""
     try:
-        response = await client.get(base_url.rstrip("/") + "/models")
-        # 401/403 still proves the pool answers; only no answer or 5xx is down.
-        return response.status_code < 500, f"HTTP {response.status_code}"
-    except httpx.HTTPError as exc:
-        return False, f"{type(exc).__name__}: {exc}"[:300]
+        pools = list(InferencePool.objects.filter(is_active=True).order_by("slug").values_list("pk", "slug"))
+        statuses = pool_statuses(pool_ids=[pk for pk, _ in pools], client=get_redis())
+        return {slug: statuses[pk].as_dict() for pk, slug in pools}
+    finally:
+        connection.close()
 
 
-async def health_report() -> dict:
-    db_ok, db_detail, pools = await sync_to_async(_database_check, thread_sensitive=False)()
-    redis_ok, redis_detail = await _redis_check()
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        results = await asyncio.gather(*[_pool_check(client, url) for _, url in pools])
-    pool_report = {slug: {"ok": ok, "detail": detail} for (slug, _), (ok, detail) in zip(pools, results)}
-    healthy = db_ok and redis_ok and all(ok for ok, _ in results)
-    return {
-        "status": "ok" if healthy else "degraded",
-        "database": {"ok": db_ok, "detail": db_detail},
-        "redis": {"ok": redis_ok, "detail": redis_detail},
-        "pools": pool_report,
-    }
+async def health_details_allowed(request: HttpRequest) -> bool:
+    """The token (constant-time compare) or a platform admin's session."""
+    token = settings.SLUICE_HEALTH_TOKEN
+    presented = request.headers.get("Authorization", "")
+    if token and presented.startswith("Bearer ") and hmac.compare_digest(presented[7:].strip().encode(),
+                                                                         token.encode()):
+        return True
+    session_key = request.COOKIES.get(settings.SESSION_COOKIE_NAME)
+    if not session_key:
+        return False
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(session_key)
+    try:
+        return user_is_platform_admin(await aget_user(request))
+    except Exception:  # noqa: BLE001 - no database, no details; the answer itself must not fail
+        return False
+
+
+async def liveness_report(*, detailed: bool) -> dict:
+    if not detailed:
+        return {"status": "ok"}
+    ready, report = await readiness_report(detailed=True)
+    return {"status": "ok", "ready": ready, **{k: v for k, v in report.items() if k != "status"}}
+
+
+async def readiness_report(*, detailed: bool) -> tuple[bool, dict]:
+    (db_ok, db_detail), (redis_ok, redis_detail) = await asyncio.gather(_database_check(), _redis_check())
+    ready = db_ok and redis_ok
+    report: dict = {"status": "ready" if ready else "unavailable"}
+    if detailed:
+        report["database"] = {"ok": db_ok, "detail": db_detail}
+        report["redis"] = {"ok": redis_ok, "detail": redis_detail}
+        if ready:
+            try:
+                report["pools"] = await sync_to_async(_pools_report, thread_sensitive=False)()
+            except Exception as exc:  # noqa: BLE001
+                report["pools_error"] = _short(exc)
+    return ready, report

@@ -29,7 +29,7 @@ from gateway.models import Job
 from gateway.core.throttle import request_client_address
 from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import chat_completion
-from gateway.web.health import health_report
+from gateway.web.health import health_details_allowed, liveness_report, readiness_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
                                      idempotency_wait)
 from gateway.web.responses import openai_error, ratelimit_headers, rejected_response
@@ -274,10 +274,27 @@ async def models(request: HttpRequest) -> JsonResponse:
     })
 
 
+def _no_store(response: JsonResponse) -> JsonResponse:
+    response["Cache-Control"] = "no-store"
+    return response
+
+
 @require_GET
 async def healthz(request: HttpRequest) -> JsonResponse:
-    report = await health_report()
-    return JsonResponse(report, status=200 if report["status"] == "ok" else 503)
+    """Liveness: 200 while this process answers (details: gateway/web/health.py)."""
+    detailed = await health_details_allowed(request)
+    return _no_store(JsonResponse(await liveness_report(detailed=detailed)))
+
+
+@require_GET
+async def readyz(request: HttpRequest) -> JsonResponse:
+    """Readiness: 200 when the database and Redis answer, else 503; pools never count."""
+    detailed = await health_details_allowed(request)
+    ready, report = await readiness_report(detailed=detailed)
+    response = JsonResponse(report, status=200 if ready else 503)
+    if not ready:
+        response["Retry-After"] = "5"
+    return _no_store(response)
 
 
 def pool_metrics(request: HttpRequest, pool_id: int) -> JsonResponse:

@@ -41,6 +41,7 @@ from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
+from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,10 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     started = time.monotonic()
     try:
         # The raw response: the pool's JSON is relayed as it came, and the
-        # SDK's model parsing (a fifth of a worker's CPU) is skipped.
-        raw = client.chat.completions.with_raw_response.create(
-            **payload, extra_body={"sim": sim} if sim is not None else None)
+        # SDK's model parsing (a fifth of a worker's CPU) is skipped. The call
+        # may be cut off when the worker stops (gateway/worker/shutdown.py).
+        raw = pool_call_within_grace(lambda: client.chat.completions.with_raw_response.create(
+            **payload, extra_body={"sim": sim} if sim is not None else None))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:
@@ -194,7 +196,8 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
         if verdict != "ok":
             logger.info("request %s: no retry (%s)", record.request_id, verdict)
             break
-        time.sleep(delay_ms / 1000)
+        if not pause(delay_ms / 1000):
+            break  # the worker is stopping: the last attempt's outcome stands
     return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
 
 
@@ -237,10 +240,23 @@ def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome |
     return outcome
 
 
+def interrupted_outcome(record: RequestRecord, *, queue_wait_ms: int) -> Outcome:
+    """A call cut off by its worker's stop. Nobody knows what the pool did
+    with it, so the estimate is charged (the safe side of I1, as for an
+    expired lease); the caller is told to retry."""
+    return Outcome(
+        status="upstream_error", http_status=503, queue_wait_ms=queue_wait_ms, retry_after_ms=1000,
+        input_tokens=record.estimated_input_tokens, output_tokens=record.estimated_output_tokens,
+        body=error_body(message="The worker running this request stopped before the pool answered; retry it.",
+                        error_type="service_unavailable", code="worker_shutdown"),
+    )
+
+
 def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
     """Store the pool's answer once: the first stored wins, so whoever
     finishes the request (this worker, one that took it over, a late one)
-    settles and publishes the same answer."""
+    settles and publishes the same answer, and a pool's answer and an
+    interruption never both count."""
     if client.set(keys.request_response(record.request_id), outcome.to_json(), nx=True, px=ttl_ms()):
         return outcome
     stored = client.get(keys.request_response(record.request_id))
@@ -254,7 +270,9 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
 
     ``answered`` carries the pool's answer across the task's own retries
     while Redis is away (gateway/worker/tasks.py): a call whose answer could
-    not be stored yet is not made a second time."""
+    not be stored yet is not made a second time. A stopping worker hands a
+    request back (``HandBack``: gateway/worker/shutdown.py); anything else
+    that fails is settled and answered at once (``request_fail``)."""
     answered = {} if answered is None else answered
     client = get_redis()
     data = client.hgetall(keys.request_record(request_id))
@@ -263,10 +281,13 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
         return "missing"
     record = RequestRecord.from_redis(data)
     log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
+    if shutdown_requested() and request_id not in answered:
+        # Not claimed yet and the worker is stopping: the next worker runs it.
+        raise HandBack(request_id)
     sent_before = pool_requests_sent()
     try:
         return _request_run(record, generation=generation, client=client, answered=answered)
-    except INFRASTRUCTURE_AWAY:
+    except (*INFRASTRUCTURE_AWAY, HandBack):
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
         logger.exception("request %s failed in the worker; settling it as %s", request_id, WORKER_ERROR)
@@ -313,7 +334,13 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
             # This delivery's own call, before Redis went away.
             outcome = _answer_keep(client, record, answered[request_id])
         else:
-            outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+            try:
+                outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+            except CallInterrupted as interrupted:
+                if interrupted.started:
+                    # The redelivery finishes it from this answer, without a call.
+                    _answer_keep(client, record, interrupted_outcome(record, queue_wait_ms=queue_wait_ms))
+                raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
             outcome = _answer_keep(client, record, outcome)
         request_finish(record=record, outcome=outcome, pool_called=True)

@@ -3,12 +3,20 @@ and due job-callback retries onto the housekeeping lane.
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them. It sleeps until the earliest release, never
-longer than MAX_SLEEP_S (new jobs may be due sooner)."""
+longer than MAX_SLEEP_S (new jobs may be due sooner).
+
+Stopping: SIGTERM only sets a flag (``StopFlag``) that the loop reads between
+steps, so the pacer exits within MAX_SLEEP_S plus one step. The handler must
+not take a lock: it runs in the main thread between two bytecodes, and
+``threading.Event.set()`` from a handler deadlocks for good when the main
+thread was interrupted inside ``Event.wait()`` on the same event while
+holding the event's (non-reentrant) lock. A step in progress finishes: a job
+taken off the delayed set is released, not dropped."""
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 
 from django.db import close_old_connections
 
@@ -51,13 +59,34 @@ def pacer_sleep_s() -> float:
     return min(MAX_SLEEP_S, max(0.001, wait))
 
 
-def pacer_run(*, stop: threading.Event) -> None:
+class StopFlag:
+    """Set from a signal handler: a plain attribute write, no lock."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def request(self, *_signal_args) -> None:
+        self.requested = True
+
+
+def _pause(seconds: float, stop: StopFlag) -> None:
+    """Sleep up to ``seconds`` in slices of MAX_SLEEP_S, ending early on stop."""
+    deadline = time.monotonic() + seconds
+    while not stop.requested:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(MAX_SLEEP_S, left))
+
+
+def pacer_run(*, stop: StopFlag) -> None:
     logger.info("pacer running")
-    while not stop.is_set():
+    while not stop.requested:
         try:
             if pacer_step() == 0:
-                stop.wait(pacer_sleep_s())
+                _pause(pacer_sleep_s(), stop)
             close_old_connections()
         except Exception:
             logger.exception("pacer step failed")
-            stop.wait(1.0)
+            _pause(1.0, stop)
+    logger.info("pacer stopped")

@@ -28,8 +28,14 @@ def pool_requests_sent() -> int:
     return getattr(_sent, "count", 0)
 
 
+def pool_api_key(*, api_key_env: str) -> str:
+    """A pool's API key lives in the variable its InferencePool.api_key_env
+    names (a secret never stored in the database)."""
+    return os.environ.get(api_key_env, "") if api_key_env else ""
+
+
 def pool_client(*, base_url: str, api_key_env: str) -> OpenAI:
-    api_key = os.environ.get(api_key_env, "") if api_key_env else ""
+    api_key = pool_api_key(api_key_env=api_key_env)
     cache_key = (base_url, api_key_env)
     client = _clients.get(cache_key)
     if client is None:

@@ -8,6 +8,7 @@ import logging
 import time
 
 from celery import shared_task
+from celery.exceptions import Reject
 from django.conf import settings
 from django.db import close_old_connections
 
@@ -20,6 +21,7 @@ from gateway.core.schedules import schedule_run
 from gateway.core.takeover import lost_requests_reap
 from gateway.worker.callbacks import callback_deliver
 from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
+from gateway.worker.shutdown import HandBack, pause
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,19 @@ def execute_request(request_id: str, generation: int = 0) -> str:
         while True:
             try:
                 return request_execute(request_id=request_id, generation=generation, answered=answered)
+            except HandBack:
+                # The worker is stopping (gateway/worker/shutdown.py): the
+                # message goes back to the head of its queue now, not after
+                # the broker's visibility timeout.
+                raise Reject("worker stopping: handed back", requeue=True)
             except REDIS_AWAY as exc:
                 if time.monotonic() + wait_s > give_up_at:
                     raise
                 logger.warning("request %s: Redis unavailable (%s); trying again in %.2fs", request_id, exc, wait_s)
-                time.sleep(wait_s)
+                if not pause(wait_s):
+                    # Stopping with Redis away: the message stays unacknowledged
+                    # there and comes back after the visibility timeout.
+                    raise
                 wait_s = min(REDIS_WAIT_MAX_S, wait_s * 2)
 
 

@@ -301,18 +301,3 @@ def test_worker_that_finds_the_deadline_passed_refunds_and_records(platform, mak
     assert counters(redis_client, pool.id)[f"{caller.workload.id}.debited_tok"] == 0
     assert UsageRecord.objects.get(request_id="req_late").status == "queue_timeout"
     assert redis_client.llen(gateway_keys.request_result("req_late")) == 1
-
-
-def test_healthz_reports_database_redis_and_pools(platform, caller):
-    response = httpx.get(f"{platform.base_url}/healthz")
-    assert response.status_code == 200
-    body = response.json()
-    assert body["database"]["ok"] and body["redis"]["ok"]
-    assert body["pools"][caller.pool.slug]["ok"] is True
-
-
-def test_healthz_is_503_when_a_pool_is_down(platform, make_caller):
-    make_caller.pool(base_url="http://127.0.0.1:9/v1")
-    response = httpx.get(f"{platform.base_url}/healthz")
-    assert response.status_code == 503
-    assert response.json()["status"] == "degraded"

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.platform_harness import Process, free_port, wait_http
+from tests.platform_harness import HEALTH_TOKEN, Process, free_port, wait_http
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,8 +33,12 @@ def test_redis_unreachable_is_a_fast_503(platform, make_caller, tmp_path):
             assert response.json()["error"]["code"] == "budget_unavailable"
             assert response.headers["retry-after"] == "1"
             assert elapsed < 1.5
-        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
-        assert health.status_code == 503
-        assert health.json()["redis"]["ok"] is False
+        # alive, but not ready: a load balancer stops sending it work
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json() == {"status": "ok"}
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        assert (ready.status_code, ready.json()) == (503, {"status": "unavailable"})
+        detailed = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10,
+                             headers={"Authorization": f"Bearer {HEALTH_TOKEN}"}).json()
+        assert detailed["redis"]["ok"] is False and detailed["database"]["ok"] is True
     finally:
         web.stop()

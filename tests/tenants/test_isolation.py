@@ -25,7 +25,7 @@ PUBLIC = {"login", "logout", "api-token", "api-schema", "api-docs", "home", "ten
 # Routes of other parts of the project, tested where they live. /metrics is
 # for the operator's scraper, by token or network, never by a user's session
 # (tests/test_observability.py).
-FOREIGN_PREFIXES = ("v1/", "healthz", "metrics", "admin/")
+FOREIGN_PREFIXES = ("v1/", "healthz", "readyz", "metrics", "admin/")
 
 
 def _names(resolver=None, prefix=""):

@@ -64,12 +64,24 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
 
+# Every page the browser refused to run or style because of the UI's
+# Content-Security-Policy (llm_platform/settings.py): Chromium reports each one
+# on the console. The story ends by asserting there were none.
+CSP_VIOLATIONS: list[str] = []
+
+
+def _watch_csp(page) -> None:
+    page.on("console", lambda message: CSP_VIOLATIONS.append(f"{page.url}: {message.text}")
+            if "Content Security Policy" in message.text else None)
+
+
 def sign_in(browser, base_url: str, username: str, *, screenshot: str | None = None):
     from tests.people import PASSWORD
 
     context = browser.new_context(base_url=base_url, viewport={"width": 1280, "height": 900}, accept_downloads=True)
     context.set_default_timeout(15_000)
     page = context.new_page()
+    _watch_csp(page)
     page.goto("/accounts/login/")
     page.fill("#id_username", username)
     page.fill("#id_password", PASSWORD)
@@ -96,6 +108,7 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     from tests.people import build_world
 
     # given tenant A's workload with no budget yet (caps small enough for a 4,000 TPM slice)
+    CSP_VIOLATIONS.clear()
     world = build_world(base_url=f"{platform.sim_url}/v1")
     Reservation.objects.filter(workload=world.wl_a).delete()
     world.wl_a.prompt_tokens_cap, world.wl_a.max_tokens_cap = 200, 400
@@ -182,8 +195,9 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     assert admin.locator("svg.chart").count() == 2
     assert admin.locator("#pool-workloads", has_text=world.wl_a.slug).count() == 1
     # the live part refreshes by itself
-    admin.wait_for_function("document.getElementById('live-status').textContent.startsWith('updated')",
-                            timeout=12_000)
+    # (a selector, not wait_for_function: evaluating a string is eval, which
+    # the page's Content-Security-Policy refuses)
+    admin.wait_for_selector("#live-status:text-matches('^updated')", timeout=12_000)
     assert "workload_tpm" in admin.inner_text("#live")
     shot(admin, "09-pool-overview")
     admin.goto("/api/docs/")
@@ -220,3 +234,7 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
         assert world.tenant_a.name not in body and world.wl_a.slug not in body, url
     outsider.goto(f"/t/{world.tenant_a.slug}/")
     shot(outsider, "12-other-tenant-404")
+
+    # every page of the story (the live pool page's script and the API docs
+    # included) ran and styled within the Content-Security-Policy
+    assert CSP_VIOLATIONS == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone as dt_timezone
 from decimal import ROUND_HALF_UP, Decimal
 
 from django import template
@@ -78,3 +79,11 @@ def get_item(mapping, key):
     if not isinstance(mapping, dict):
         return None
     return mapping.get(key)
+
+
+@register.filter
+def clock_ms(ms) -> str:
+    """A Redis-clock timestamp (ms since the epoch) as a UTC time of day."""
+    if not ms:
+        return "—"
+    return datetime.fromtimestamp(float(ms) / 1000, tz=dt_timezone.utc).strftime("%H:%M:%S UTC")

@@ -10,6 +10,8 @@ from django.views.decorators.http import require_POST
 
 from tenants.decorators import staff_required
 
+from budgets.admission.pool_status import PoolStatus, pool_statuses
+from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note
 from budgets.services.budget_requests import budget_request_approve, budget_request_reject
 from budgets.web.dashboards import pool_overview
 from budgets.web.forms import DecisionForm
@@ -27,11 +29,22 @@ from budgets.web.views import presenters
 LIVE_REFRESH_S = 5
 
 
+def _reachability(pools: list[InferencePool]) -> dict[int, PoolStatus]:
+    """Each pool's last probe; without Redis the page says so and shows none."""
+    try:
+        return pool_statuses(pool_ids=[p.id for p in pools])
+    except REDIS_UNAVAILABLE:
+        unavailable_note("pool reachability")
+        return {}
+
+
 @staff_required
 def pool_list(request):
     # Staff only, so every pool, the inactive ones included.
-    pools = [{"pool": p, "headroom": pool_headroom(pool=p)} for p in pools_for_user(user=request.user)]
-    return render(request, "budgets/pool_list.html", {"pools": pools, "pending": budget_requests_pending_count()})
+    pools = list(pools_for_user(user=request.user))
+    statuses = _reachability(pools)
+    rows = [{"pool": p, "headroom": pool_headroom(pool=p), "status": statuses.get(p.id)} for p in pools]
+    return render(request, "budgets/pool_list.html", {"pools": rows, "pending": budget_requests_pending_count()})
 
 
 def _overview_context(slug: str) -> dict:

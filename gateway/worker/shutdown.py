@@ -1,0 +1,153 @@
+"""A lane worker's stop: out within 5 s of SIGTERM, nothing admitted lost,
+no pool called twice (docs/RELIABILITY.md, "A worker stops").
+
+Celery's warm shutdown (SIGTERM) stops consuming, then waits for the tasks
+that run; a pool call may run for minutes (SLUICE_UPSTREAM_TIMEOUT_S), and a
+cold shutdown cannot stop a thread. So a task decides for itself:
+
+1. Not yet claimed when the stop begins: it hands its message back at once
+   (``HandBack``: the task requeues it); the next worker claims the request
+   and calls the pool, once.
+2. A pool call in flight gets ``SLUICE_WORKER_SHUTDOWN_GRACE_S`` to answer.
+   One that answers finishes as always (settled, ledger row, answer relayed).
+3. A call still in flight after the grace is interrupted: the task stops
+   waiting for it (``pool_call_within_grace`` runs it on a daemon thread,
+   which dies with the process, so the pool sees the connection close),
+   keeps "interrupted" as the request's answer in Redis, and hands the
+   message back. The redelivered task finds that answer and finishes the
+   request from it without calling the pool (gateway/worker/execution.py).
+4. A retry waiting out its backoff stops waiting (``pause``): the last
+   attempt's outcome stands.
+
+The signal handler only writes one attribute (``shutdown_begin``): it runs in
+the main thread between two bytecodes, and taking a lock there can deadlock
+(gateway/worker/pacer.py). A watcher thread, started when the worker is
+ready, turns that into events the task threads wait on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.05
+
+
+class HandBack(Exception):
+    """The worker is stopping: put this request's message back on its queue."""
+
+
+class CallInterrupted(Exception):
+    """The worker's shutdown grace ran out before the pool answered.
+    ``started`` False: the call was never made (the grace had already ended)."""
+
+    def __init__(self, *, started: bool) -> None:
+        super().__init__("the worker's shutdown grace ended before the pool answered")
+        self.started = started
+
+
+class _Shutdown:
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # written by the signal handler, nothing else
+        self.stopping = threading.Event()  # set by the watcher: the stop began
+        self.expired = threading.Event()  # set by the watcher: the grace is over
+        self._lock = threading.Lock()
+        self._in_flight: set[threading.Event] = set()
+        self._watcher: threading.Thread | None = None
+
+    def begin(self, grace_s: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + grace_s
+
+    def watch(self) -> None:
+        while self.deadline is None:
+            time.sleep(WATCH_INTERVAL_S)
+        self.stopping.set()
+        logger.warning("worker stopping: pool calls in flight get %.1fs to answer, work not started goes back",
+                       max(0.0, self.deadline - time.monotonic()))
+        while time.monotonic() < self.deadline:
+            time.sleep(min(WATCH_INTERVAL_S, max(0.0, self.deadline - time.monotonic())))
+        with self._lock:
+            self.expired.set()
+            if self._in_flight:
+                logger.warning("worker stopping: %d pool calls still in flight are handed back", len(self._in_flight))
+            for done in self._in_flight:
+                done.set()  # wake the task waiting on it: CallInterrupted
+
+    def watch_start(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self.watch, name="shutdown-watch", daemon=True)
+            self._watcher.start()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting task as it is
+                box["error"] = exc
+            finally:
+                done.set()
+
+        with self._lock:
+            if self.expired.is_set():
+                raise CallInterrupted(started=False)
+            self._in_flight.add(done)
+        try:
+            # A daemon: a call cut off by the stop must not hold the process.
+            threading.Thread(target=run, name="pool-call", daemon=True).start()
+            done.wait()  # set by the call, or by the watcher when the grace ends
+        finally:
+            with self._lock:
+                self._in_flight.discard(done)
+        if "result" in box:
+            return box["result"]  # type: ignore[return-value]
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        raise CallInterrupted(started=True)
+
+    def reset(self) -> None:
+        """Back to running (tests that exercise a stop in-process)."""
+        with self._lock:
+            self.deadline = None
+            self.stopping.clear()
+            self.expired.clear()
+            self._watcher = None
+
+
+_shutdown = _Shutdown()
+
+
+def shutdown_begin(*, grace_s: float) -> None:
+    """From Celery's ``worker_shutting_down`` (a signal handler): one write."""
+    _shutdown.begin(grace_s)
+
+
+def shutdown_watch_start() -> None:
+    """Start the watcher (once, when the worker is ready)."""
+    _shutdown.watch_start()
+
+
+def shutdown_requested() -> bool:
+    return _shutdown.deadline is not None
+
+
+def pool_call_within_grace(fn: Callable[[], T]) -> T:
+    """``fn()`` (one blocking pool call), or CallInterrupted when the worker's
+    shutdown grace ends first."""
+    return _shutdown.call(fn)
+
+
+def pause(seconds: float) -> bool:
+    """Sleep like ``time.sleep``; False when cut short by the stop."""
+    return not _shutdown.stopping.wait(seconds)
+
+
+def shutdown_reset() -> None:
+    _shutdown.reset()
