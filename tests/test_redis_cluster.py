@@ -19,7 +19,8 @@ import pytest
 from django.conf import settings
 from redis.crc import key_slot
 
-from budgets.admission.buckets import NO_SPEND, SpendCharge, admit_call, settle_call
+from budgets.admission.buckets import admit_call, settle_call
+from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reconcile_call, spend_settle_call
 from budgets.admission.redis_client import get_redis
 from budgets.ledger.rejections import rejection_count_call
 from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call
@@ -42,16 +43,18 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
         pool_api_key_env="", model="m", lane="interactive", borrowed=False, estimated_input_tokens=1,
         estimated_output_tokens=1, admitted_ms=0.0, deadline_ms=1.0, payload={},
     )
-    priced = SpendCharge(tenant_id=1, cost_micro=5, month_key="sluice:{pool:3}:spend:2026-01", month_end_ms=1.0)
+    hold = SpendHold(tenant_id=1, workload_id=2, cost_micro=5, month="2026-01", month_end_ms=1.0)
     calls = [
         admit_call(pool_id=3, workload_id=2, request_id="req_0123abcd", input_tokens=1, output_tokens=1,
-                   lease_ttl_ms=1, spend=NO_SPEND),
-        admit_call(pool_id=3, workload_id=2, request_id="req_0123abcd", input_tokens=1, output_tokens=1,
-                   lease_ttl_ms=1, spend=priced),
+                   lease_ttl_ms=1),
         settle_call(pool_id=3, workload_id=2, request_id="req_0123abcd", actual_input_tokens=1,
                     actual_output_tokens=1),
-        settle_call(pool_id=3, workload_id=2, request_id="req_0123abcd", actual_input_tokens=1,
-                    actual_output_tokens=1, spend_month_key=priced.month_key),
+        # A tenant's spend spans its pools: its keys carry the tenant's tag, in
+        # scripts of their own (never together with a pool's keys).
+        spend_hold_call(hold, request_id="req_0123abcd", lease_ttl_ms=1),
+        spend_settle_call(tenant_id=1, month="2026-01", request_id="req_0123abcd", actual_cost_micro=4),
+        spend_reconcile_call(tenant_id=1, month="2026-01", caps_micro={"T1": 10}, ledger_micro={"T1": 3},
+                             in_ledger=[]),
         claim_call(WORKER, record), claim_call(WATCH, record),
         publish_call(record, Outcome(status="ok")),
         rejection_count_call(pool_id=3, workload_id=2, tenant_id=1, reason="workload_tpm", estimated_tokens=1,
@@ -59,10 +62,7 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
     ]
     for call in calls:
         assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)
-    # without a price the spend hash is replaced by a key of the same slot, and a flag says so
-    assert calls[0].keys[-1] == calls[0].keys[0] and calls[0].args[5] == 0
-    assert calls[2].keys[-1] == calls[2].keys[0] and calls[2].args[5] == 0
-    assert calls[3].keys[-1] == priced.month_key and calls[3].args[5] == 1
+    assert {key_slot(k.encode()) for call in calls[2:5] for k in call.keys} == {key_slot(b"{tenant:1}")}
 
 
 def test_a_cluster_without_a_broker_of_its_own_is_refused():
