@@ -35,21 +35,17 @@ REDIS_WAIT_FIRST_S = 0.25
 REDIS_WAIT_MAX_S = 5.0
 
 
-@shared_task(
-    name=EXECUTE_REQUEST_TASK,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    ignore_result=True,
-    # PostgreSQL restarting must not lose an accepted request: every step of
-    # request_execute is idempotent, so run it again (the pool is not called
-    # twice: its answer is kept in Redis). Short, capped backoff. Redis
-    # restarting or hanging is waited out in the task (below).
-    autoretry_for=DATABASE_AWAY,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-    max_retries=40,
-)
+# A task whose every step is idempotent: acknowledged only when done (a
+# worker that dies has it redelivered), and run again with short, capped
+# backoff while PostgreSQL is away.
+IDEMPOTENT_TASK = dict(acks_late=True, reject_on_worker_lost=True, ignore_result=True, autoretry_for=DATABASE_AWAY,
+                       retry_backoff=1, retry_backoff_max=30, retry_jitter=True)
+
+
+# A database restart must not lose an accepted request (the pool is not called
+# twice: its answer is kept in Redis). Redis restarting or hanging is waited
+# out in the task (below).
+@shared_task(name=EXECUTE_REQUEST_TASK, max_retries=40, **IDEMPOTENT_TASK)
 def execute_request(request_id: str, generation: int = 0) -> str:
     """Run one delivery of an admitted request (the record lives in Redis,
     keyed by id; ``generation`` > 0: taken over from a lost worker)."""
@@ -94,20 +90,9 @@ def run_schedule(schedule_id: int) -> int:
     return len(schedule_run(schedule_id=schedule_id))
 
 
-@shared_task(
-    name=DELIVER_CALLBACK_TASK,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    ignore_result=True,
-    # The database restarting: the attempt is idempotent (one log row per
-    # attempt), so run it again. The receiver failing is not retried here:
-    # the next attempt waits in Redis (gateway/core/callbacks.py).
-    autoretry_for=DATABASE_AWAY,
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
-    max_retries=10,
-)
+# One attempt is one delivery-log row. The receiver failing is not retried
+# here: the next attempt waits in Redis (gateway/core/callbacks.py).
+@shared_task(name=DELIVER_CALLBACK_TASK, max_retries=10, **IDEMPOTENT_TASK)
 def deliver_callback(job_id: str, attempt: int = 1) -> str:
     """One attempt at a finished job's callback (queue: the housekeeping lane)."""
     close_old_connections()
