@@ -247,7 +247,7 @@ def test_one_access_line_per_v1_request_and_the_request_id_reaches_worker_and_le
     expected = {
         "ok": (200, ""), "bad_body": (400, "invalid_json"), "over_budget": (429, "workload_rpm"),
         "no_key": (401, "missing_api_key"), "bad_key": (401, "invalid_api_key"),
-        "wrong_method": (405, "method_not_allowed"), "unknown_path": (404, "http_404"), "models": (200, ""),
+        "wrong_method": (405, "method_not_allowed"), "unknown_path": (404, "not_found"), "models": (200, ""),
     }
     ids = set()
     for name, response in responses.items():
@@ -288,7 +288,7 @@ def test_a_client_that_hangs_up_still_leaves_an_access_line(platform, make_calle
     body = json.dumps({"model": "sim-small", "messages": HELLO, "max_tokens": 8,
                        "sim": {"latency_ms": 20_000}}).encode()
     client = socket.create_connection(("127.0.0.1", platform.web_port))
-    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: sluice\r\nContent-Type: application/json\r\n"
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    + f"Authorization: Bearer {caller.api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
 
     # when: the client hangs up while the web process waits for the worker
