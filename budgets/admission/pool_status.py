@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from budgets.admission import keys
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
+from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis, redis_now_ms
 
 PROBE = LuaScript(__package__, "probe.lua")
 
@@ -71,7 +71,8 @@ def _status(probe: dict[str, str], down_until_ms: float, now_ms: float) -> PoolS
 
 
 def pool_statuses(*, pool_ids: list[int], client=None) -> dict[int, PoolStatus]:
-    """Every listed pool's status in one round trip (plus Redis's clock)."""
+    """Every listed pool's status in one round trip, plus one for Redis's
+    clock (not pipelined: a cluster client refuses TIME in a pipeline)."""
     client = client or get_redis()
     if not pool_ids:
         return {}
@@ -79,10 +80,8 @@ def pool_statuses(*, pool_ids: list[int], client=None) -> dict[int, PoolStatus]:
     for pool_id in pool_ids:
         pipe.hgetall(keys.pool_probe(pool_id))
         pipe.hget(keys.pool_capacity(pool_id), "down_until_ms")
-    pipe.time()
     replies = pipe.execute()
-    seconds, micros = replies[-1]
-    now_ms = seconds * 1000 + micros / 1000
+    now_ms = redis_now_ms(client)
     return {
         pool_id: _status(replies[2 * i] or {}, float(replies[2 * i + 1] or 0), now_ms)
         for i, pool_id in enumerate(pool_ids)

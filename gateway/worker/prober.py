@@ -13,7 +13,7 @@ host goes the next pacer takes over within an interval.
 
 A probe is ``GET <base_url>/models`` with the pool's key: any answer below 500
 (401 and 404 included) proves the server is there; no answer within the
-timeout, or a 5xx, is a failure. ``probe.lua`` turns failures in a row into
+timeout, or a 5xx, is a failure. ``budgets/admission/probe.lua`` turns failures in a row into
 the pool's down mark."""
 
 from __future__ import annotations
