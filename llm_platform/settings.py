@@ -449,6 +449,8 @@ LOGGING = {
         # Celery's per-task lines ("received", "succeeded") say less than the
         # request's own settlement line; its warnings and errors stay.
         "celery": {"level": "WARNING"},
+        # Beat's "Sending due task" lines (a few a minute) show it is alive.
+        "celery.beat": {"level": "INFO"},
         # The SDK's and httpx's per-call INFO lines, once per pool call.
         "httpx": {"level": "WARNING"},
         "openai": {"level": "WARNING"},
