@@ -198,7 +198,17 @@ cost. The fast path (Lua admission, a 429 and its per-minute counter) is bounded
 request handling in one process on a shared core. What would close the gap: more web processes
 (uvicorn `--workers`, linear until the cores are used), answering the caller before the ledger
 INSERT (safe: every step after settlement is idempotent and a redelivered task writes the row),
-and a lighter hand-off than a Celery message for the interactive lane.""",
+and a lighter hand-off than a Celery message for the interactive lane.
+
+**Slower than the first version (04e0ce6: 17 / 30 ms added at 20 req/s, 481 refusals/s, the full
+path ~95-100 req/s).** This run measures the code after the house, input-hardening and
+production issues: per request the web process now also writes a JSON access line and Prometheus
+samples, walks the body for unencodable strings, and every waiting call claims (heartbeat check)
+once a second; the worker renews heartbeats and stores the answer with SET NX; a priced request
+holds and settles its spend on the tenant's keys in calls of their own. Together they cost the
+full path about a third of its throughput on these 2 cores (69 admitted req/s here) and the fast
+path 40% of its refusals per second. None of it has been profiled yet: the streaming and
+cost-of-the-path issue starts there (py-spy on the web process and a lane worker).""",
     "accuracy": """**Reading it.** Every window of every length stays within the bucket's own bound (capacity +
 rate x window), so 4 processes admit no more than one would: the Lua script is atomic. The 60 s
 row is the one the target names; its bound includes the 1 s burst capacity (1,000 tokens,
