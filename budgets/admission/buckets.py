@@ -73,6 +73,19 @@ def _snapshot(raw, first: int) -> RateLimitSnapshot:
     )
 
 
+def _lease_keys(*, pool_id: int, workload_id: int, request_id: str) -> list[str]:
+    """What admission debits and settlement undoes, in the order both scripts
+    name them (after the config hash, and for admit.lua the workload set)."""
+    return [
+        keys.pool_buckets(pool_id),
+        keys.pool_leases(pool_id),
+        keys.workload_leases(pool_id, workload_id),
+        keys.lease(pool_id, request_id),
+        keys.pool_counters(pool_id),
+        keys.pool_capacity(pool_id),
+    ]
+
+
 def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int,
                lease_ttl_ms: int) -> ScriptCall[Admission]:
     """Admit or raise Rejected (NotConfigured when Redis lost the pool's
@@ -105,16 +118,8 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
 
     return ScriptCall(
         script=ADMIT,
-        keys=[
-            keys.pool_config(pool_id),
-            keys.pool_workloads(pool_id),
-            keys.pool_buckets(pool_id),
-            keys.pool_leases(pool_id),
-            keys.workload_leases(pool_id, workload_id),
-            keys.lease(pool_id, request_id),
-            keys.pool_counters(pool_id),
-            keys.pool_capacity(pool_id),
-        ],
+        keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id),
+              *_lease_keys(pool_id=pool_id, workload_id=workload_id, request_id=request_id)],
         args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms],
         parse=parse,
     )
@@ -133,15 +138,7 @@ def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input
     (Spend: spend_holds.spend_settle_call.)"""
     return ScriptCall(
         script=SETTLE,
-        keys=[
-            keys.pool_config(pool_id),
-            keys.pool_buckets(pool_id),
-            keys.pool_leases(pool_id),
-            keys.workload_leases(pool_id, workload_id),
-            keys.lease(pool_id, request_id),
-            keys.pool_counters(pool_id),
-            keys.pool_capacity(pool_id),
-        ],
+        keys=[keys.pool_config(pool_id), *_lease_keys(pool_id=pool_id, workload_id=workload_id, request_id=request_id)],
         args=[request_id, actual_input_tokens, actual_output_tokens, 0 if pool_called else 1],
         parse=_settlement,
     )
