@@ -5,7 +5,31 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable
+
+
+def _hammer(*, threads: int, attempts: int, barrier_at: float, attempt: Callable[[int], tuple]) -> list[tuple]:
+    """``threads`` threads each make ``attempts`` calls ``attempt(n)`` (n: the
+    thread's offset plus the attempt's index), all starting at the same
+    wall-clock instant; returns every result."""
+    results: list[tuple] = []
+    lock = threading.Lock()
+    # Start together: every process waits for the same wall-clock instant.
+    time.sleep(max(0.0, barrier_at - time.time()))
+
+    def run(offset: int) -> None:
+        local = [attempt(offset + i) for i in range(attempts)]
+        with lock:
+            results.extend(local)
+
+    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return results
 
 
 def admit_many(args: tuple) -> list[tuple[int, int, bool]]:
@@ -17,35 +41,19 @@ def admit_many(args: tuple) -> list[tuple[int, int, bool]]:
     import django
 
     django.setup()
-    import time
-
     from budgets.admission.buckets import admit
     from budgets.errors import Rejected
 
-    results: list[tuple[int, int, bool]] = []
-    lock = threading.Lock()
-    # Start together: every process waits for the same wall-clock instant.
-    time.sleep(max(0.0, barrier_at - time.time()))
+    def attempt(n: int) -> tuple[int, int, bool]:
+        wid = workload_ids[n % len(workload_ids)]
+        try:
+            admit(pool_id=pool_id, workload_id=wid, request_id=uuid.uuid4().hex, input_tokens=0,
+                  output_tokens=tokens, lease_ttl_ms=600_000)
+            return wid, tokens, True
+        except Rejected:
+            return wid, tokens, False
 
-    def run(offset: int) -> None:
-        local = []
-        for i in range(attempts):
-            wid = workload_ids[(offset + i) % len(workload_ids)]
-            try:
-                admit(pool_id=pool_id, workload_id=wid, request_id=uuid.uuid4().hex, input_tokens=0,
-                      output_tokens=tokens, lease_ttl_ms=600_000)
-                local.append((wid, tokens, True))
-            except Rejected:
-                local.append((wid, tokens, False))
-        with lock:
-            results.extend(local)
-
-    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    return results
+    return _hammer(threads=threads, attempts=attempts, barrier_at=barrier_at, attempt=attempt)
 
 
 def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
@@ -59,7 +67,6 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
 
     django.setup()
     import pickle
-    import time
 
     from budgets.admission.estimation import Estimate
     from budgets.errors import Rejected
@@ -68,25 +75,13 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
     contexts = pickle.loads(pickled_contexts)
     estimate = Estimate(input_tokens=input_tokens, output_tokens=output_tokens, max_tokens_requested=output_tokens,
                         clamped=False)
-    results: list[tuple[int, bool, str]] = []
-    lock = threading.Lock()
-    time.sleep(max(0.0, barrier_at - time.time()))
 
-    def run(offset: int) -> None:
-        local = []
-        for i in range(attempts):
-            ctx = contexts[(offset + i) % len(contexts)]
-            try:
-                request_admit(ctx, request_id=uuid.uuid4().hex, model=model, estimate=estimate, lease_ms=600_000)
-                local.append((ctx.workload_id, True, ""))
-            except Rejected as rejected:
-                local.append((ctx.workload_id, False, rejected.reason))
-        with lock:
-            results.extend(local)
+    def attempt(n: int) -> tuple[int, bool, str]:
+        ctx = contexts[n % len(contexts)]
+        try:
+            request_admit(ctx, request_id=uuid.uuid4().hex, model=model, estimate=estimate, lease_ms=600_000)
+            return ctx.workload_id, True, ""
+        except Rejected as rejected:
+            return ctx.workload_id, False, rejected.reason
 
-    workers = [threading.Thread(target=run, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    return results
+    return _hammer(threads=threads, attempts=attempts, barrier_at=barrier_at, attempt=attempt)
