@@ -64,6 +64,8 @@ def request_estimate(
             status=400,
             param="messages",
             error_type="invalid_request_error",
+            # The sample on the tenant page shows what the caller was told.
+            estimated_tokens=prompt_tokens,
         )
     applied = max_tokens_default if max_tokens is None else max_tokens
     clamped = applied > max_tokens_cap

@@ -45,6 +45,8 @@ MINUTE_TTL_S = 6 * 3600
 # are still counted exactly, they just cost another flush).
 FLUSH_GRACE_S = 5
 NO_POOL = 0
+# A sample keeps the refusal's message (its numbers) up to this length.
+SAMPLE_MESSAGE_CHARS = 300
 
 
 def _minute_epoch(now_s: float) -> int:
@@ -52,7 +54,7 @@ def _minute_epoch(now_s: float) -> int:
 
 
 def rejection_count_call(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str,
-                         estimated_tokens: int, retry_after_ms: int | None,
+                         estimated_tokens: int, retry_after_ms: int | None, message: str = "",
                          now_s: float | None = None) -> ScriptCall[None]:
     """Count one rejection (one Redis round trip) and keep it as a sample
     while the minute has room. Callers never let a failure here fail the
@@ -64,6 +66,7 @@ def rejection_count_call(*, pool_id: int | None, workload_id: int, tenant_id: in
         "id": uuid.uuid4().hex, "at": round(now_s, 3), "wid": workload_id, "tid": tenant_id, "pid": pool,
         "reason": reason, "tokens": max(0, int(estimated_tokens or 0)),
         "retry_after_ms": None if retry_after_ms is None else max(0, int(retry_after_ms)),
+        "message": (message or "")[:SAMPLE_MESSAGE_CHARS],
     }, separators=(",", ":"))
     return ScriptCall(
         script=COUNT,
@@ -166,6 +169,7 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
                     sample_id=data["id"], at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
                     tenant_id=data["tid"], workload_id=data["wid"], pool_id=db_pool_id, reason=data["reason"][:64],
                     estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
+                    message=str(data.get("message") or "")[:SAMPLE_MESSAGE_CHARS],
                 ))
         with transaction.atomic():
             if stats:

@@ -37,6 +37,7 @@ class LedgerEntry:
     total_ms: int = 0
     attempts: int = 0
     error: str = ""
+    api_key_id: int | None = None  # the key that made the request (None: a cron firing)
     # The price the gateway resolved at admission (the price in force when the
     # request arrived), so settlement needs no lookup: (id, input, output per
     # million), or None when the model had no price. Unset: look it up.

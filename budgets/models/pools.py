@@ -10,7 +10,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Sum
 
-from tenants.models import Tenant, Workload
+from tenants.models import ApiKey, Tenant, Workload
 
 
 class InferencePool(models.Model):
@@ -212,14 +212,26 @@ class UsageRecord(models.Model):
     total_ms = models.PositiveIntegerField(default=0)
     attempts = models.PositiveSmallIntegerField(default=0)
     error = models.CharField(max_length=500, blank=True)
+    # The key that made the request (None: a cron firing, a row from before
+    # keys were recorded). PROTECT: keys are revoked, never deleted, once used.
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT, related_name="usage_records",
+                                db_index=False)  # ledger_key_at_id leads with it
 
     objects = UsageRecordQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
+        # The request log pages newest first by (created_at, id) within a
+        # scope (budgets/selectors/request_log.py): each scope it filters on
+        # has an index ending in (created_at, id), so a page of 10 M rows is
+        # an index range scan, however deep the cursor.
         indexes = [
-            models.Index(fields=["tenant", "created_at"]),
-            models.Index(fields=["workload", "created_at"]),
+            models.Index(fields=["tenant", "created_at", "id"], name="ledger_tenant_at_id"),
+            models.Index(fields=["workload", "created_at", "id"], name="ledger_workload_at_id"),
+            models.Index(fields=["api_key", "created_at", "id"], name="ledger_key_at_id"),
+            models.Index(fields=["tenant", "status", "created_at", "id"], name="ledger_tenant_status_at_id"),
+            models.Index(fields=["pool", "created_at", "id"], name="ledger_pool_at_id"),
+            models.Index(fields=["created_at", "id"], name="ledger_at_id"),
         ]
 
     def __str__(self) -> str:
@@ -233,3 +245,26 @@ class UsageRecord(models.Model):
     def delete(self, *args, **kwargs):
         raise LedgerImmutable("The ledger is append-only: rows cannot be deleted.")
 
+
+
+class ReservationVersion(models.Model):
+    """A reservation as it was from ``valid_from`` on, written by the
+    reservation services on every save and delete (``deleted``: none from
+    then on), so charts draw the reserved and ceiling lines as they were at
+    each time rather than today's numbers across the whole range."""
+
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="reservation_versions")
+    pool = models.ForeignKey(InferencePool, on_delete=models.CASCADE, related_name="+")
+    reserved_tpm = models.PositiveIntegerField()
+    ceiling_tpm = models.PositiveIntegerField()
+    rpm = models.PositiveIntegerField()
+    lend_fraction = models.FloatField(default=0.0)
+    deleted = models.BooleanField(default=False)
+    valid_from = models.DateTimeField()
+
+    class Meta:
+        ordering = ["workload", "valid_from", "id"]
+        indexes = [models.Index(fields=["workload", "valid_from"], name="reservation_version_wl_from")]
+
+    def __str__(self) -> str:
+        return f"{self.workload_id} from {self.valid_from:%Y-%m-%d %H:%M}: {self.reserved_tpm}/{self.ceiling_tpm} TPM"

@@ -94,6 +94,9 @@ class RejectionSample(models.Model):
     reason = models.CharField(max_length=64)
     estimated_tokens = models.PositiveIntegerField(default=0)
     retry_after_ms = models.PositiveIntegerField(null=True, blank=True)
+    # The refusal as the caller read it, with its numbers ("at most 2000
+    # tokens; your prompt ... resulted in 9008 tokens").
+    message = models.CharField(max_length=300, blank=True)
 
     class Meta:
         ordering = ["-at"]

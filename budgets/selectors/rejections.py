@@ -65,6 +65,7 @@ class RejectionExample:
     reason: str
     estimated_tokens: int
     retry_after_ms: int | None
+    message: str = ""
 
     @property
     def retry_after_s(self) -> float | None:
@@ -83,6 +84,7 @@ def rejection_examples(*, workload_ids: set[int], since: datetime, limit: int = 
             at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc), workload_id=data["wid"],
             workload_slug=slugs.get(data["wid"], str(data["wid"])), reason=data["reason"],
             estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
+            message=str(data.get("message") or ""),
         ))
     rows = RejectionSample.objects.filter(workload_id__in=workload_ids, at__gte=since).order_by("-at")[: limit * 2]
     for row in rows:
@@ -91,6 +93,7 @@ def rejection_examples(*, workload_ids: set[int], since: datetime, limit: int = 
         examples.append(RejectionExample(
             at=row.at, workload_id=row.workload_id, workload_slug=slugs.get(row.workload_id, str(row.workload_id)),
             reason=row.reason, estimated_tokens=row.estimated_tokens, retry_after_ms=row.retry_after_ms,
+            message=row.message,
         ))
     examples.sort(key=lambda e: e.at, reverse=True)
     return examples[:limit]

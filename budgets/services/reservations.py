@@ -16,9 +16,19 @@ lock first)."""
 from __future__ import annotations
 
 from django.db import transaction
+from django.utils import timezone
 
 from budgets.admission.pool_config import pool_config_push_on_commit
-from budgets.models import InferencePool, Reservation
+from budgets.models import InferencePool, Reservation, ReservationVersion
+
+
+def _version_write(*, reservation: Reservation, deleted: bool = False) -> None:
+    """The reservation as it is from now on (charts draw history from these)."""
+    ReservationVersion.objects.create(
+        workload_id=reservation.workload_id, pool_id=reservation.pool_id, reserved_tpm=reservation.reserved_tpm,
+        ceiling_tpm=reservation.ceiling_tpm, rpm=reservation.rpm, lend_fraction=reservation.lend_fraction,
+        deleted=deleted, valid_from=timezone.now(),
+    )
 
 
 def pool_lock(*, pool_id: int) -> InferencePool:
@@ -41,6 +51,7 @@ def reservation_save(*, reservation: Reservation) -> Reservation:
         )
         reservation.full_clean()
         reservation.save()
+        _version_write(reservation=reservation)
         if previous_pool_id and previous_pool_id != reservation.pool_id:
             # The workload left that pool: its buckets go from that pool's config too.
             pool_config_push_on_commit(pool_id=previous_pool_id)
@@ -52,6 +63,7 @@ def reservation_delete(*, reservation: Reservation) -> None:
     pool at the same time then sees the pool as it will be)."""
     with transaction.atomic():
         pool_lock(pool_id=reservation.pool_id)
+        _version_write(reservation=reservation, deleted=True)
         reservation.delete()
 
 
@@ -61,6 +73,7 @@ def reservations_delete(*, reservations: list[Reservation]) -> int:
         for pool_id in sorted({r.pool_id for r in reservations}):
             pool_lock(pool_id=pool_id)
         for reservation in reservations:
+            _version_write(reservation=reservation, deleted=True)
             reservation.delete()
     return len(reservations)
 

@@ -39,6 +39,9 @@ class CallerContext:
     # May the body carry the pool's test switches ("sim")? Only for a pool
     # marked is_simulator, and only where SLUICE_SIM_CONTROLS is on.
     sim_controls: bool = False
+    # The API key the request came with (None: a cron firing, a paced job's
+    # release); the ledger row records it for the request log and key usage.
+    api_key_id: int | None = None
 
     @property
     def limits(self) -> dict[str, int]:

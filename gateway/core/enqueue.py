@@ -51,7 +51,7 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         price_input_per_million=str(price.input_per_million) if price else "",
         price_output_per_million=str(price.output_per_million) if price else "",
         price_id=(price.price_id or 0) if price else 0,
-        spend_month=admission.spend_month,
+        spend_month=admission.spend_month, api_key_id=ctx.api_key_id or 0,
     )
 
 

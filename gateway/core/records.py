@@ -70,6 +70,7 @@ class RequestRecord:
     # YYYY-MM of the tenant's month-to-date its estimated cost is held against
     # ('' without a price): settlement corrects that month.
     spend_month: str = ""
+    api_key_id: int = 0  # 0: no key (a cron firing)
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -113,6 +114,7 @@ class RequestRecord:
             price_output_per_million=data.get("price_output_per_million", ""),
             spend_month=data.get("spend_month", ""),
             price_id=int(data.get("price_id", 0) or 0),
+            api_key_id=int(data.get("api_key_id", 0) or 0),
         )
 
 
@@ -216,5 +218,5 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, attempts=attempts, error=error,
-        price=record.ledger_price,
+        price=record.ledger_price, api_key_id=record.api_key_id or None,
     )

@@ -16,7 +16,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -85,7 +85,7 @@ def _load_context(raw_key: str) -> CallerContext | None:
     key = api_key_lookup(raw_key=raw_key)
     if key is None:
         return None
-    return context_for_workload(key.workload)
+    return replace(context_for_workload(key.workload), api_key_id=key.id)
 
 
 def _digest(raw_key: str) -> str:

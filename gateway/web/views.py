@@ -83,7 +83,8 @@ async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
         try:
             await rejection_count_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
                                        reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
-                                       estimated_tokens=rejected.estimated_tokens).run_async()
+                                       estimated_tokens=rejected.estimated_tokens,
+                                       message=rejected.message).run_async()
         except Exception:  # noqa: BLE001 - losing a counter beats failing the caller's answer
             logger.warning("could not count a %s rejection of workload %s", rejected.reason, ctx.workload_id,
                            exc_info=True)
