@@ -13,7 +13,7 @@ from datetime import date, datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 from django.db.models import Count, F, Q, QuerySet, Sum
-from django.db.models.functions import TruncDate, TruncMinute, TruncMonth
+from django.db.models.functions import TruncDate, TruncHour, TruncMinute, TruncMonth
 
 from tenants.models import Tenant, Workload
 
@@ -264,3 +264,65 @@ def last_minute_tokens(*, pool: InferencePool, now: datetime) -> dict[int, int]:
         .values("workload_id").annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
     )
     return {row["workload_id"]: row["tokens"] or 0 for row in rows}
+
+
+ROLLING_WINDOW = timedelta(seconds=60)
+
+
+def rolling_minute_tokens(*, now: datetime, pool: InferencePool | None = None,
+                          workload_ids: list[int] | None = None) -> dict[int, int]:
+    """Tokens each workload used in the rolling 60 s before ``now`` (ledger):
+    the one definition of "used in the last minute" every page shows."""
+    rows = UsageRecord.objects.filter(created_at__gte=now - ROLLING_WINDOW, created_at__lte=now)
+    if pool is not None:
+        rows = rows.filter(pool=pool)
+    if workload_ids is not None:
+        rows = rows.filter(workload_id__in=workload_ids)
+    rows = rows.order_by().values("workload_id").annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
+    return {row["workload_id"]: row["tokens"] or 0 for row in rows}
+
+
+def tokens_by_workload_bucket(*, workload_ids: list[int], start: datetime, end: datetime,
+                              bucket: str) -> dict[int, dict[datetime, int]]:
+    """Actual tokens per workload per UTC minute, hour or day in [start, end).
+    Days come from the rollups (fast at any range); minutes and hours from
+    the ledger through its (workload, created_at, id) index (a range that
+    picks them spans at most a few days: budgets/web/ranges.py)."""
+    out: dict[int, dict[datetime, int]] = defaultdict(dict)
+    if not workload_ids:
+        return out
+    if bucket == "day":
+        first, last = start.astimezone(dt_timezone.utc).date(), (end - timedelta(microseconds=1)).astimezone(dt_timezone.utc).date()
+        for wid, per_day in daily_tokens_by_workload(workload_ids=workload_ids, start=first, end=last).items():
+            for day, tokens in per_day.items():
+                out[wid][datetime(day.year, day.month, day.day, tzinfo=dt_timezone.utc)] = tokens
+        return out
+    trunc = TruncMinute if bucket == "minute" else TruncHour
+    rows = (
+        UsageRecord.objects.filter(workload_id__in=workload_ids, created_at__gte=start, created_at__lt=end).order_by()
+        .annotate(bucket=trunc("created_at", tzinfo=dt_timezone.utc)).values("workload_id", "bucket")
+        .annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
+    )
+    for row in rows:
+        out[row["workload_id"]][row["bucket"]] = row["tokens"] or 0
+    return out
+
+
+@dataclass(frozen=True)
+class KeyUsage:
+    api_key_id: int
+    requests: int
+    tokens: int
+    cost: Decimal
+
+
+def usage_by_api_key(*, tenant_ids: frozenset[int] | None, start: datetime, end: datetime) -> dict[int, KeyUsage]:
+    """Requests, tokens and cost per API key in [start, end) (ledger, through
+    its (api_key, created_at, id) index)."""
+    rows = UsageRecord.objects.filter(api_key__isnull=False, created_at__gte=start, created_at__lt=end)
+    if tenant_ids is not None:
+        rows = rows.filter(tenant_id__in=tenant_ids)
+    rows = rows.order_by().values("api_key_id").annotate(
+        n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")), spent=Sum("cost"))
+    return {r["api_key_id"]: KeyUsage(api_key_id=r["api_key_id"], requests=r["n"], tokens=r["tokens"] or 0,
+                                      cost=r["spent"] or Decimal(0)) for r in rows}
