@@ -9,6 +9,7 @@ from datetime import datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 from budgets.ledger.writer import price_in_force
+from budgets.models import ModelPrice
 
 
 @dataclass(frozen=True)
@@ -29,3 +30,16 @@ def prices_in_force(*, models, at: datetime) -> dict[str, TokenPrice]:
         if price is not None:
             prices[model] = TokenPrice(price.input_per_million, price.output_per_million, price.pk)
     return prices
+
+
+DEFAULT_CURRENCY = "USD"  # ModelPrice.currency's default
+
+
+def price_table_currency() -> str:
+    """The currency every amount on the pages is in: the price table's. A
+    table that mixes currencies is named as such (its sums would be wrong,
+    and the page must not pretend otherwise)."""
+    currencies = sorted(set(ModelPrice.objects.values_list("currency", flat=True).distinct()))
+    if len(currencies) > 1:
+        return "mixed currencies: " + "/".join(currencies)
+    return currencies[0] if currencies else DEFAULT_CURRENCY

@@ -102,9 +102,20 @@ def _legend(body: list[str], items: Sequence[tuple[str, str]], *, x: int, y: int
 
 @dataclass(frozen=True)
 class Series:
+    """``values`` may hold None (no value then: the line breaks). ``dashed``
+    draws a reference line (a reservation as it was at each time).
+    ``scales=False``: the axis does not grow to fit it when it would dwarf
+    the scaling series (more than ``DWARF_FACTOR`` x their peak), so usage
+    stays visible; it is then clipped at the top and its legend says so."""
+
     name: str
-    values: Sequence[float]
+    values: Sequence[float | None]
     color: str = ""
+    dashed: bool = False
+    scales: bool = True
+
+
+DWARF_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -117,10 +128,18 @@ class Threshold:
 def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: Sequence[Threshold] = (),
                title: str, width: int = 640, height: int = 220, unit: str = "") -> SafeString:
     """Lines over a shared x axis, with horizontal dashed thresholds
-    (a reservation, a ceiling)."""
+    (a reservation, a ceiling) and dashed reference series."""
     left, right, top, bottom = 52, 12, 12, 44
     plot_w, plot_h = width - left - right, height - top - bottom
-    peak = max([max(s.values, default=0) for s in series] + [t.value for t in thresholds] + [0])
+
+    def peak_of(s: Series) -> float:
+        return max((v for v in s.values if v is not None), default=0)
+
+    peak = max([peak_of(s) for s in series if s.scales] + [t.value for t in thresholds] + [0])
+    usage_peak = peak
+    for s in series:
+        if not s.scales and (usage_peak == 0 or peak_of(s) <= DWARF_FACTOR * usage_peak):
+            peak = max(peak, peak_of(s))
     y_max, ticks = _nice_axis(peak * 1.02)
     body: list[str] = []
     _y_axis(body, left=left, top=top, plot_w=plot_w, plot_h=plot_h, y_max=y_max, unit=unit, ticks=ticks)
@@ -130,7 +149,7 @@ def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: S
         return left + (plot_w * i / (n - 1) if n > 1 else plot_w / 2)
 
     def y_at(v: float) -> float:
-        return top + plot_h - plot_h * (v / y_max)
+        return top + plot_h - plot_h * (min(v, y_max) / y_max)
 
     step = max(1, n // 6)
     for i in range(0, n, step):
@@ -143,10 +162,24 @@ def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: S
     legend = [(t.name, t.color) for t in thresholds]
     for index, s in enumerate(series):
         color = s.color or color_for(index)
-        legend.insert(index, (s.name, color))
-        points = " ".join(f"{x_at(i):.1f},{y_at(v):.1f}" for i, v in enumerate(s.values))
-        if points:
-            body.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"/>')
+        name = s.name
+        if peak_of(s) > y_max:
+            name = f"{s.name} (above the chart: up to {human(peak_of(s))}{unit})"
+        legend.insert(index, (name, color))
+        dash = ' stroke-dasharray="5 4"' if s.dashed else ""
+        run: list[str] = []
+        for i, v in enumerate([*s.values, None]):
+            if v is not None:
+                run.append(f"{x_at(i):.1f},{y_at(v):.1f}")
+                continue
+            if len(run) == 1:  # a lone point still shows
+                x, y = run[0].split(",")
+                body.append(f'<line x1="{float(x) - 2:.1f}" y1="{y}" x2="{float(x) + 2:.1f}" y2="{y}" stroke="{color}" stroke-width="2"/>')
+            elif run:
+                body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+            run = []
+        if s.dashed:
+            continue
         for i, v in enumerate(s.values):
             if v:
                 body.append(f'<circle cx="{x_at(i):.1f}" cy="{y_at(v):.1f}" r="2.5" fill="{color}">'

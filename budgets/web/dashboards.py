@@ -4,6 +4,7 @@ these into templates, charts included; the API serializes the same data."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from decimal import Decimal
 from datetime import date, datetime, timedelta, timezone as dt_timezone
 
 from django.db.models import Q
@@ -19,11 +20,20 @@ from budgets.services.notifications import notifications_of_tenant
 from budgets.selectors.pools import PoolHeadroom, pool_headroom
 from budgets.selectors.rejections import RejectionExample, rejection_examples, rejection_totals, rejections_by_minute
 from budgets.selectors.requests import budget_requests_of_tenant
-from budgets.selectors.usage import daily_tokens_by_workload, last_minute_tokens, minute_tokens_by_workload
+from budgets.selectors.reservations import ReservationAt, reservation_lines
+from budgets.selectors.usage import (
+    KeyUsage,
+    WorkloadSpend,
+    minute_tokens_by_workload,
+    rolling_minute_tokens,
+    spend_by_workload,
+    tokens_by_workload_bucket,
+    usage_by_api_key,
+)
+from budgets.web.ranges import BUCKETS, TimeRange
 from budgets.ledger.spend import SpendStatus, spend_budgets_of_tenant, spend_statuses
 
 HOUR_MINUTES = 60
-DAYS_SHOWN = 30
 
 
 def minutes_back(now: datetime, count: int) -> list[datetime]:
@@ -36,20 +46,29 @@ def days_back(today: date, count: int) -> list[date]:
     return [today - timedelta(days=count - 1 - i) for i in range(count)]
 
 
+def reservation_times(time_range: TimeRange, buckets: list[datetime]) -> list[datetime]:
+    """When each bucket's reservation line is read: the bucket's end (or
+    the range's end, for the last, partial one)."""
+    step = BUCKETS[time_range.bucket]
+    return [min(b + step, time_range.end) for b in buckets]
+
+
 @dataclass
 class WorkloadPanel:
     workload: Workload
     reservation: Reservation | None
     minutes: list[datetime]
     tokens_per_minute: list[int]
-    days: list[date]
-    tokens_per_day: list[int]
     rejections_by_reason: dict[str, int]
+    # The chosen range: tokens per bucket and the reservation as it was.
+    buckets: list[datetime] = field(default_factory=list)
+    tokens_per_bucket: list[int] = field(default_factory=list)
+    reservation_per_bucket: list[ReservationAt | None] = field(default_factory=list)
+    bucket: str = "minute"
+    # Rolling 60 s before now (budgets.selectors.usage.rolling_minute_tokens).
+    used_last_minute: int = 0
+    range_spend: WorkloadSpend | None = None
     spend: SpendStatus | None = None
-
-    @property
-    def used_last_minute(self) -> int:
-        return self.tokens_per_minute[-1] if self.tokens_per_minute else 0
 
 
 @dataclass
@@ -64,17 +83,31 @@ class TenantDashboard:
     budget_requests: list[BudgetRequest]
     notifications: list[Notification]
     spend_statuses: list[SpendStatus] = field(default_factory=list)
+    time_range: TimeRange | None = None
+    key_usage: dict[int, KeyUsage] = field(default_factory=dict)
+    # Range spend summed over whole UTC days from the rollups (long ranges).
+    spend_whole_days: bool = False
+
+    @property
+    def range_spend_total(self) -> WorkloadSpend:
+        spends = [p.range_spend for p in self.panels if p.range_spend is not None]
+        return WorkloadSpend(0, sum(s.requests for s in spends), sum(s.tokens for s in spends),
+                             sum((s.cost for s in spends), Decimal(0)))
 
 
-def tenant_dashboard(*, tenant: Tenant, now: datetime) -> TenantDashboard:
+def tenant_dashboard(*, tenant: Tenant, now: datetime, time_range: TimeRange) -> TenantDashboard:
     workloads = list(workloads_of_tenant(tenant=tenant))
     wids = [w.id for w in workloads]
     reservations = {r.workload_id: r for r in Reservation.objects.filter(workload_id__in=wids).select_related("pool")}
     minutes = minutes_back(now, HOUR_MINUTES)
-    today = now.astimezone(dt_timezone.utc).date()
-    days = days_back(today, DAYS_SHOWN)
     per_minute = minute_tokens_by_workload(workload_ids=wids, since=minutes[0])
-    per_day = daily_tokens_by_workload(workload_ids=wids, start=days[0], end=today)
+    buckets = time_range.buckets()
+    per_bucket = tokens_by_workload_bucket(workload_ids=wids, start=time_range.start, end=time_range.end,
+                                           bucket=time_range.bucket)
+    lines = reservation_lines(workload_ids=wids, times=reservation_times(time_range, buckets), current=reservations)
+    rolling = rolling_minute_tokens(now=now, workload_ids=wids)
+    whole_days = time_range.bucket == "day"
+    range_spend = spend_by_workload(workload_ids=wids, start=time_range.start, end=time_range.end, whole_days=whole_days)
     day_ago = now - timedelta(hours=24)
     totals = rejection_totals(workload_ids=set(wids), since=day_ago) if wids else {}
     statuses = spend_statuses(budgets=spend_budgets_of_tenant(tenant=tenant), at=now)
@@ -89,8 +122,10 @@ def tenant_dashboard(*, tenant: Tenant, now: datetime) -> TenantDashboard:
         panels.append(WorkloadPanel(
             workload=workload, reservation=reservations.get(workload.id), minutes=minutes,
             tokens_per_minute=[per_minute.get(workload.id, {}).get(m, 0) for m in minutes],
-            days=days, tokens_per_day=[per_day.get(workload.id, {}).get(d, 0) for d in days],
             rejections_by_reason=dict(sorted(reasons.items())), spend=by_workload.get(workload.id),
+            buckets=buckets, tokens_per_bucket=[per_bucket.get(workload.id, {}).get(b, 0) for b in buckets],
+            reservation_per_bucket=lines.get(workload.id, []), bucket=time_range.bucket,
+            used_last_minute=rolling.get(workload.id, 0), range_spend=range_spend.get(workload.id),
         ))
     by_minute = rejections_by_minute(since=minutes[0], workload_ids=set(wids)) if wids else {}
     reasons = sorted({reason for counts in by_minute.values() for reason in counts})
@@ -101,7 +136,9 @@ def tenant_dashboard(*, tenant: Tenant, now: datetime) -> TenantDashboard:
         api_keys=list(api_keys_of_tenant(tenant=tenant)[:50]),
         budget_requests=list(budget_requests_of_tenant(tenant=tenant)[:20]),
         notifications=notifications_of_tenant(tenant=tenant, limit=8),
-        spend_statuses=statuses,
+        spend_statuses=statuses, time_range=time_range,
+        key_usage=usage_by_api_key(tenant_ids=frozenset({tenant.id}), start=time_range.start, end=time_range.end),
+        spend_whole_days=whole_days,
     )
 
 
@@ -142,7 +179,7 @@ def pool_overview(*, pool: InferencePool, now: datetime) -> PoolOverview:
     reservations = list(
         Reservation.objects.filter(pool=pool).select_related("workload", "workload__tenant").order_by("-reserved_tpm")
     )
-    used = last_minute_tokens(pool=pool, now=now)
+    used = rolling_minute_tokens(now=now, pool=pool)
     minutes = minutes_back(now, HOUR_MINUTES)
     by_minute = rejections_by_minute(since=minutes[0], pool=pool)
     reasons = sorted({reason for counts in by_minute.values() for reason in counts})

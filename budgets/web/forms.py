@@ -8,9 +8,10 @@ from decimal import Decimal
 from django import forms
 from django.utils import timezone
 
-from tenants.models import Tenant, Workload
+from tenants.models import ApiKey, Tenant, Workload
 
-from budgets.models import InferencePool
+from budgets.models import InferencePool, UsageRecord
+from budgets.selectors.request_log import REJECTED
 from budgets.selectors.usage import usage_day_problem
 
 NEW = "new"
@@ -166,3 +167,30 @@ class SpendFilterForm(forms.Form):
         data["start"], data["end"] = start, end
         data["group_by"] = data.get("group_by") or "tenant"
         return data
+
+
+LOG_STATUSES = [("", "any"), *UsageRecord.Status.choices, (REJECTED, "Rejected (before the pool)")]
+
+
+class RequestLogForm(forms.Form):
+    """The request log's filters (the range is parsed by budgets.web.ranges)."""
+
+    workload = forms.ModelChoiceField(queryset=Workload.objects.none(), required=False, empty_label="any")
+    key = forms.ModelChoiceField(queryset=ApiKey.objects.none(), required=False, empty_label="any", label="API key")
+    status = forms.ChoiceField(choices=LOG_STATUSES, required=False)
+    reason = forms.RegexField(regex=r"^[a-z0-9_]{1,64}$", required=False, label="Rejection reason",
+                              error_messages={"invalid": "A reason is lower-case letters, digits and _."})
+    lane = forms.RegexField(regex=r"^[a-z0-9_.-]{1,32}$", required=False,
+                            error_messages={"invalid": "A lane is lower-case letters, digits, _, . and -."})
+    model = forms.CharField(max_length=200, required=False)
+
+    def __init__(self, *args, tenant_ids: frozenset[int] | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        workloads = Workload.objects.select_related("tenant").order_by("tenant__slug", "slug")
+        keys = ApiKey.objects.select_related("workload").order_by("workload__slug", "prefix")
+        if tenant_ids is not None:
+            workloads = workloads.filter(tenant_id__in=tenant_ids)
+            keys = keys.filter(workload__tenant_id__in=tenant_ids)
+        self.fields["workload"].queryset = workloads
+        self.fields["key"].queryset = keys
+        self.fields["key"].label_from_instance = lambda k: f"{k.prefix}… ({k.workload.slug}{', ' + k.name if k.name else ''})"

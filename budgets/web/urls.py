@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from budgets.web.views import finance, home, ops, tenant_pages
+from budgets.web.views import finance, home, ops, request_log, tenant_pages
 
 urlpatterns = [
     path("", home.home, name="home"),
@@ -17,6 +17,10 @@ urlpatterns = [
     path("ops/requests/<int:request_id>/", ops.review_detail, name="review-detail"),
     path("ops/requests/<int:request_id>/approve", ops.review_decide, {"decision": "approve"}, name="review-approve"),
     path("ops/requests/<int:request_id>/reject", ops.review_decide, {"decision": "reject"}, name="review-reject"),
+    path("t/<slug:slug>/log/", request_log.tenant_request_log, name="tenant-request-log"),
+    path("t/<slug:slug>/log/<str:request_id>/", request_log.tenant_request_detail, name="tenant-request-detail"),
+    path("log/", request_log.all_request_log, name="request-log"),
+    path("log/<str:request_id>/", request_log.any_request_detail, name="request-detail"),
     path("finance/", finance.finance, name="finance"),
     path("finance/ledger.csv", finance.finance_export, name="finance-export"),
 ]

@@ -18,6 +18,7 @@ _SECTIONS = {
     "pools": ("pool-list", "pool-detail"),
     "review": ("review-list", "review-detail"),
     "finance": ("finance",),
+    "log": ("request-log", "request-detail", "tenant-request-log", "tenant-request-detail"),
 }
 
 
@@ -87,3 +88,19 @@ def clock_ms(ms) -> str:
     if not ms:
         return "—"
     return datetime.fromtimestamp(float(ms) / 1000, tz=dt_timezone.utc).strftime("%H:%M:%S UTC")
+
+
+@register.filter
+def ms(value) -> str:
+    """Milliseconds as the pages show them (—: none, e.g. a rejection)."""
+    if value is None or value == "":
+        return "—"
+    return f"{float(value):,.0f} ms"
+
+
+@register.filter
+def since_ms(at, start) -> float | None:
+    """Milliseconds from ``start`` to ``at``."""
+    if at is None or start is None:
+        return None
+    return (at - start).total_seconds() * 1000

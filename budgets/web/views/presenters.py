@@ -16,6 +16,7 @@ from budgets.web.charts import (
     stacked_bar_chart,
 )
 from budgets.web.dashboards import PoolOverview, WorkloadPanel
+from budgets.web.ranges import bucket_label
 from budgets.selectors.pools import ApprovalPreview
 from budgets.ledger.spend import SpendStatus
 
@@ -28,20 +29,29 @@ def workload_minute_chart(panel: WorkloadPanel) -> SafeString:
     return line_chart(
         labels=[f"{m:%H:%M}" for m in panel.minutes],
         series=[Series("tokens used / min", panel.tokens_per_minute, "#2563eb")],
-        thresholds=thresholds, title=f"{panel.workload.slug}: tokens per minute, last hour", height=200,
+        thresholds=thresholds, title=f"{panel.workload.slug}: tokens per minute, last hour (UTC)", height=200,
     )
 
 
-def workload_daily_chart(panel: WorkloadPanel) -> SafeString:
-    thresholds = []
-    if panel.reservation is not None:
-        # A day at the reserved rate and at the ceiling, for scale.
-        thresholds = [Threshold("reserved x 1440 min", panel.reservation.reserved_tpm * 1440, "#16a34a"),
-                      Threshold("ceiling x 1440 min", panel.reservation.ceiling_tpm * 1440, "#dc2626")]
+def workload_range_chart(panel: WorkloadPanel, range_label: str) -> SafeString:
+    """Usage over the chosen range as average tokens per minute in each
+    bucket, so the reserved and ceiling lines (TPM, as they were at each
+    time) are the same numbers at every scale. They do not stretch the axis
+    past a few times the usage (usage stays visible; the legend says when a
+    line is above the chart)."""
+    minutes = {"minute": 1, "hour": 60, "day": 1440}[panel.bucket]
+    lines = panel.reservation_per_bucket
+    series = [Series(f"tokens / min (average per {panel.bucket})", [t / minutes for t in panel.tokens_per_bucket], "#7c3aed")]
+    if any(line is not None for line in lines):
+        series += [
+            Series("reserved TPM", [line.reserved_tpm if line else None for line in lines], "#16a34a", dashed=True,
+                   scales=False),
+            Series("ceiling TPM", [line.ceiling_tpm if line else None for line in lines], "#dc2626", dashed=True,
+                   scales=False),
+        ]
     return line_chart(
-        labels=[f"{d:%m-%d}" for d in panel.days],
-        series=[Series("tokens used / day", panel.tokens_per_day, "#7c3aed")],
-        thresholds=thresholds, title=f"{panel.workload.slug}: tokens per day, last 30 days", height=200,
+        labels=[bucket_label(b, panel.bucket) for b in panel.buckets], series=series,
+        title=f"{panel.workload.slug}: tokens per minute, {range_label} (UTC)", height=200,
     )
 
 

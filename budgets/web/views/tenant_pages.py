@@ -17,15 +17,23 @@ from budgets.web.forms import NEW, ApiKeyForm, BudgetRequestForm
 from budgets.models import BudgetRequest
 from budgets.selectors.pools import pool_headroom, pools_active
 from budgets.selectors.requests import budget_request_history, budget_request_of_tenant
+from budgets.ledger.pricing import price_table_currency
+from budgets.web.ranges import PRESETS, RangeError, time_range_from
 from budgets.web.views import presenters
 
 
 @login_required
 def tenant_detail(request, slug: str):
     tenant = tenant_for_user_or_404(user=request.user, slug=slug)
-    dashboard = tenant_dashboard(tenant=tenant, now=timezone.now())
+    now = timezone.now()
+    try:
+        time_range = time_range_from(request.GET, now=now)
+    except RangeError as exc:
+        return render(request, "budgets/range_error.html", {"tenant": tenant, "error": str(exc)}, status=400)
+    dashboard = tenant_dashboard(tenant=tenant, now=now, time_range=time_range)
     panels = [
-        {"panel": p, "minute_chart": presenters.workload_minute_chart(p), "daily_chart": presenters.workload_daily_chart(p),
+        {"panel": p, "minute_chart": presenters.workload_minute_chart(p),
+         "range_chart": presenters.workload_range_chart(p, time_range.label),
          "spend_bar": presenters.spend_bar(p.spend) if p.spend else None}
         for p in dashboard.panels
     ]
@@ -36,6 +44,7 @@ def tenant_detail(request, slug: str):
             dashboard.rejection_minutes, dashboard.rejections_per_minute, "Rejections per minute by reason, last hour"),
         "can_write": tenant_is_writable(user=request.user, slug=slug),
         "key_form": ApiKeyForm(tenant=tenant),
+        "range": time_range, "presets": PRESETS, "keep": [], "currency": price_table_currency(), "now": now,
     })
 
 
