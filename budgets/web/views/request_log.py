@@ -9,6 +9,7 @@ from django.contrib.auth.decorators import login_required
 from django.http import Http404
 from django.shortcuts import render
 from django.utils import timezone
+from django.views.decorators.http import require_safe
 
 from tenants.access import tenant_for_user_or_404
 from tenants.decorators import auditor_required
@@ -61,12 +62,14 @@ def _log(request, *, tenant, tenant_ids: frozenset[int] | None):
 
 
 @login_required
+@require_safe
 def tenant_request_log(request, slug: str):
     tenant = tenant_for_user_or_404(user=request.user, slug=slug)
     return _log(request, tenant=tenant, tenant_ids=frozenset({tenant.id}))
 
 
 @auditor_required
+@require_safe
 def all_request_log(request):
     return _log(request, tenant=None, tenant_ids=None)
 
@@ -84,11 +87,13 @@ def _detail(request, *, tenant, tenant_ids: frozenset[int] | None, request_id: s
 
 
 @login_required
+@require_safe
 def tenant_request_detail(request, slug: str, request_id: str):
     tenant = tenant_for_user_or_404(user=request.user, slug=slug)
     return _detail(request, tenant=tenant, tenant_ids=frozenset({tenant.id}), request_id=request_id)
 
 
 @auditor_required
+@require_safe
 def any_request_detail(request, request_id: str):
     return _detail(request, tenant=None, tenant_ids=None, request_id=request_id)
