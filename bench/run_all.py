@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from . import accuracy, brownout, calibration, mixed, overhead, retry_storm, runaway
+from . import accuracy, brownout, calibration, mixed, overhead, request_log, retry_storm, runaway
 from .common import OUT_DIR, git_revision, log, read_result, report_paths, write_result
 from .platform import Services
 
@@ -35,8 +35,9 @@ SCENARIOS = [
     ("brownout", brownout, "3. Brownout"),
     ("retry_storm", retry_storm, "4. Retry storm"),
     ("accuracy", accuracy, "6. Budget accuracy"),
+    ("request_log", request_log, "7. Request log at scale"),
 ]
-REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "calibration"]
+REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "request_log", "calibration"]
 
 
 def _machine() -> str:
