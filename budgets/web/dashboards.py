@@ -13,7 +13,7 @@ from tenants.access import api_keys_of_tenant, workloads_of_tenant
 from tenants.models import ApiKey, Tenant, Workload
 
 from budgets.web.live_metrics import PoolLiveMetrics, pool_live_metrics
-from budgets.models import InferencePool, Reservation
+from budgets.models import InferencePool, Reservation, ReservationVersion
 from budgets.models import BudgetRequest
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notifications_of_tenant
@@ -198,3 +198,32 @@ def spend_statuses_all(*, tenant_ids: set[int] | None, now: datetime) -> list[Sp
     if tenant_ids is not None:
         budgets = budgets.filter(Q(tenant_id__in=tenant_ids) | Q(workload__tenant_id__in=tenant_ids))
     return spend_statuses(budgets=list(budgets), at=now)
+
+
+@dataclass
+class PoolRange:
+    """A pool's usage over the chosen range, with the sum of its
+    reservations as they were in each bucket."""
+
+    time_range: TimeRange
+    buckets: list[datetime]
+    tokens_per_bucket: list[int]
+    reserved_per_bucket: list[int | None]
+
+
+def pool_range(*, pool: InferencePool, time_range: TimeRange) -> PoolRange:
+    reservations = {r.workload_id: r for r in Reservation.objects.filter(pool=pool)}
+    # Workloads that had a reservation on the pool at any time in the range.
+    wids = sorted(set(reservations) | set(
+        ReservationVersion.objects.filter(pool=pool, valid_from__lt=time_range.end).values_list("workload_id", flat=True)))
+    buckets = time_range.buckets()
+    per_workload = tokens_by_workload_bucket(workload_ids=wids, start=time_range.start, end=time_range.end,
+                                             bucket=time_range.bucket)
+    lines = reservation_lines(workload_ids=wids, times=reservation_times(time_range, buckets), current=reservations)
+    reserved: list[int | None] = []
+    for i in range(len(buckets)):
+        present = [lines[w][i] for w in wids if lines[w][i] is not None]
+        reserved.append(sum(p.reserved_tpm for p in present) if present else None)
+    return PoolRange(time_range=time_range, buckets=buckets,
+                     tokens_per_bucket=[sum(per_workload.get(w, {}).get(b, 0) for w in wids) for b in buckets],
+                     reserved_per_bucket=reserved)

@@ -234,3 +234,22 @@ def test_members_see_spend_per_workload_and_key_for_the_range(world, client):
     # a bad range is a 400 in the page, another tenant's page a 404
     assert client.get(reverse("tenant-detail", args=[world.tenant_a.slug]), {"range": "x"}).status_code == 400
     assert client.get(reverse("tenant-detail", args=[world.tenant_b.slug]), {"range": "1h"}).status_code == 404
+
+
+@pytest.mark.django_db
+def test_pool_page_draws_usage_over_the_range_for_admins_only(world, client):
+    now = timezone.now()
+    write(world, at=now - timedelta(minutes=3), tokens=(6000, 0))
+    write(world, at=now - timedelta(minutes=3), workload=world.wl_b, tokens=(3000, 0))
+    client.force_login(world.admin)
+    response = client.get(reverse("pool-detail", args=[world.pool.slug]), {"range": "1h"})
+    assert response.status_code == 200
+    svg = ET.fromstring(str(response.context["range_chart"]))
+    # both workloads' tokens in one minute bucket: 9,000 tokens/min
+    assert any("9k" in (t.text or "") for t in svg.iter(f"{SVG}title"))
+    labels = [t.text for t in svg.iter(f"{SVG}text")]
+    # the reserved sum (150k) dwarfs 9k/min: off the chart, said in the legend
+    assert "reserved TPM (sum, as it was) (above the chart: up to 150k)" in labels
+    assert client.get(reverse("pool-detail", args=[world.pool.slug]), {"range": "nope"}).status_code == 400
+    client.force_login(world.member_a)
+    assert client.get(reverse("pool-detail", args=[world.pool.slug])).status_code == 403

@@ -14,6 +14,7 @@ from budgets.web.charts import bar_chart
 from budgets.web.dashboards import spend_statuses_all
 from budgets.web.forms import PERIODS, SpendFilterForm
 from budgets.ledger.export import ledger_csv_response
+from budgets.ledger.pricing import price_table_currency
 from budgets.selectors.usage import UsageFilters, ledger_rows, usage_models, usage_summary
 from budgets.web.views import presenters
 
@@ -37,7 +38,7 @@ def _filters(request) -> tuple[SpendFilterForm, UsageFilters | None]:
 @auditor_required
 def finance(request):
     form, filters = _filters(request)
-    context = {"form": form, "periods": PERIODS}
+    context = {"form": form, "periods": PERIODS, "currency": price_table_currency()}
     if filters is not None:
         group_by = form.cleaned_data["group_by"]
         summary = usage_summary(filters=filters, group_by=(group_by,))
@@ -46,7 +47,8 @@ def finance(request):
         context.update({
             "filters": filters, "summary": summary, "group_by": group_by,
             "spend_chart": bar_chart(labels=[r.label for r in by_time.rows], values=[float(r.cost) for r in by_time.rows],
-                                     title="Spend per " + ("day" if days <= 92 else "month"), color="#16a34a",
+                                     title=f"Spend ({context['currency']}) per " + ("UTC day" if days <= 92 else "month"),
+                                     color="#16a34a",
                                      width=presenters.FULL_WIDTH, height=220),
             "spend_rows": [{"status": s, "bar": presenters.spend_bar(s)}
                            for s in spend_statuses_all(tenant_ids=None, now=timezone.now())],

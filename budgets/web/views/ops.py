@@ -13,7 +13,8 @@ from tenants.decorators import staff_required
 from budgets.admission.pool_status import PoolStatus, pool_statuses
 from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note
 from budgets.services.budget_requests import budget_request_approve, budget_request_reject
-from budgets.web.dashboards import pool_overview
+from budgets.web.dashboards import pool_overview, pool_range
+from budgets.web.ranges import PRESETS, RangeError, time_range_from
 from budgets.web.forms import DecisionForm
 from budgets.models import InferencePool
 from budgets.models import BudgetRequest
@@ -63,7 +64,17 @@ def _overview_context(slug: str) -> dict:
 
 @staff_required
 def pool_detail(request, slug: str):
-    return render(request, "budgets/pool_detail.html", _overview_context(slug))
+    context = _overview_context(slug)
+    try:
+        time_range = time_range_from(request.GET, now=context["now"])
+    except RangeError as exc:
+        return render(request, "budgets/range_error.html", {"error": str(exc)}, status=400)
+    pool = context["pool"]
+    context.update({
+        "range": time_range, "presets": PRESETS, "keep": [],
+        "range_chart": presenters.pool_range_chart(pool_range(pool=pool, time_range=time_range), pool.admission_tpm),
+    })
+    return render(request, "budgets/pool_detail.html", context)
 
 
 @staff_required

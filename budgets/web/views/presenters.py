@@ -15,7 +15,7 @@ from budgets.web.charts import (
     reason_color,
     stacked_bar_chart,
 )
-from budgets.web.dashboards import PoolOverview, WorkloadPanel
+from budgets.web.dashboards import PoolOverview, PoolRange, WorkloadPanel
 from budgets.web.ranges import bucket_label
 from budgets.selectors.pools import ApprovalPreview
 from budgets.ledger.spend import SpendStatus
@@ -39,7 +39,7 @@ def workload_range_chart(panel: WorkloadPanel, range_label: str) -> SafeString:
     time) are the same numbers at every scale. They do not stretch the axis
     past a few times the usage (usage stays visible; the legend says when a
     line is above the chart)."""
-    minutes = {"minute": 1, "hour": 60, "day": 1440}[panel.bucket]
+    minutes = BUCKET_MINUTES[panel.bucket]
     lines = panel.reservation_per_bucket
     series = [Series(f"tokens / min (average per {panel.bucket})", [t / minutes for t in panel.tokens_per_bucket], "#7c3aed")]
     if any(line is not None for line in lines):
@@ -98,3 +98,22 @@ def approval_charts(preview: ApprovalPreview, label: str) -> tuple[SafeString, S
 
 def _requested(preview: ApprovalPreview) -> int:
     return preview.after.reserved_tpm - (preview.headroom.reserved_tpm - preview.current_reserved_tpm)
+
+
+BUCKET_MINUTES = {"minute": 1, "hour": 60, "day": 1440}
+
+
+def pool_range_chart(pool_range: PoolRange, admission_tpm: float) -> SafeString:
+    """The pool's usage (average tokens per minute in each bucket) against the
+    sum of its reservations as they were, and its admission budget now."""
+    minutes = BUCKET_MINUTES[pool_range.time_range.bucket]
+    return line_chart(
+        labels=[bucket_label(b, pool_range.time_range.bucket) for b in pool_range.buckets],
+        series=[Series(f"tokens / min (average per {pool_range.time_range.bucket})",
+                       [t / minutes for t in pool_range.tokens_per_bucket], "#2563eb"),
+                Series("reserved TPM (sum, as it was)", pool_range.reserved_per_bucket, "#16a34a", dashed=True,
+                       scales=False),
+                Series("admission budget TPM (now)", [admission_tpm] * len(pool_range.buckets), "#dc2626",
+                       dashed=True, scales=False)],
+        title=f"Pool usage, {pool_range.time_range.label} (UTC)", width=FULL_WIDTH, height=220,
+    )
