@@ -192,7 +192,7 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     shot(member, "08-budget-request-decided")
 
     admin.goto(f"/ops/pools/{world.pool.slug}/")
-    assert admin.locator("svg.chart").count() == 2
+    assert admin.locator("svg.chart").count() == 3  # capacity, rejections, usage over the range
     assert admin.locator("#pool-workloads", has_text=world.wl_a.slug).count() == 1
     # the live part refreshes by itself
     # (a selector, not wait_for_function: evaluating a string is eval, which
