@@ -13,7 +13,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets.services.budget_requests import budget_request_submit
-from budgets.models import SpendBudget
+from budgets.models import SpendBudget, UsageRecord
 from budgets.ledger.rejections import rejection_count
 from tenants.models import ApiKey
 from tests.people import ledger_add
@@ -51,7 +51,9 @@ def seeded(world):
 
 
 def page_cases(world, request_a, key_a):
-    a = world.tenant_a.slug
+    a, b = world.tenant_a.slug, world.tenant_b.slug
+    # tenant A's ledger row (the request log's own page), where seeded
+    ledger_a = UsageRecord.objects.filter(workload=world.wl_a).values_list("request_id", flat=True).first() or "req_x"
     today = timezone.now().date()
     return {
         "tenant-detail": [("get", f"/t/{a}/", {})],
@@ -69,6 +71,10 @@ def page_cases(world, request_a, key_a):
         "review-reject": [("post", f"/ops/requests/{request_a.pk}/reject", {"comment": "x"})],
         "finance": [("get", "/finance/", {})],
         "finance-export": [("get", f"/finance/ledger.csv?start={today - timedelta(days=3)}&end={today}", {})],
+        "tenant-request-log": [("get", f"/t/{a}/log/", {})],
+        "tenant-request-detail": [("get", f"/t/{a}/log/{ledger_a}/", {}), ("get", f"/t/{b}/log/{ledger_a}/", {})],
+        "request-log": [("get", "/log/", {})],
+        "request-detail": [("get", f"/log/{ledger_a}/", {})],
     }
 
 
