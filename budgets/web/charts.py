@@ -168,8 +168,10 @@ def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: S
         legend.insert(index, (name, color))
         dash = ' stroke-dasharray="5 4"' if s.dashed else ""
         run: list[str] = []
+        # A value above the axis (only a non-scaling series has one) is not
+        # drawn: a line pinned to the top edge would read as a real number.
         for i, v in enumerate([*s.values, None]):
-            if v is not None:
+            if v is not None and v <= y_max:
                 run.append(f"{x_at(i):.1f},{y_at(v):.1f}")
                 continue
             if len(run) == 1:  # a lone point still shows

@@ -88,6 +88,7 @@ def test_usage_stays_visible_when_the_reservation_would_dwarf_it():
     labels = [t.text for t in svg.iter(f"{SVG}text")]
     assert "40" in labels and "100k" not in labels  # the axis fits the usage (30 x 1.02 -> 40)
     assert "reserved TPM (above the chart: up to 100k)" in labels
+    assert len(list(svg.iter(f"{SVG}polyline"))) == 1  # the off-chart line is not pinned to the top edge
     # when usage is within a few times the reservation, the line is on the chart
     svg = ET.fromstring(str(line_chart(labels=["a", "b"], series=[
         Series("used", [20, 30]), Series("reserved TPM", [50, 100], dashed=True, scales=False)], title="t")))
@@ -227,7 +228,7 @@ def test_members_see_spend_per_workload_and_key_for_the_range(world, client):
     body = client.get(reverse("tenant-detail", args=[world.tenant_a.slug]), {"range": "1h"}).content.decode()
     # 3000 + 1500 tokens; 0.15/M in, 0.60/M out
     assert 'id="range-total-tokens">4,500<' in body
-    assert 'id="range-total-cost" data-value="0.00135000">0.0014 USD<' in body
+    assert 'id="range-total-cost" data-value="0.00135000">0.001350 USD<' in body
     assert 'class="num key-requests" data-value="2"' in body and 'class="num key-cost" data-value="0.00135000"' in body
     assert 'class="used-last-minute" data-value="3000"' in body
     assert "rolling 60 s" in body and "9,999" not in body
@@ -249,7 +250,7 @@ def test_pool_page_draws_usage_over_the_range_for_admins_only(world, client):
     assert any("9k" in (t.text or "") for t in svg.iter(f"{SVG}title"))
     labels = [t.text for t in svg.iter(f"{SVG}text")]
     # the reserved sum (150k) dwarfs 9k/min: off the chart, said in the legend
-    assert "reserved TPM (sum, as it was) (above the chart: up to 150k)" in labels
+    assert "reserved (sum, as it was) (above the chart: up to 150k)" in labels
     assert client.get(reverse("pool-detail", args=[world.pool.slug]), {"range": "nope"}).status_code == 400
     client.force_login(world.member_a)
     assert client.get(reverse("pool-detail", args=[world.pool.slug])).status_code == 403

@@ -22,14 +22,16 @@ from budgets.ledger.spend import SpendStatus
 
 
 def workload_minute_chart(panel: WorkloadPanel) -> SafeString:
-    thresholds = []
+    series = [Series("tokens used / min", panel.tokens_per_minute, "#2563eb")]
     if panel.reservation is not None:
-        thresholds = [Threshold("reserved", panel.reservation.reserved_tpm, "#16a34a"),
-                      Threshold("ceiling", panel.reservation.ceiling_tpm, "#dc2626")]
+        # Reference lines that do not stretch the axis past a few times the
+        # usage (charts.DWARF_FACTOR): a quiet hour still shows its usage.
+        count = len(panel.minutes)
+        series += [Series("reserved", [panel.reservation.reserved_tpm] * count, "#16a34a", dashed=True, scales=False),
+                   Series("ceiling", [panel.reservation.ceiling_tpm] * count, "#dc2626", dashed=True, scales=False)]
     return line_chart(
-        labels=[f"{m:%H:%M}" for m in panel.minutes],
-        series=[Series("tokens used / min", panel.tokens_per_minute, "#2563eb")],
-        thresholds=thresholds, title=f"{panel.workload.slug}: tokens per minute, last hour (UTC)", height=200,
+        labels=[f"{m:%H:%M}" for m in panel.minutes], series=series,
+        title=f"{panel.workload.slug}: tokens per minute, last hour (UTC)", height=200,
     )
 
 
@@ -41,12 +43,12 @@ def workload_range_chart(panel: WorkloadPanel, range_label: str) -> SafeString:
     line is above the chart)."""
     minutes = BUCKET_MINUTES[panel.bucket]
     lines = panel.reservation_per_bucket
-    series = [Series(f"tokens / min (average per {panel.bucket})", [t / minutes for t in panel.tokens_per_bucket], "#7c3aed")]
+    series = [Series(f"tokens / min (avg per {panel.bucket})", [t / minutes for t in panel.tokens_per_bucket], "#7c3aed")]
     if any(line is not None for line in lines):
         series += [
-            Series("reserved TPM", [line.reserved_tpm if line else None for line in lines], "#16a34a", dashed=True,
+            Series("reserved", [line.reserved_tpm if line else None for line in lines], "#16a34a", dashed=True,
                    scales=False),
-            Series("ceiling TPM", [line.ceiling_tpm if line else None for line in lines], "#dc2626", dashed=True,
+            Series("ceiling", [line.ceiling_tpm if line else None for line in lines], "#dc2626", dashed=True,
                    scales=False),
         ]
     return line_chart(
@@ -109,11 +111,11 @@ def pool_range_chart(pool_range: PoolRange, admission_tpm: float) -> SafeString:
     minutes = BUCKET_MINUTES[pool_range.time_range.bucket]
     return line_chart(
         labels=[bucket_label(b, pool_range.time_range.bucket) for b in pool_range.buckets],
-        series=[Series(f"tokens / min (average per {pool_range.time_range.bucket})",
+        series=[Series(f"tokens / min (avg per {pool_range.time_range.bucket})",
                        [t / minutes for t in pool_range.tokens_per_bucket], "#2563eb"),
-                Series("reserved TPM (sum, as it was)", pool_range.reserved_per_bucket, "#16a34a", dashed=True,
+                Series("reserved (sum, as it was)", pool_range.reserved_per_bucket, "#16a34a", dashed=True,
                        scales=False),
-                Series("admission budget TPM (now)", [admission_tpm] * len(pool_range.buckets), "#dc2626",
+                Series("admission budget (now)", [admission_tpm] * len(pool_range.buckets), "#dc2626",
                        dashed=True, scales=False)],
         title=f"Pool usage, {pool_range.time_range.label} (UTC)", width=FULL_WIDTH, height=220,
     )
