@@ -15,6 +15,8 @@ lock first)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timezone as dt_timezone
+
 from django.db import transaction
 from django.utils import timezone
 
@@ -22,12 +24,28 @@ from budgets.admission.pool_config import pool_config_push_on_commit
 from budgets.models import InferencePool, Reservation, ReservationVersion
 
 
-def _version_write(*, reservation: Reservation, deleted: bool = False) -> None:
+# Where the history of a reservation written before versions were kept starts.
+HISTORY_START = datetime(2000, 1, 1, tzinfo=dt_timezone.utc)
+
+
+def _version_baseline(*, reservation_id: int | None) -> None:
+    """Before the first recorded change of a reservation that predates the
+    history, record what it held until now, from the start of time: the best
+    knowledge there is, and better than drawing no line at all."""
+    if reservation_id is None:
+        return
+    stored = Reservation.objects.filter(pk=reservation_id).first()
+    if stored is None or ReservationVersion.objects.filter(workload_id=stored.workload_id).exists():
+        return
+    _version_write(reservation=stored, valid_from=HISTORY_START)
+
+
+def _version_write(*, reservation: Reservation, deleted: bool = False, valid_from: datetime | None = None) -> None:
     """The reservation as it is from now on (charts draw history from these)."""
     ReservationVersion.objects.create(
         workload_id=reservation.workload_id, pool_id=reservation.pool_id, reserved_tpm=reservation.reserved_tpm,
         ceiling_tpm=reservation.ceiling_tpm, rpm=reservation.rpm, lend_fraction=reservation.lend_fraction,
-        deleted=deleted, valid_from=timezone.now(),
+        deleted=deleted, valid_from=valid_from or timezone.now(),
     )
 
 
@@ -50,6 +68,7 @@ def reservation_save(*, reservation: Reservation) -> Reservation:
             if reservation.pk else None
         )
         reservation.full_clean()
+        _version_baseline(reservation_id=reservation.pk)
         reservation.save()
         _version_write(reservation=reservation)
         if previous_pool_id and previous_pool_id != reservation.pool_id:
@@ -63,6 +82,7 @@ def reservation_delete(*, reservation: Reservation) -> None:
     pool at the same time then sees the pool as it will be)."""
     with transaction.atomic():
         pool_lock(pool_id=reservation.pool_id)
+        _version_baseline(reservation_id=reservation.pk)
         _version_write(reservation=reservation, deleted=True)
         reservation.delete()
 
@@ -73,6 +93,7 @@ def reservations_delete(*, reservations: list[Reservation]) -> int:
         for pool_id in sorted({r.pool_id for r in reservations}):
             pool_lock(pool_id=pool_id)
         for reservation in reservations:
+            _version_baseline(reservation_id=reservation.pk)
             _version_write(reservation=reservation, deleted=True)
             reservation.delete()
     return len(reservations)

@@ -20,7 +20,7 @@ from budgets.ledger.writer import LedgerEntry, usage_record_write
 from budgets.models import Reservation, ReservationVersion, UsageRecord
 from budgets.selectors.reservations import ReservationAt, reservation_lines
 from budgets.selectors.usage import rolling_minute_tokens, tokens_by_workload_bucket, usage_by_api_key
-from budgets.services.reservations import reservation_delete, reservation_save
+from budgets.services.reservations import HISTORY_START, reservation_delete, reservation_save
 from budgets.web.charts import Series, line_chart
 from budgets.web.ranges import RangeError, time_range_from
 from gateway.core.enqueue import record_build
@@ -108,26 +108,35 @@ def test_a_reference_line_breaks_where_there_was_no_reservation():
 
 @pytest.mark.django_db
 def test_the_services_write_every_version_and_lines_read_them_back(world):
-    # given the reservation changed twice, then was removed
+    # given a reservation from before the history (written directly), then
+    # changed twice through the services, then removed
     res = Reservation.objects.get(workload=world.wl_a)
     res.reserved_tpm, res.ceiling_tpm = 40_000, 60_000
     reservation_save(reservation=res)
-    first = ReservationVersion.objects.get()
     res.reserved_tpm, res.ceiling_tpm = 60_000, 90_000
     reservation_save(reservation=res)
     reservation_delete(reservation=res)
     versions = list(ReservationVersion.objects.order_by("id"))
+    # the first change first records what it replaced, from the start of the history
     assert [(v.reserved_tpm, v.ceiling_tpm, v.deleted) for v in versions] == [
-        (40_000, 60_000, False), (60_000, 90_000, False), (60_000, 90_000, True)]
+        (100_000, 150_000, False), (40_000, 60_000, False), (60_000, 90_000, False), (60_000, 90_000, True)]
+    assert versions[0].valid_from == HISTORY_START
     # when read at times around them
-    times = [first.valid_from - timedelta(seconds=1), versions[0].valid_from, versions[1].valid_from,
-             versions[2].valid_from + timedelta(seconds=1)]
+    times = [versions[1].valid_from - timedelta(microseconds=1), versions[1].valid_from, versions[2].valid_from,
+             versions[3].valid_from + timedelta(seconds=1)]
     lines = reservation_lines(workload_ids=[world.wl_a.id, world.wl_b.id], times=times,
                               current={world.wl_b.id: Reservation.objects.get(workload=world.wl_b)})
-    # then each time gets the version in force then; none before the first or after the delete
-    assert lines[world.wl_a.id] == [None, ReservationAt(40_000, 60_000), ReservationAt(60_000, 90_000), None]
+    # then each time gets the version in force then; none after the delete
+    assert lines[world.wl_a.id] == [ReservationAt(100_000, 150_000), ReservationAt(40_000, 60_000),
+                                    ReservationAt(60_000, 90_000), None]
     # a reservation with no history is drawn at its current numbers
     assert lines[world.wl_b.id] == [ReservationAt(50_000, 80_000)] * 4
+    # a reservation created through the services has no line before it was
+    created = ReservationVersion.objects.create(workload=world.wl_b, pool=world.pool, reserved_tpm=7, ceiling_tpm=9,
+                                                rpm=1, valid_from=versions[3].valid_from + timedelta(hours=1))
+    times = [created.valid_from - timedelta(seconds=1), created.valid_from]
+    assert reservation_lines(workload_ids=[world.wl_b.id], times=times, current={})[world.wl_b.id] == [
+        None, ReservationAt(7, 9)]
 
 
 # --- usage -------------------------------------------------------------------------
