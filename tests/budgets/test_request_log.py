@@ -14,7 +14,13 @@ from django.urls import reverse
 from budgets.ledger.rejections import rejection_count_call, rejections_flush
 from budgets.ledger.writer import LedgerEntry, usage_record_write
 from budgets.models import RejectionSample, RejectionStat, UsageRecord
-from budgets.selectors.latency import PercentileCont, latency_by_workload_lane, percentile
+from budgets.selectors.latency import (
+    PercentileCont,
+    _percentiles_python,
+    _percentiles_sql,
+    latency_by_workload_lane,
+    percentile,
+)
 from budgets.selectors.request_log import REJECTED, Cursor, LogFilters, request_log_page
 from tenants.models import ApiKey
 from tests.people import world  # noqa: F401 (fixture)
@@ -169,6 +175,9 @@ def test_percentiles_are_continuous_on_postgresql_and_in_the_python_fallback(wor
     assert fallback == [row.percentiles["total_ms"][p] for p in (50, 95, 99)]
     direct = UsageRecord.objects.filter(workload=world.wl_a).aggregate(p=PercentileCont("total_ms", fraction=0.95))
     assert direct["p"] == row.percentiles["total_ms"][95]
+    # and the fallback's whole path (rows read, grouped, interpolated) gives the SQL's numbers
+    rows_in_range = UsageRecord.objects.filter(filters.ledger_q()).order_by()
+    assert _percentiles_python(rows_in_range) == _percentiles_sql(rows_in_range)
     # the rejection was counted only as a sample here (no RejectionStat row):
     # the rates count flushed and pending minutes
     assert row.rejections == 0 and row.success_rate == 0.8 and row.error_rate == 0.2
