@@ -102,7 +102,7 @@ def test_each_role_walks_the_request_log_and_the_numbers_match_the_ledger(platfo
     assert "rolling 60 s" in member.inner_text(f"#workload-{world.wl_a.slug}")
     shot(member, "15-tenant-range")
     member.click('#range-picker a[data-range="7d"]')
-    member.wait_for_selector("#range-picker a.active[data-range='7d']")
+    member.wait_for_selector("#range-picker a.current[data-range='7d']")
 
     # another tenant's member reaches none of it
     # (not watched: Chromium logs every 404 document it is shown as a console error)
