@@ -328,3 +328,20 @@ def job_list_view(page: JobPage, *, base_url: str = "") -> dict:
             for job in page.jobs]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}
+
+
+def jobs_running(*, jobs: list[Job]) -> set[str]:
+    """The ids of the queued jobs whose request a worker has started (its
+    owner state in Redis is ``worker:<generation>``, see claim.lua). One
+    pipelined round trip; Redis away means none is known to be running."""
+    queued = [job for job in jobs if job.status == Job.Status.QUEUED and job.request_id]
+    if not queued:
+        return set()
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for job in queued:
+            pipe.get(keys.request_owner(job.request_id))
+        owners = pipe.execute()
+    except REDIS_UNAVAILABLE:
+        return set()
+    return {str(job.id) for job, owner in zip(queued, owners) if owner and str(owner).startswith("worker:")}
