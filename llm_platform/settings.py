@@ -242,6 +242,13 @@ SLUICE_TRUSTED_PROXIES = tuple(p.strip() for p in os.environ.get("SLUICE_TRUSTED
 # Keys remembered per web process: valid ones and, apart, unknown ones (a
 # flood of random keys only churns the second).
 SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
+# How often (at most) each web process asks the database which keys were
+# revoked lately: a revoked key stops working within about this long.
+SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)
+# Key last-use: each web process sends its notes to Redis at most this often;
+# beat writes them to ApiKey.last_used_at every SLUICE_KEY_LAST_USED_FLUSH_S.
+SLUICE_KEY_LAST_USED_PUSH_S = env_float("SLUICE_KEY_LAST_USED_PUSH_S", 5.0)
+SLUICE_KEY_LAST_USED_FLUSH_S = env_float("SLUICE_KEY_LAST_USED_FLUSH_S", 30.0)
 
 # The port `make run` serves on, for the URLs it prints (seed_demo --json).
 PORT = env_int("PORT", 8000)
