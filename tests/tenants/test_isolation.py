@@ -57,6 +57,7 @@ def page_cases(world, request_a, key_a):
         "tenant-detail": [("get", f"/t/{a}/", {})],
         "budget-request-new": [("get", f"/t/{a}/requests/new", {}), ("post", f"/t/{a}/requests/new", {"justification": "x"})],
         "budget-request-detail": [("get", f"/t/{a}/requests/{request_a.pk}/", {})],
+        "budget-request-withdraw": [("post", f"/t/{a}/requests/{request_a.pk}/withdraw", {})],
         "api-key-new": [("post", f"/t/{a}/keys/new", {"workload": world.wl_a.id})],
         "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {}), ("get", f"/t/{a}/keys/{key_a.id}/revoke", {}),
                            ("post", f"/t/{a}/keys/{key_a.id}/revoke", {"confirm": "revoke"})],

@@ -11,6 +11,8 @@ from django.views.decorators.http import require_POST
 
 from tenants.decorators import staff_required
 
+from budgets.selectors.reservations import reservation_of_workload
+
 from budgets.admission.pool_status import PoolStatus, pool_statuses
 from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note
 from budgets.services.budget_requests import budget_request_approve, budget_request_reject
@@ -97,6 +99,8 @@ def _review_context(request_id: int, form: DecisionForm | None = None, errors: d
         "req": budget_request, "preview": preview, "before_chart": before, "after_chart": after,
         "history": budget_request_history(request=budget_request), "form": form or DecisionForm(),
         "errors": errors or {},
+        "preview_current": (reservation_of_workload(workload=budget_request.workload)
+                            if budget_request.workload_id else None),
     }
 
 
