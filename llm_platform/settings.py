@@ -338,6 +338,8 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "SCHEMA_PATH_PREFIX": r"/api/",
     "ENUM_NAME_OVERRIDES": {"WorkloadClassEnum": "tenants.models.Workload.WorkloadClass"},
+    # The /v1 API is plain Django views: gateway/web/openapi.py adds it.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.web.openapi.add_v1_paths"],
 }
 # Static files (the API docs' assets) are served by WhiteNoise straight from
 # the installed packages, so no collectstatic step is needed to run.
