@@ -66,6 +66,9 @@ app.conf.update(
         "rollup-daily-usage": {"task": "budgets.rollup_daily_usage", "schedule": 60.0},
         "reconcile-spend": {"task": "budgets.reconcile_spend", "schedule": 60.0},
         "expire-budget-requests": {"task": "budgets.expire_budget_requests", "schedule": 300.0},
+        # Alerts (budgets/services/alerts.py): retries whose backoff is over, and spikes.
+        "release-alert-retries": {"task": "budgets.release_alert_retries", "schedule": 5.0},
+        "check-rejection-spikes": {"task": "budgets.check_rejection_spikes", "schedule": 60.0},
     },
     timezone="UTC",
 )

@@ -167,6 +167,8 @@ def main() -> None:
     env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
     # The demo pool is the simulator: let callers use its test switches.
     env.setdefault("SLUICE_SIM_CONTROLS", "true")
+    # Alert e-mails go to the workers' logs, not to an SMTP server.
+    env.setdefault("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}

@@ -224,6 +224,22 @@ SLUICE_CALLBACK_TIMEOUT_S = env_float("SLUICE_CALLBACK_TIMEOUT_S", 5.0)
 SLUICE_CALLBACK_MAX_ATTEMPTS = env_int("SLUICE_CALLBACK_MAX_ATTEMPTS", 8)
 SLUICE_CALLBACK_BACKOFF_BASE_S = env_float("SLUICE_CALLBACK_BACKOFF_BASE_S", 2.0)
 SLUICE_CALLBACK_BACKOFF_CAP_S = env_float("SLUICE_CALLBACK_BACKOFF_CAP_S", 600.0)
+# Alerts (budgets/services/alerts.py): e-mail through Django's backend (SMTP
+# by default; make run uses the console), webhooks retried like job callbacks
+# (the SLUICE_CALLBACK_* attempts, backoff and URL rules). A rejection spike:
+# at least PER_MINUTE rejections for a tenant in each of the last MINUTES minutes.
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0)
+# Where django.core.mail.backends.filebased.EmailBackend writes (one file per message).
+EMAIL_FILE_PATH = os.environ.get("EMAIL_FILE_PATH") or str(VAR_DIR / "mail")
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "sluice@localhost")
+SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE = env_int("SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE", 100)
+SLUICE_ALERT_REJECTION_SPIKE_MINUTES = env_int("SLUICE_ALERT_REJECTION_SPIKE_MINUTES", 5)
 
 # --- attempt throttles (gateway/core/throttle.py) ----------------------------------------
 # Failed sign-ins (web login, Django admin, /api/auth/token/) counted per

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import random
 import re
 import socket
 from dataclasses import dataclass
@@ -266,6 +267,15 @@ def callback_signature_verify(*, secret: str, header: str, body: bytes, now: flo
         return False
     expected = callback_signature(secret=secret, timestamp=timestamp, body=body).rpartition("v1=")[2]
     return any(hmac.compare_digest(expected, candidate) for candidate in fields.get("v1", []))
+
+
+def webhook_backoff_s(*, failed_attempt: int) -> float:
+    """The wait after attempt ``failed_attempt`` (1-based) failed: base x
+    2^(n-1), capped, then jittered over its upper half so receivers coming
+    back from an outage are not hit by every retry at once."""
+    ceiling = min(settings.SLUICE_CALLBACK_BACKOFF_CAP_S,
+                  settings.SLUICE_CALLBACK_BACKOFF_BASE_S * 2 ** (failed_attempt - 1))
+    return random.uniform(ceiling / 2, ceiling)
 
 
 # --- sending ------------------------------------------------------------------------------

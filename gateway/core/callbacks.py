@@ -6,17 +6,16 @@ signature are tenants.outbound's, shared with alert webhooks; the worker side
 from __future__ import annotations
 
 import logging
-import random
 
 from celery import current_app
-from django.conf import settings
 from django.db import transaction
 
 from budgets.admission.redis_client import get_redis, redis_now_ms
 from gateway.core import keys
 from gateway.core.lanes import HOUSEKEEPING
 from tenants.outbound import (MAX_URL_LENGTH, SIGNATURE_HEADER, CallbackRefused, CallbackTarget, address_refusal, callback_signature, callback_signature_verify,
-                              callback_target_resolve, callback_url_check, callback_url_parse, resolve_host)
+                              callback_target_resolve, callback_url_check, callback_url_parse, resolve_host,
+                              webhook_backoff_s)
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +33,7 @@ DELIVER_CALLBACK_TASK = "gateway.deliver_callback"
 
 
 def callback_backoff_s(*, failed_attempt: int) -> float:
-    """The wait after attempt ``failed_attempt`` (1-based) failed: base x
-    2^(n-1), capped, then jittered over its upper half so receivers coming
-    back from an outage are not hit by every retry at once."""
-    ceiling = min(settings.SLUICE_CALLBACK_BACKOFF_CAP_S,
-                  settings.SLUICE_CALLBACK_BACKOFF_BASE_S * 2 ** (failed_attempt - 1))
-    return random.uniform(ceiling / 2, ceiling)
+    return webhook_backoff_s(failed_attempt=failed_attempt)
 
 
 def _send(job_id: str, attempt: int) -> None:
