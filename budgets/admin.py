@@ -95,7 +95,8 @@ class UsageRecordAdmin(admin.ModelAdmin):
 
 
 # --- web UI models (issue 5) ----------------------------------------------------------
-from budgets.models import BudgetRequest, BudgetRequestEvent, DailyUsage, Notification, RejectionStat, SpendBudget  # noqa: E402
+from budgets.models import (AlertDelivery, BudgetRequest, BudgetRequestEvent, DailyUsage, Notification,  # noqa: E402
+                            RejectionStat, SpendBudget)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -152,6 +153,12 @@ class BudgetRequestEventAdmin(ReadOnlyAdmin):
 class NotificationAdmin(ReadOnlyAdmin):
     list_display = ("tenant", "kind", "message", "created_at")
     list_filter = ("kind",)
+
+
+@admin.register(AlertDelivery)
+class AlertDeliveryAdmin(ReadOnlyAdmin):
+    list_display = ("at", "tenant", "notification", "channel", "attempt", "delivered", "status_code", "error")
+    list_filter = ("channel", "delivered")
 
 
 @admin.register(DailyUsage)

@@ -12,6 +12,8 @@ from budgets.admission.pool_config import pool_config_push_all
 from budgets.ledger.rejections import rejection_samples_prune, rejections_flush
 from budgets.ledger.rollups import daily_usage_refresh
 from budgets.ledger.spend import spend_reconcile
+from budgets.services.alert_spikes import rejection_spikes_check
+from budgets.services.alerts import DELIVER_ALERT_TASK, alert_deliver, alert_retries_release
 from budgets.services.budget_requests import budget_requests_expire
 
 
@@ -46,3 +48,21 @@ def reconcile_spend() -> dict:
 def expire_budget_requests() -> int:
     """Lapse approved slices whose end date has passed."""
     return budget_requests_expire()
+
+
+@shared_task(name=DELIVER_ALERT_TASK, acks_late=True, ignore_result=True)
+def deliver_alert(notification_id: int, channel: str, attempt: int = 1) -> str:
+    """One attempt to send one alert by e-mail or webhook (logged; a failure parks the next)."""
+    return alert_deliver(notification_id=notification_id, channel=channel, attempt=attempt)
+
+
+@shared_task(name="budgets.release_alert_retries", ignore_result=True)
+def release_alert_retries() -> int:
+    """Enqueue alert attempts whose backoff is over."""
+    return alert_retries_release()
+
+
+@shared_task(name="budgets.check_rejection_spikes", ignore_result=True)
+def check_rejection_spikes() -> int:
+    """Notify tenants under a sustained rejection spike (once an hour each)."""
+    return rejection_spikes_check()

@@ -54,6 +54,9 @@ class Job(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # GET /v1/jobs and the jobs page: a workload's jobs newest first,
+        # keyset-paged on (created_at, id): one index range per page.
+        indexes = [models.Index(fields=["workload", "-created_at", "-id"], name="job_workload_newest")]
         constraints = [
             models.UniqueConstraint(
                 fields=["workload", "idempotency_key"],

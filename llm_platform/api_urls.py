@@ -2,10 +2,11 @@
 authentication, the OpenAPI schema and its browsable docs."""
 
 from django.urls import path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
+from drf_spectacular.views import SpectacularSwaggerSplitView
 
 from budgets.api import views as budgets_api
 from llm_platform.login import ThrottledObtainAuthToken
+from llm_platform.schema_view import SchemaView
 from tenants import api as tenants_api
 
 urlpatterns = [
@@ -32,7 +33,7 @@ urlpatterns = [
     path("spend-budgets/", budgets_api.SpendBudgetList.as_view(), name="api-spend-budget-list"),
     path("usage/summary/", budgets_api.UsageSummaryView.as_view(), name="api-usage-summary"),
     path("ledger/export/", budgets_api.LedgerExportView.as_view(), name="api-ledger-export"),
-    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("schema/", SchemaView.as_view(), name="api-schema"),
     # The split view serves Swagger UI's init script from its own URL: no
     # inline script, so the page works under the UI's Content-Security-Policy.
     path("docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),

@@ -49,11 +49,15 @@ app.conf.update(
         "gateway.take_over_lost_requests": {"queue": HOUSEKEEPING.queue},
         "gateway.run_schedule": {"queue": HOUSEKEEPING.queue},
         "gateway.deliver_callback": {"queue": HOUSEKEEPING.queue},
+        "gateway.flush_key_last_used": {"queue": HOUSEKEEPING.queue},
     },
     worker_hijack_root_logger=False,
     beat_schedule={
         "push-pool-configs": {"task": "budgets.push_pool_configs", "schedule": 10.0},
         "reap-leases": {"task": "gateway.reap_leases", "schedule": 30.0},
+        # API keys' last_used_at, in one batch (gateway/core/key_usage.py).
+        "flush-key-last-used": {"task": "gateway.flush_key_last_used",
+                                "schedule": settings.SLUICE_KEY_LAST_USED_FLUSH_S},
         # Jobs whose worker was lost mid-call (a waiting web process takes
         # over its own synchronous calls within seconds).
         "take-over-lost-requests": {"task": "gateway.take_over_lost_requests", "schedule": 5.0},
@@ -62,6 +66,9 @@ app.conf.update(
         "rollup-daily-usage": {"task": "budgets.rollup_daily_usage", "schedule": 60.0},
         "reconcile-spend": {"task": "budgets.reconcile_spend", "schedule": 60.0},
         "expire-budget-requests": {"task": "budgets.expire_budget_requests", "schedule": 300.0},
+        # Alerts (budgets/services/alerts.py): retries whose backoff is over, and spikes.
+        "release-alert-retries": {"task": "budgets.release_alert_retries", "schedule": 5.0},
+        "check-rejection-spikes": {"task": "budgets.check_rejection_spikes", "schedule": 60.0},
     },
     timezone="UTC",
 )

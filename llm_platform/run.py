@@ -134,7 +134,7 @@ def _claim_var_dir(var_dir: Path, port: int) -> TextIO:
 
 
 def _seed_demo_hint(*, var_dir: Path, base_url: str, pool_url: str) -> str:
-    """The command that prints this run's workloads and fresh keys: its var dir
+    """The command that prints this run's workloads and demo keys: its var dir
     (its database and Redis), its base URL, and its pool URL (seed_demo points
     the demo pool at --pool-url, SLUICE_SIM_URL by default)."""
     prefix = ""
@@ -167,6 +167,8 @@ def main() -> None:
     env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
     # The demo pool is the simulator: let callers use its test switches.
     env.setdefault("SLUICE_SIM_CONTROLS", "true")
+    # Alert e-mails go to the workers' logs, not to an SMTP server.
+    env.setdefault("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
 
     supervisor = Supervisor(env, log_dir)
     interrupted = {"flag": False}
@@ -196,8 +198,14 @@ def main() -> None:
         manage = [sys.executable, "manage.py"]
         subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
         subprocess.run([*manage, "collectstatic", "--noinput", "-v", "0"], cwd=ROOT, env=env, check=True)
-        seeded = subprocess.run([*manage, "seed_demo", "--json", "--base-url", f"http://127.0.0.1:{port}/v1"],
-                                cwd=ROOT, env=env, check=True, capture_output=True, text=True)
+        # Only an empty database is seeded: approvals, prices and passwords
+        # changed since the last run stay as they are (seed_demo --reset
+        # restores the demo). The demo keys come back from the var dir.
+        seeded = subprocess.run([*manage, "seed_demo", "--json", "--if-empty", "--follow-sim", "--base-url",
+                                 f"http://127.0.0.1:{port}/v1"], cwd=ROOT, env=env, check=True, capture_output=True,
+                                text=True)
+        if seeded.stderr.strip():
+            _log(seeded.stderr.strip().replace("\n", "\n[sluice] "))
         demo = json.loads(seeded.stdout)
 
         supervisor.spawn("sim", processes.sim_command(port=sim_port))
@@ -225,7 +233,7 @@ def main() -> None:
         logins_file = var_dir / "demo-logins.json"
         logins = json.loads(logins_file.read_text()) if logins_file.exists() else {}
         login_lines = "\n".join(f"    {user:11s} / {password}" for user, password in logins.items())
-        chat = demo["workloads"]["acme-chat"]
+        chat_key = (demo["workloads"].get("acme-chat") or {}).get("api_key") or "sk-sluice-... (seed_demo --new-key)"
         print(f"""
 Sluice is up.
 
@@ -243,7 +251,7 @@ Demo logins (platform admin, finance auditor, a member of each tenant; kept in {
 Try it (acme-chat, an interactive workload):
 
   from openai import OpenAI
-  client = OpenAI(base_url="{demo['base_url']}", api_key="{chat['api_key']}")
+  client = OpenAI(base_url="{demo['base_url']}", api_key="{chat_key}")
   reply = client.chat.completions.create(
       model="sim-small", messages=[{{"role": "user", "content": "Hello, Sluice!"}}], max_tokens=32)
   print(reply.choices[0].message.content, reply.usage)

@@ -224,6 +224,22 @@ SLUICE_CALLBACK_TIMEOUT_S = env_float("SLUICE_CALLBACK_TIMEOUT_S", 5.0)
 SLUICE_CALLBACK_MAX_ATTEMPTS = env_int("SLUICE_CALLBACK_MAX_ATTEMPTS", 8)
 SLUICE_CALLBACK_BACKOFF_BASE_S = env_float("SLUICE_CALLBACK_BACKOFF_BASE_S", 2.0)
 SLUICE_CALLBACK_BACKOFF_CAP_S = env_float("SLUICE_CALLBACK_BACKOFF_CAP_S", 600.0)
+# Alerts (budgets/services/alerts.py): e-mail through Django's backend (SMTP
+# by default; make run uses the console), webhooks retried like job callbacks
+# (the SLUICE_CALLBACK_* attempts, backoff and URL rules). A rejection spike:
+# at least PER_MINUTE rejections for a tenant in each of the last MINUTES minutes.
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = os.environ.get("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = os.environ.get("EMAIL_HOST_USER", "")
+EMAIL_HOST_PASSWORD = os.environ.get("EMAIL_HOST_PASSWORD", "")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0)
+# Where django.core.mail.backends.filebased.EmailBackend writes (one file per message).
+EMAIL_FILE_PATH = os.environ.get("EMAIL_FILE_PATH") or str(VAR_DIR / "mail")
+DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "sluice@localhost")
+SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE = env_int("SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE", 100)
+SLUICE_ALERT_REJECTION_SPIKE_MINUTES = env_int("SLUICE_ALERT_REJECTION_SPIKE_MINUTES", 5)
 
 # --- attempt throttles (gateway/core/throttle.py) ----------------------------------------
 # Failed sign-ins (web login, Django admin, /api/auth/token/) counted per
@@ -242,6 +258,13 @@ SLUICE_TRUSTED_PROXIES = tuple(p.strip() for p in os.environ.get("SLUICE_TRUSTED
 # Keys remembered per web process: valid ones and, apart, unknown ones (a
 # flood of random keys only churns the second).
 SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
+# How often (at most) each web process asks the database which keys were
+# revoked lately: a revoked key stops working within about this long.
+SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)
+# Key last-use: each web process sends its notes to Redis at most this often;
+# beat writes them to ApiKey.last_used_at every SLUICE_KEY_LAST_USED_FLUSH_S.
+SLUICE_KEY_LAST_USED_PUSH_S = env_float("SLUICE_KEY_LAST_USED_PUSH_S", 5.0)
+SLUICE_KEY_LAST_USED_FLUSH_S = env_float("SLUICE_KEY_LAST_USED_FLUSH_S", 30.0)
 
 # The port `make run` serves on, for the URLs it prints (seed_demo --json).
 PORT = env_int("PORT", 8000)
@@ -331,6 +354,8 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "SCHEMA_PATH_PREFIX": r"/api/",
     "ENUM_NAME_OVERRIDES": {"WorkloadClassEnum": "tenants.models.Workload.WorkloadClass"},
+    # The /v1 API is plain Django views: gateway/web/openapi.py adds it.
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.web.openapi.add_v1_paths"],
 }
 # Static files (the API docs' assets) are served by WhiteNoise straight from
 # the installed packages, so no collectstatic step is needed to run.

@@ -23,5 +23,6 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/", include("llm_platform.api_urls")),
     path("", include("tenants.urls")),
+    path("", include("gateway.web.urls")),
     path("", include("budgets.web.urls")),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
+from django.utils import timezone
 from rest_framework import serializers
 from rest_framework.permissions import IsAuthenticated
 from rest_framework.response import Response
@@ -32,7 +33,8 @@ class ApiKeySerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiKey
-        fields = ["id", "workload", "name", "prefix", "created_at", "revoked_at", "last_used_at", "is_active"]
+        fields = ["id", "workload", "name", "prefix", "created_at", "expires_at", "revoked_at", "last_used_at",
+                  "is_active"]
 
 
 class ApiKeyCreateSerializer(serializers.Serializer):
@@ -40,8 +42,13 @@ class ApiKeyCreateSerializer(serializers.Serializer):
 
     workload_id = serializers.IntegerField(min_value=1)
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None,
+                                           help_text="When the key stops working (ISO 8601, in the future); "
+                                                     "empty: never.")
 
     def validate(self, data):
+        if data.get("expires_at") is not None and data["expires_at"] <= timezone.now():
+            raise serializers.ValidationError({"expires_at": ["The expiry must be in the future."]})
         try:
             data["workload"] = workload_of_tenant(tenant=self.context["tenant"], workload_id=data["workload_id"])
         except Workload.DoesNotExist:
@@ -95,7 +102,8 @@ class ApiKeyList(APIView):
         tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
         payload = ApiKeyCreateSerializer(data=request.data, context={"tenant": tenant})
         payload.is_valid(raise_exception=True)
-        created = api_key_create(workload=payload.validated_data["workload"], name=payload.validated_data["name"])
+        created = api_key_create(workload=payload.validated_data["workload"], name=payload.validated_data["name"],
+                                 expires_at=payload.validated_data["expires_at"])
         data = ApiKeySerializer(created.api_key).data
         data["key"] = created.raw_key
         response = Response(data, status=201)

@@ -10,6 +10,8 @@ import secrets
 KEY_PREFIX = "sk-sluice-"
 CALLBACK_SECRET_PREFIX = "whsec_"
 DISPLAY_PREFIX_LEN = len(KEY_PREFIX) + 4
+# What the key form offers: days until a new key expires (0: never).
+KEY_EXPIRY_DAYS = (0, 1, 7, 30, 90, 365)
 
 
 def api_key_generate() -> str:

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 from tenants.keys import callback_secret_generate
 
@@ -101,8 +102,13 @@ class ApiKey(models.Model):
     prefix = models.CharField(max_length=16, db_index=True)
     key_hash = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
-    revoked_at = models.DateTimeField(null=True, blank=True)
-    last_used_at = models.DateTimeField(null=True, blank=True)
+    # Indexed: every web process asks twice a second which keys were revoked
+    # lately (gateway/web/auth.py).
+    revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    expires_at = models.DateTimeField(null=True, blank=True,
+                                      help_text="The key stops working at this time; empty: it never expires.")
+    last_used_at = models.DateTimeField(null=True, blank=True,
+                                        help_text="Written in batches (about once a minute), not per request.")
 
     class Meta:
         ordering = ["-created_at"]
@@ -112,5 +118,9 @@ class ApiKey(models.Model):
         return f"{self.prefix}… ({self.workload})"
 
     @property
+    def is_expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= timezone.now()
+
+    @property
     def is_active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and not self.is_expired

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
+from django.core.exceptions import ValidationError
+from django.db.models import Q
 from django.utils import timezone
 
 from tenants.keys import api_key_display_prefix, api_key_generate, api_key_hash, callback_secret_generate
@@ -14,19 +17,38 @@ class CreatedApiKey:
     raw_key: str  # shown once, never stored
 
 
-def api_key_create(*, workload: Workload, name: str = "") -> CreatedApiKey:
+def api_key_create(*, workload: Workload, name: str = "", expires_at: datetime | None = None) -> CreatedApiKey:
+    """A new key for ``workload``; ``expires_at`` (optional, in the future)
+    is when it stops working. Raises ValidationError for an expiry in the past."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": "The expiry must be in the future."})
     raw = api_key_generate()
     key = ApiKey.objects.create(
-        workload=workload, name=name, prefix=api_key_display_prefix(raw), key_hash=api_key_hash(raw)
+        workload=workload, name=name, prefix=api_key_display_prefix(raw), key_hash=api_key_hash(raw),
+        expires_at=expires_at,
     )
     return CreatedApiKey(api_key=key, raw_key=raw)
 
 
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    """Revoke the key. Every web process drops it from its key cache within
+    about half a second (gateway/web/auth.py polls for revocations), so it
+    stops working within a second everywhere; calls already admitted finish."""
     if api_key.revoked_at is None:
         api_key.revoked_at = timezone.now()
         api_key.save(update_fields=["revoked_at"])
     return api_key
+
+
+def api_keys_mark_used(*, last_used: dict[int, datetime]) -> int:
+    """Record when keys were last used (a batch from the gateway's buffer):
+    one UPDATE per key, and only where the time moves forward. Returns how
+    many rows changed."""
+    changed = 0
+    for key_id, at in last_used.items():
+        changed += ApiKey.objects.filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=at), pk=key_id).update(
+            last_used_at=at)
+    return changed
 
 
 def tenant_callback_secret_rotate(*, tenant: Tenant) -> Tenant:

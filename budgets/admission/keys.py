@@ -104,3 +104,8 @@ def tenant_spend_holds(tenant_id: int) -> str:
     a request's estimated cost held at admission (e), or its actual cost once
     settled (s) until the ledger row that reconciliation reads is confirmed."""
     return f"{tenant_tag(tenant_id)}:spend:holds"
+
+
+# Sorted set: "<notification id>:<channel>:<attempt>" -> when it is due (ms,
+# Redis clock): alert deliveries waiting for their retry (budgets/services/alerts.py).
+ALERT_RETRIES = "sluice:alerts:due"

@@ -32,6 +32,7 @@ REQUESTED_FIELDS = (
 ALLOWED_TRANSITIONS = {
     ("pending", "pending"), ("pending", "approved"), ("pending", "rejected"),
     ("approved", "approved"), ("approved", "expired"), ("rejected", "rejected"), ("expired", "expired"),
+    ("pending", "withdrawn"), ("withdrawn", "withdrawn"),  # a member takes a pending request back
 }
 DECISION_FIELDS = ("decided_by_id", "decided_at", "decision_comment")
 
@@ -47,6 +48,7 @@ class BudgetRequest(models.Model):
         APPROVED = "approved", "Approved"
         REJECTED = "rejected", "Rejected"
         EXPIRED = "expired", "Expired"
+        WITHDRAWN = "withdrawn", "Withdrawn"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="budget_requests")
     requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+")
@@ -153,6 +155,7 @@ class BudgetRequestEvent(models.Model):
         APPROVED = "approved", "Approved"
         REJECTED = "rejected", "Rejected"
         EXPIRED = "expired", "Expired"
+        WITHDRAWN = "withdrawn", "Withdrawn"
 
     request = models.ForeignKey(BudgetRequest, on_delete=models.PROTECT, related_name="events")
     action = models.CharField(max_length=20, choices=Action.choices)

@@ -75,6 +75,7 @@ class Notification(models.Model):
         REQUEST_APPROVED = "request_approved", "Budget request approved"
         REQUEST_REJECTED = "request_rejected", "Budget request rejected"
         REQUEST_EXPIRED = "request_expired", "Budget slice expired"
+        REJECTION_SPIKE = "rejection_spike", "Sustained rejection spike"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="notifications")
     workload = models.ForeignKey(

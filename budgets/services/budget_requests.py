@@ -195,6 +195,23 @@ def budget_request_reject(*, request_id: int, reviewer, comment: str) -> BudgetR
     return request
 
 
+def budget_request_withdraw(*, request_id: int, tenant: Tenant, user) -> BudgetRequest:
+    """A member takes back their tenant's pending request (the view checks
+    that ``user`` may change ``tenant``). Raises DoesNotExist for another
+    tenant's request, ValidationError when it is no longer pending (an
+    approval that locked it first wins)."""
+    with transaction.atomic():
+        request = BudgetRequest.objects.select_for_update(of=("self",)).select_related("workload", "tenant").get(
+            pk=request_id, tenant=tenant)
+        if not request.is_pending:
+            raise ValidationError({"status": f"This request is already {request.status}."})
+        request.status = BudgetRequest.Status.WITHDRAWN
+        request.decided_at = timezone.now()
+        request.save(update_fields=["status", "decided_at"])
+        _event(request=request, action=BudgetRequestEvent.Action.WITHDRAWN, actor=user)
+    return request
+
+
 def _reservation_restore(*, reservation: Reservation, previous: dict) -> str:
     """Put back the reservation an approval replaced (its pool is locked). It
     may no longer fit: the approval shrank it and others took the freed

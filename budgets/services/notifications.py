@@ -1,5 +1,6 @@
 """Telling a tenant's members what happened: a Notification row they see on
-their page, a log line, and a signal other code may hook (mail, chat)."""
+their page, a log line, and, where the tenant set them up, an e-mail and a
+signed webhook (budgets/services/alerts.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.dispatch import Signal
 from tenants.models import Tenant, Workload
 
 from budgets.models import Notification
+from budgets.services.alerts import alert_enqueue
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ def notification_create(*, tenant: Tenant, kind: str, message: str, dedupe_key: 
     except IntegrityError:
         return None
     logger.warning("notification for tenant %s: %s", tenant.slug, message)
+    alert_enqueue(notification=notification)
     transaction.on_commit(lambda: notification_created.send(sender=Notification, notification=notification))
     return notification
 

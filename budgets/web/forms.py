@@ -9,6 +9,7 @@ from django import forms
 from django.utils import timezone
 
 from tenants.models import ApiKey, Tenant, Workload
+from tenants.keys import KEY_EXPIRY_DAYS
 
 from budgets.models import InferencePool, UsageRecord
 from budgets.selectors.request_log import REJECTED
@@ -80,6 +81,9 @@ class DecisionForm(forms.Form):
 class ApiKeyForm(forms.Form):
     workload = forms.ChoiceField(label="Workload")
     name = forms.CharField(label="Name", max_length=200, required=False)
+    expires_in_days = forms.TypedChoiceField(
+        label="Expires", coerce=int, initial=0, required=False,
+        choices=[(d, "never" if d == 0 else f"in {d} day{'s' if d > 1 else ''}") for d in KEY_EXPIRY_DAYS])
 
     def __init__(self, *args, tenant: Tenant, **kwargs):
         super().__init__(*args, **kwargs)

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from budgets.web.views import finance, home, ops, request_log, tenant_pages
+from budgets.web.views import alerts, finance, home, ops, request_log, tenant_pages
 
 urlpatterns = [
     path("", home.home, name="home"),
@@ -10,6 +10,9 @@ urlpatterns = [
     path("t/<slug:slug>/", tenant_pages.tenant_detail, name="tenant-detail"),
     path("t/<slug:slug>/requests/new", tenant_pages.budget_request_new, name="budget-request-new"),
     path("t/<slug:slug>/requests/<int:request_id>/", tenant_pages.budget_request_detail, name="budget-request-detail"),
+    path("t/<slug:slug>/requests/<int:request_id>/withdraw", tenant_pages.budget_request_withdraw_view,
+         name="budget-request-withdraw"),
+    path("t/<slug:slug>/alerts", alerts.tenant_alerts, name="tenant-alerts"),
     path("ops/pools/", ops.pool_list, name="pool-list"),
     path("ops/pools/<slug:slug>/", ops.pool_detail, name="pool-detail"),
     path("ops/pools/<slug:slug>/live", ops.pool_live, name="pool-live"),

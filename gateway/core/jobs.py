@@ -8,11 +8,13 @@ past visibility_timeout is delivered a second time."""
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from budgets.admission.estimation import Estimate
@@ -220,11 +222,17 @@ def job_callback_attempts(job: Job) -> list[dict]:
     ]
 
 
-def job_view(job: Job, *, base_url: str = "", with_callback: bool = True) -> dict:
+_LOOK_UP = object()
+
+
+def job_view(job: Job, *, base_url: str = "", with_callback: bool = True, usage_row=_LOOK_UP) -> dict:
     """The job as the API shows it; tokens and cost come from its ledger row.
     ``with_callback``: also how its callback went (not in the callback's own
-    body, which stays the same across attempts)."""
-    row = UsageRecord.objects.filter(request_id=job.request_id).first() if job.request_id else None
+    body, which stays the same across attempts). ``usage_row``: the job's
+    ledger row when the caller already fetched it (a list, in one query)."""
+    row = usage_row
+    if row is _LOOK_UP:
+        row = UsageRecord.objects.filter(request_id=job.request_id).first() if job.request_id else None
     data = {
         "id": str(job.id),
         "object": "job",
@@ -254,3 +262,86 @@ def job_view(job: Job, *, base_url: str = "", with_callback: bool = True) -> dic
         data["callback_status"] = job.callback_status
         data["callback_attempts"] = job_callback_attempts(job) if job.callback_url else []
     return data
+
+
+# --- listing (GET /v1/jobs and the jobs page) ---------------------------------------------
+
+JOB_LIST_DEFAULT = 20
+JOB_LIST_MAX = 100
+
+
+@dataclass(frozen=True)
+class JobPage:
+    jobs: list[Job]
+    has_more: bool
+
+
+def job_list_params(*, status: str | None, after: str | None, limit: str | None) -> tuple[str, str, int]:
+    """GET /v1/jobs's query checked: (status, after, limit). Raises Rejected
+    (a 400 in OpenAI's shape) for anything else."""
+    status = status or ""
+    if status and status not in Job.Status.values:
+        raise bad_request(f"'status' must be one of {', '.join(Job.Status.values)}.", param="status",
+                          code="invalid_status")
+    after = after or ""
+    if after:
+        try:
+            after = str(uuid.UUID(after))
+        except ValueError:
+            raise bad_request("'after' must be a job id from an earlier page.", param="after",
+                              code="invalid_cursor") from None
+    try:
+        count = int(limit) if limit not in (None, "") else JOB_LIST_DEFAULT
+    except ValueError:
+        count = 0
+    if not 1 <= count <= JOB_LIST_MAX:
+        raise bad_request(f"'limit' must be an integer from 1 to {JOB_LIST_MAX}.", param="limit",
+                          code="invalid_limit")
+    return status, after, count
+
+
+def jobs_of_workload(*, workload_id: int, status: str = "", after: str = "", limit: int = JOB_LIST_DEFAULT) -> JobPage:
+    """A workload's jobs, newest first, one page of ``limit``. Keyset paging
+    on (created_at, id): ``after`` is the last job id of the previous page,
+    so a page costs one index range, however deep, and jobs created meanwhile
+    never shift what the next page shows. An ``after`` that is not one of
+    this workload's jobs is refused (400), never used to probe other ids."""
+    jobs = Job.objects.filter(workload_id=workload_id).select_related("workload")
+    if status:
+        jobs = jobs.filter(status=status)
+    if after:
+        cursor = Job.objects.filter(pk=after, workload_id=workload_id).values("created_at", "id").first()
+        if cursor is None:
+            raise bad_request("'after' is not one of this workload's jobs.", param="after", code="invalid_cursor")
+        jobs = jobs.filter(Q(created_at__lt=cursor["created_at"]) |
+                           Q(created_at=cursor["created_at"], id__lt=cursor["id"]))
+    rows = list(jobs.order_by("-created_at", "-id")[:limit + 1])
+    return JobPage(jobs=rows[:limit], has_more=len(rows) > limit)
+
+
+def job_list_view(page: JobPage, *, base_url: str = "") -> dict:
+    """The list in OpenAI's shape. Items carry no callback attempt log (one
+    query per job); GET /v1/jobs/{id} has it."""
+    request_ids = [job.request_id for job in page.jobs if job.request_id]
+    rows = {row.request_id: row for row in UsageRecord.objects.filter(request_id__in=request_ids)}
+    data = [job_view(job, base_url=base_url, with_callback=False, usage_row=rows.get(job.request_id))
+            for job in page.jobs]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}
+
+
+def jobs_running(*, jobs: list[Job]) -> set[str]:
+    """The ids of the queued jobs whose request a worker has started (its
+    owner state in Redis is ``worker:<generation>``, see claim.lua). One
+    pipelined round trip; Redis away means none is known to be running."""
+    queued = [job for job in jobs if job.status == Job.Status.QUEUED and job.request_id]
+    if not queued:
+        return set()
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for job in queued:
+            pipe.get(keys.request_owner(job.request_id))
+        owners = pipe.execute()
+    except REDIS_UNAVAILABLE:
+        return set()
+    return {str(job.id) for job, owner in zip(queued, owners) if owner and str(owner).startswith("worker:")}

@@ -112,6 +112,10 @@ def retry_session(pool_id: int, workload_id: int, session_id: str) -> str:
 
 # --- processes -------------------------------------------------------------------------
 
+# Sorted set: API key id -> unix seconds it was last used (ZADD GT keeps the
+# latest); beat renames it to the second key and writes that to the database.
+KEY_LAST_USED = "sluice:{keys}:last-used"
+KEY_LAST_USED_FLUSHING = "sluice:{keys}:last-used:flushing"
 WORKERS_READY = "sluice:workers:ready"  # single-key commands only
 """Hash: lane worker hostname -> pid, set when a worker is ready to consume
 (`make run` and the test harness wait on it) and removed at shutdown."""

@@ -1,8 +1,22 @@
 """Who is calling: the bearer key's workload context, looked up in the
 database and then cached per process for a few seconds (the admission path
-must not hit the database on every call). Revoking a key or changing caps
-takes effect within SLUICE_AUTH_CACHE_S; budgets take effect at once, since
-they live in Redis.
+must not hit the database on every call). Changing caps takes effect within
+SLUICE_AUTH_CACHE_S; budgets take effect at once, since they live in Redis.
+
+Revocation and expiry are faster than the cache. A cached key is kept no
+later than its ``expires_at``. Revocations: every
+SLUICE_AUTH_REVOCATION_POLL_S (0.5 s) at most, the first request past that
+mark asks the database which keys were revoked lately (one indexed query per
+process, not per request) and drops them from the cache, so a revoked key
+stops working everywhere within about poll + query time, under a second.
+The query looks back REVOCATION_OVERLAP_S past the previous poll: a
+revocation whose transaction committed after that poll began, or a web host
+whose clock runs a little ahead, is still seen.
+
+Last use: each request notes its key in process memory; the same tick sends
+the notes to Redis (ZADD GT, one round trip per SLUICE_KEY_LAST_USED_PUSH_S)
+and a beat task writes them to ``ApiKey.last_used_at`` in one batch
+(gateway/core/key_usage.py): never an UPDATE per request.
 
 Valid and unknown keys are remembered in two separate bounded LRU caches: a
 flood of random keys only churns the unknown ones, never evicting the keys
@@ -13,18 +27,28 @@ window the address is answered 429 without a database lookup."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Generic, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
+from django.utils import timezone
 
+from budgets.admission.redis_client import REDIS_UNAVAILABLE
 from gateway.core.context import CallerContext, context_for_workload
+from gateway.core.key_usage import key_last_used_push
 from gateway.core.throttle import api_key_address_budget
-from tenants.selectors import api_key_lookup
+from tenants.selectors import api_key_hashes_revoked_since, api_key_lookup
+
+logger = logging.getLogger(__name__)
+
+REVOCATION_OVERLAP_S = 5.0
 
 V = TypeVar("V")
 
@@ -56,6 +80,10 @@ class ExpiringLRU(Generic[V]):
             while len(self._entries) > self.max_size:
                 self._entries.popitem(last=False)
 
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._entries
@@ -68,7 +96,13 @@ class ExpiringLRU(Generic[V]):
             self._entries.clear()
 
 
-_valid: ExpiringLRU[CallerContext] = ExpiringLRU(settings.SLUICE_AUTH_CACHE_SIZE)
+@dataclass(frozen=True)
+class CachedKey:
+    context: CallerContext
+    key_id: int
+
+
+_valid: ExpiringLRU[CachedKey] = ExpiringLRU(settings.SLUICE_AUTH_CACHE_SIZE)
 _unknown: ExpiringLRU[bool] = ExpiringLRU(settings.SLUICE_AUTH_CACHE_SIZE)
 
 
@@ -81,11 +115,62 @@ class KeyCheck:
     retry_after_ms: int | None = None
 
 
-def _load_context(raw_key: str) -> CallerContext | None:
+def _load_context(raw_key: str) -> tuple[CachedKey, float | None] | None:
+    """The key's context and id, and how many seconds until it expires (None: never)."""
     key = api_key_lookup(raw_key=raw_key)
     if key is None:
         return None
-    return replace(context_for_workload(key.workload), api_key_id=key.id)
+    expires_in = (key.expires_at - timezone.now()).total_seconds() if key.expires_at else None
+    return CachedKey(context=replace(context_for_workload(key.workload), api_key_id=key.id), key_id=key.id), expires_in
+
+
+class _Tick:
+    """This process's revocation poll and last-use buffer."""
+
+    def __init__(self) -> None:
+        self.next_poll = 0.0  # monotonic
+        self.since = timezone.now() - timedelta(seconds=REVOCATION_OVERLAP_S)
+        self.next_push = 0.0
+        self.last_used: dict[int, float] = {}  # key id -> unix seconds
+
+
+_tick = _Tick()
+
+
+def _revocations_apply(hashes: list[str]) -> None:
+    for key_hash in hashes:
+        _valid.discard(key_hash)
+
+
+async def _tick_run(now: float) -> None:
+    """At most once per poll interval per process: drop revoked keys from the
+    cache, push the last-use notes. A failure only delays them to the next tick."""
+    if now < _tick.next_poll:
+        return
+    # Claimed before the first await: one event loop, so one poll at a time.
+    _tick.next_poll = now + settings.SLUICE_AUTH_REVOCATION_POLL_S
+    started = timezone.now()
+    try:
+        hashes = await sync_to_async(api_key_hashes_revoked_since, thread_sensitive=False)(
+            since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S))
+    except DatabaseError:
+        logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
+    else:
+        _revocations_apply(hashes)
+        _tick.since = started
+    if _tick.last_used and now >= _tick.next_push:
+        _tick.next_push = now + settings.SLUICE_KEY_LAST_USED_PUSH_S
+        batch, _tick.last_used = _tick.last_used, {}
+        try:
+            await key_last_used_push(last_used=batch)
+        except REDIS_UNAVAILABLE:
+            for key_id, at in batch.items():  # kept for the next push
+                _tick.last_used[key_id] = max(at, _tick.last_used.get(key_id, 0.0))
+
+
+def _noted(cached: CachedKey) -> KeyCheck:
+    _tick.last_used[cached.key_id] = time.time()
+    return KeyCheck(cached.context)
 
 
 def _digest(raw_key: str) -> str:
@@ -96,9 +181,10 @@ def _digest(raw_key: str) -> str:
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     digest = _digest(raw_key)
     now = time.monotonic()
-    context = _valid.get(digest, now)
-    if context is not None:
-        return KeyCheck(context)
+    await _tick_run(now)
+    cached = _valid.get(digest, now)
+    if cached is not None:
+        return _noted(cached)
     # Not known to be good: it costs the address an attempt, given back if
     # the key turns out valid. Redis away raises BudgetUnavailable (a 503,
     # like the admission that would follow): never an unthrottled lookup.
@@ -108,14 +194,15 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
         return KeyCheck(None, retry_after_ms=taken.retry_after_ms)
     if _unknown.get(digest, now):
         return KeyCheck(None)
-    context = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
-    expires = time.monotonic() + settings.SLUICE_AUTH_CACHE_S
-    if context is None:
-        _unknown.put(digest, True, expires)
+    loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
+    cache_s = settings.SLUICE_AUTH_CACHE_S
+    if loaded is None:
+        _unknown.put(digest, True, time.monotonic() + cache_s)
         return KeyCheck(None)
+    cached, expires_in = loaded
     await budget.refund_call(address).run_async()
-    _valid.put(digest, context, expires)
-    return KeyCheck(context)
+    _valid.put(digest, cached, time.monotonic() + (cache_s if expires_in is None else min(cache_s, expires_in)))
+    return _noted(cached)
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -22,7 +22,8 @@ from budgets.models import InferencePool
 from gateway.core.chat import body_digest, chat_check, parse_json_body, validate_chat_request
 from gateway.core.context import CallerContext
 from gateway.core.errors import bad_request, budget_unavailable
-from gateway.core.jobs import IdempotencyConflict, job_submit, job_view
+from gateway.core.jobs import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
+                               jobs_of_workload)
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
@@ -198,10 +199,13 @@ def _job_fields(body: dict) -> tuple[str, float | None]:
 @csrf_exempt
 @redis_unavailable_is_503
 async def jobs(request: HttpRequest) -> JsonResponse:
-    """POST /v1/jobs: an async chat completion; 202 with the job and its status URL."""
+    """POST /v1/jobs: an async chat completion; 202 with the job and its
+    status URL. GET /v1/jobs: the caller's workload's jobs, one page."""
+    if request.method in ("GET", "HEAD"):
+        return await _jobs_list(request)
     if request.method != "POST":
-        return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
-                            headers={"Allow": "POST"})
+        return openai_error(status=405, message="Use GET or POST.", error_type="invalid_request_error",
+                            code="method_not_allowed", headers={"Allow": "GET, HEAD, POST"})
     auth = await _authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
@@ -235,6 +239,24 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     if not submitted.created:
         response["x-sluice-idempotent-replay"] = "true"
     return response
+
+
+async def _jobs_list(request: HttpRequest) -> JsonResponse:
+    auth = await _authenticate(request)
+    if isinstance(auth, JsonResponse):
+        return auth
+    base_url = f"{request.scheme}://{request.get_host()}"
+
+    def load() -> dict:
+        status, after, limit = job_list_params(status=request.GET.get("status"), after=request.GET.get("after"),
+                                               limit=request.GET.get("limit"))
+        return job_list_view(jobs_of_workload(workload_id=auth.workload_id, status=status, after=after, limit=limit),
+                             base_url=base_url)
+
+    try:
+        return JsonResponse(await sync_to_async(load, thread_sensitive=False)())
+    except Rejected as rejected:
+        return rejected_response(rejected)
 
 
 def _get_only(request: HttpRequest) -> JsonResponse | None:

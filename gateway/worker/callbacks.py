@@ -16,30 +16,15 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from gateway.core.callbacks import (SIGNATURE_HEADER, CallbackRefused, CallbackTarget, callback_backoff_s,
-                                    callback_retry_schedule, callback_signature, callback_target_resolve)
+from gateway.core.callbacks import callback_backoff_s, callback_retry_schedule
+from tenants.outbound import (SIGNATURE_HEADER, CallbackRefused, callback_signature, callback_target_resolve,
+                              outbound_post)
 from gateway.core.jobs import job_view
 from gateway.models import Job, JobCallbackDelivery
 
 logger = logging.getLogger(__name__)
 
 USER_AGENT = "Sluice-Callbacks/1"
-
-
-def callback_post(target: CallbackTarget, *, body: bytes, headers: dict[str, str]) -> int:
-    """POST to the checked address, naming the host in Host and TLS SNI (the
-    certificate is verified against the host, not the address). No proxies
-    from the environment and no redirects: either would send the request
-    somewhere that was never checked. Returns the status code."""
-    extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
-    with httpx.Client(timeout=settings.SLUICE_CALLBACK_TIMEOUT_S, trust_env=False, follow_redirects=False) as client:
-        request = client.build_request("POST", target.pinned_url, content=body, extensions=extensions,
-                                       headers={**headers, "Host": target.host_header})
-        # The body is not read: only the status matters, and a receiver
-        # could answer with anything, of any size.
-        response = client.send(request, stream=True)
-        response.close()
-        return response.status_code
 
 
 def _log(job: Job, *, attempt: int, at: datetime, started: float, address: str | None = None,
@@ -96,7 +81,7 @@ def callback_deliver(*, job_id: str, attempt: int) -> str:
         "X-Sluice-Attempt": str(attempt),
     }
     try:
-        status_code, error = callback_post(target, body=body, headers=headers), ""
+        status_code, error = outbound_post(target, body=body, headers=headers), ""
     except httpx.HTTPError as exc:
         status_code, error = None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if status_code is not None and 200 <= status_code < 300:

@@ -15,6 +15,7 @@ from django.db import close_old_connections
 from budgets.models import InferencePool
 from gateway.core.callbacks import DELIVER_CALLBACK_TASK
 from gateway.core.enqueue import EXECUTE_REQUEST_TASK
+from gateway.core.key_usage import key_last_used_flush
 from gateway.core.log_context import log_context
 from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.schedules import schedule_run
@@ -83,6 +84,12 @@ def take_over_lost_requests() -> int:
     """Requests of lost workers that no web process watches (jobs, or a web
     host lost too): the waiting web process handles its own each second."""
     return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+
+
+@shared_task(name="gateway.flush_key_last_used", ignore_result=True)
+def flush_key_last_used() -> int:
+    """API keys' last use, noted by the web processes in Redis, to the database."""
+    return key_last_used_flush()
 
 
 @shared_task(name=RUN_SCHEDULE_TASK, ignore_result=True)

@@ -22,11 +22,12 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule
 
-from gateway.core import callbacks, keys
+from gateway.core import keys
 from gateway.core.callbacks import (CallbackRefused, callback_backoff_s, callback_signature, callback_signature_verify,
                                     callback_target_resolve, callback_url_check, callback_url_parse)
 from gateway.models import Job, JobCallbackDelivery, JobSchedule
 from gateway.worker.callbacks import callback_deliver
+from tenants import outbound
 from tenants.models import Tenant
 from tenants.services import tenant_callback_secret_rotate
 from tests.receivers import CallbackReceiver
@@ -56,7 +57,7 @@ def dns(monkeypatch):
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return list(answers[host])
 
-    monkeypatch.setattr(callbacks, "resolve_host", resolve)
+    monkeypatch.setattr(outbound, "resolve_host", resolve)  # the guard lives in tenants.outbound
     resolve.answers = answers
     resolve.lookups = lookups
     return resolve

@@ -13,7 +13,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from budgets.services.budget_requests import budget_request_submit
-from budgets.models import SpendBudget, UsageRecord
+from budgets.models import AlertSettings, SpendBudget, UsageRecord
+from gateway.models import Job
 from budgets.ledger.rejections import rejection_count
 from tenants.models import ApiKey
 from tests.people import ledger_add
@@ -47,6 +48,11 @@ def seeded(world):
     ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=2))
     rejection_count(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id, reason="workload_tpm",
                     estimated_tokens=5, retry_after_ms=5)
+    # its alert settings and a job name it (the slug is among what must not leak)
+    AlertSettings.objects.create(tenant=world.tenant_a, email_recipients=f"ops@{world.tenant_a.slug}.test",
+                                 events=["spend_soft"])
+    Job.objects.create(tenant=world.tenant_a, workload=world.wl_a, status="queued", body={}, body_sha256="0" * 64,
+                       deadline=now + timedelta(hours=1))
     return world, request_a, ApiKey.objects.get(workload=world.wl_a)
 
 
@@ -59,8 +65,12 @@ def page_cases(world, request_a, key_a):
         "tenant-detail": [("get", f"/t/{a}/", {})],
         "budget-request-new": [("get", f"/t/{a}/requests/new", {}), ("post", f"/t/{a}/requests/new", {"justification": "x"})],
         "budget-request-detail": [("get", f"/t/{a}/requests/{request_a.pk}/", {})],
+        "budget-request-withdraw": [("post", f"/t/{a}/requests/{request_a.pk}/withdraw", {})],
         "api-key-new": [("post", f"/t/{a}/keys/new", {"workload": world.wl_a.id})],
-        "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {})],
+        "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {}), ("get", f"/t/{a}/keys/{key_a.id}/revoke", {}),
+                           ("post", f"/t/{a}/keys/{key_a.id}/revoke", {"confirm": "revoke"})],
+        "tenant-alerts": [("get", f"/t/{a}/alerts", {}), ("post", f"/t/{a}/alerts", {"email_recipients": "x@y.test"})],
+        "workload-jobs": [("get", f"/t/{a}/workloads/{world.wl_a.slug}/jobs", {})],
         "callback-secret-rotate": [("post", f"/t/{a}/callback-secret/rotate", {})],
         "pool-list": [("get", "/ops/pools/", {})],
         "pool-detail": [("get", f"/ops/pools/{world.pool.slug}/", {})],
@@ -132,6 +142,7 @@ def test_another_tenants_member_gets_404_or_403_on_every_page(client, seeded):
     request_a.refresh_from_db()
     key_a.refresh_from_db()
     assert request_a.status == "pending" and key_a.revoked_at is None
+    assert AlertSettings.objects.get(tenant=world.tenant_a).recipients == [f"ops@{world.tenant_a.slug}.test"]
 
 
 def test_another_tenants_member_gets_404_or_403_on_every_api_endpoint(seeded):

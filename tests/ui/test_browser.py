@@ -238,3 +238,113 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     # every page of the story (the live pool page's script and the API docs
     # included) ran and styled within the Content-Security-Policy
     assert CSP_VIOLATIONS == []
+
+
+def _watch_errors(page, errors: list[str]) -> None:
+    page.on("console", lambda message: errors.append(f"{page.url}: {message.text}")
+            if message.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
+
+
+@pytest.fixture
+def file_mail(platform, tmp_path):
+    """The web process and the housekeeping worker send e-mail to files (no SMTP server here)."""
+    from gateway.core.lanes import HOUSEKEEPING
+
+    overrides = {"EMAIL_BACKEND": "django.core.mail.backends.filebased.EmailBackend", "EMAIL_FILE_PATH": str(tmp_path)}
+    with platform.environment(overrides, lanes=[HOUSEKEEPING.name]):
+        yield tmp_path
+
+
+def test_keys_alerts_jobs_and_withdraw_in_a_real_browser(platform, browser, file_mail):
+    """A member revokes a key through its confirmation page, sets up alerts,
+    reads a workload's jobs and withdraws a pending request; no page logs an
+    error on the console."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from budgets.models import AlertDelivery, BudgetRequest
+    from budgets.services.budget_requests import budget_request_submit
+    from budgets.services.notifications import notification_create
+    from gateway.models import Job
+    from tenants.models import ApiKey
+    from tests.people import build_world
+
+    world = build_world(base_url=f"{platform.sim_url}/v1")
+    errors: list[str] = []
+    member = sign_in(browser, platform.base_url, world.member_a.username)
+    _watch_errors(member, errors)
+
+    # revoking a key asks first, says when it takes effect, then does it
+    key = ApiKey.objects.get(workload=world.wl_a)
+    assert sdk(platform.base_url, world.key_a).models.list().data
+    member.goto(f"/t/{world.tenant_a.slug}/#keys")
+    member.click(f"a[href='/t/{world.tenant_a.slug}/keys/{key.id}/revoke']")
+    assert "within about a second" in member.inner_text("#revoke-confirm")
+    shot(member, "13-revoke-key")
+    member.click("#confirm-revoke")
+    member.wait_for_selector("#messages >> text=is revoked")
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    deadline = time.monotonic() + 5
+    while True:  # refused by the gateway within about a second (a 60 s cache would not matter)
+        try:
+            sdk(platform.base_url, world.key_a).models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() < deadline, "the revoked key still works"
+        time.sleep(0.05)
+
+    # alerts: recipients and events saved; a delivery shows in the log
+    member.goto(f"/t/{world.tenant_a.slug}/")
+    member.click("text=Alerts")
+    member.fill("#id_email_recipients", "ops@acme.test\nlead@acme.test")
+    member.check("input[value=spend_hard]")
+    member.check("input[value=request_decision]")
+    member.click("#save-alerts")
+    member.wait_for_selector("#messages >> text=Alert settings saved.")
+    notification_create(tenant=world.tenant_a, kind="spend_hard_cap", dedupe_key="browser-hard-cap",
+                        message="Spend of Acme reached its hard cap of 100.00 this month.")
+    deadline = time.monotonic() + 30
+    while not AlertDelivery.objects.filter(tenant=world.tenant_a, delivered=True).exists():  # the housekeeping worker mails it
+        assert time.monotonic() < deadline, list(AlertDelivery.objects.values_list("error", flat=True))
+        time.sleep(0.1)
+    assert len(list(file_mail.iterdir())) == 1
+    member.reload()
+    assert "delivered" in member.inner_text("#alert-deliveries")
+    shot(member, "14-alerts")
+
+    # the jobs page: delayed with its release time, queued, finished
+    now = timezone.now()
+    for status, extra in [("succeeded", {"finished_at": now}), ("queued", {"request_id": "req-browser"}),
+                          ("delayed", {"release_at": now + timedelta(minutes=2), "reason": "workload_tpm", "delays": 1})]:
+        Job.objects.create(tenant=world.tenant_a, workload=world.wl_a, status=status, body={}, body_sha256="0" * 64,
+                           deadline=now + timedelta(hours=1), **extra)
+    member.goto(f"/t/{world.tenant_a.slug}/")
+    member.click(f"#workload-{world.wl_a.slug} >> text=Jobs")
+    assert member.locator("#jobs tbody tr").count() == 3
+    assert "workload_tpm" in member.inner_text("#jobs tr[data-status=delayed]")
+    shot(member, "15-jobs")
+
+    # a pending request shows current -> requested and can be withdrawn
+    request = budget_request_submit(tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a,
+                                    reserved_tpm=120_000, ceiling_tpm=200_000, rpm=700, justification="More for launch")
+    member.goto(f"/t/{world.tenant_a.slug}/requests/{request.pk}/")
+    assert "Current" in member.inner_text("#current-vs-requested")
+    shot(member, "16-request-withdraw")
+    member.click("#withdraw")
+    member.wait_for_selector("#request-status >> text=Withdrawn")
+    assert BudgetRequest.objects.get(pk=request.pk).status == "withdrawn"
+
+    # an approval that does not fit: the disabled button looks disabled
+    big = budget_request_submit(tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a,
+                                reserved_tpm=760_000, ceiling_tpm=760_000, rpm=700, justification="Too much")
+    admin = sign_in(browser, platform.base_url, world.admin.username)
+    _watch_errors(admin, errors)
+    admin.goto(f"/ops/requests/{big.pk}/")
+    assert admin.is_disabled("#approve")
+    assert admin.eval_on_selector("#approve", "b => getComputedStyle(b).cursor") == "not-allowed"
+    admin.goto("/api/schema/")
+    assert "/v1/chat/completions:" in admin.inner_text("pre")
+    assert errors == []

@@ -79,7 +79,13 @@ def test_creating_a_key_shows_it_once_and_revoking_works(login, world):
     raw = re.search(r"sk-sluice-[\w-]+", text(response)).group(0)
     key = ApiKey.objects.get(name="ci")
     assert raw.startswith(key.prefix) and raw not in text(client.get(f"/t/{world.tenant_a.slug}/"))
-    response = client.post(f"/t/{world.tenant_a.slug}/keys/{key.id}/revoke")
+    # revoking asks first: the GET and a POST without the confirmation change nothing
+    confirm = client.get(f"/t/{world.tenant_a.slug}/keys/{key.id}/revoke")
+    assert confirm.status_code == 200 and "within about a second" in text(confirm)
+    assert client.post(f"/t/{world.tenant_a.slug}/keys/{key.id}/revoke").status_code == 400
+    key.refresh_from_db()
+    assert key.revoked_at is None
+    response = client.post(f"/t/{world.tenant_a.slug}/keys/{key.id}/revoke", {"confirm": "revoke"})
     assert response.status_code == 302
     key.refresh_from_db()
     assert key.revoked_at is not None
@@ -92,7 +98,8 @@ def test_a_key_cannot_be_made_for_another_tenants_workload(login, world):
     assert not ApiKey.objects.filter(workload=world.wl_b, name="").exclude(name="b").exists()
     assert client.post(f"/t/{world.tenant_b.slug}/keys/new", {"workload": world.wl_b.id}).status_code == 404
     key_b = ApiKey.objects.get(workload=world.wl_b)
-    assert client.post(f"/t/{world.tenant_a.slug}/keys/{key_b.id}/revoke").status_code == 404
+    assert client.post(f"/t/{world.tenant_a.slug}/keys/{key_b.id}/revoke", {"confirm": "revoke"}).status_code == 404
+    assert client.get(f"/t/{world.tenant_a.slug}/keys/{key_b.id}/revoke").status_code == 404
     key_b.refresh_from_db()
     assert key_b.revoked_at is None
 
@@ -151,8 +158,10 @@ def test_oversubscribing_approval_is_refused_on_the_page(login, world):
     request = BudgetRequest.objects.get()
     admin = login(world.admin)
     assert "cannot be approved" in text(admin.get(f"/ops/requests/{request.pk}/"))
-    response = admin.post(f"/ops/requests/{request.pk}/approve", {"comment": ""})
-    assert response.status_code == 409
+    response = admin.post(f"/ops/requests/{request.pk}/approve", {"comment": ""}, follow=True)
+    # back on the request's own URL (not /approve), the reason shown once
+    assert response.redirect_chain == [(f"/ops/requests/{request.pk}/", 302)]
+    assert text(response).count("above its admission budget") == 1
     request.refresh_from_db()
     assert request.status == "pending"
 

@@ -1,15 +1,30 @@
-"""Seed the demo platform, idempotently: one simulated pool, two tenants,
-workloads of each class with reservations, prices, users. Each run issues
-fresh API keys (older ones keep working)."""
+"""Seed the demo platform: one simulated pool, two tenants, workloads of each
+class with reservations, prices, users.
+
+What is there stays as it is. A run creates only what is missing and never
+changes an existing pool, reservation, price or user: an approval made in the
+UI, a price an admin set, a password someone changed all survive ``make run``
+restarts and repeated seeding. ``--reset`` puts the demo values back and
+says, line by line, what it overwrote.
+
+Keys: the demo's plaintext keys live only in ``var/demo-keys.json`` (mode
+600, outside the database and the repository; the database keeps hashes), so
+``--json`` can print a usable key per workload on every run without minting
+one. A key is minted for a demo workload only when it has no usable demo key
+(it was just created, the file was lost, the key was revoked or expired), or
+for every demo workload with ``--new-key`` (older keys keep working)."""
 
 from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group, Permission
 from django.core.management.base import BaseCommand
 from django.db import transaction
 from django.utils import timezone
@@ -18,6 +33,7 @@ from budgets.models import InferencePool, ModelPrice, Reservation
 from budgets.admission.pool_config import pool_config_push
 from budgets.services.reservations import reservation_save
 from tenants.models import Membership, Tenant, Workload
+from tenants.selectors import api_key_lookup
 from tenants.services import api_key_create
 
 POOL = {
@@ -51,90 +67,257 @@ PRICES = [
     ("sim-small", Decimal("0.150000"), Decimal("0.600000")),
     ("sim-large", Decimal("2.500000"), Decimal("10.000000")),
 ]
+PRICES_FROM = (2026, 1, 1)
+
+# username, flags, group, tenant it is a member of
+PEOPLE = [
+    ("admin", {"is_staff": True, "is_superuser": True}, None, None),
+    ("finance", {"is_staff": False, "is_superuser": False}, "Finance auditors", None),
+    ("acme-dev", {"is_staff": False, "is_superuser": False}, None, "acme"),
+    ("globex-dev", {"is_staff": False, "is_superuser": False}, None, "globex"),
+]
+
+
+def demo_logins_file() -> Path:
+    return settings.VAR_DIR / "demo-logins.json"
+
+
+def demo_keys_file() -> Path:
+    return settings.VAR_DIR / "demo-keys.json"
+
+
+def _read_json(path: Path) -> dict[str, str]:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return {}
+
+
+def _write_private(path: Path, data: dict) -> None:
+    """Write ``data`` to ``path`` readable by its owner only (made 600 before
+    any secret is in it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _group(name: str) -> Group:
+    """The finance auditors' group, as tenants' migration 0003 makes it (a
+    database flushed since, as in tests, has lost it)."""
+    group, created = Group.objects.get_or_create(name=name)
+    if created:
+        group.permissions.add(Permission.objects.get(content_type__app_label="tenants", codename="audit_all_tenants"))
+    return group
+
+
+@dataclass
+class SeedReport:
+    created: list[str] = field(default_factory=list)
+    overwritten: list[str] = field(default_factory=list)  # "<what>: <field> <old> -> <new>"
+    keys_minted: list[str] = field(default_factory=list)
+
+
+def _apply(obj, values: dict, *, label: str, report: SeedReport) -> bool:
+    """Set ``values`` on ``obj``, noting each field that changes."""
+    changed = False
+    for name, value in values.items():
+        old = getattr(obj, name)
+        if old != value:
+            report.overwritten.append(f"{label}: {name} {old!r} -> {value!r}")
+            setattr(obj, name, value)
+            changed = True
+    return changed
 
 
 class Command(BaseCommand):
-    help = "Seed the demo tenants, workloads, pool and prices; print API keys."
+    help = ("Seed the demo pool, tenants, workloads, prices and logins where missing (never changing what exists); "
+            "print a usable API key per demo workload.")
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="Print machine-readable JSON only.")
         parser.add_argument("--base-url", default=None, help="The gateway's public base URL (default from PORT).")
         parser.add_argument("--pool-url", default=None, help="The pool's base URL (default SLUICE_SIM_URL).")
+        parser.add_argument("--reset", action="store_true",
+                            help="Put the demo values back on existing demo objects, printing what was overwritten.")
+        parser.add_argument("--new-key", action="store_true",
+                            help="Mint a new key for every demo workload (older keys keep working).")
+        parser.add_argument("--if-empty", action="store_true",
+                            help="Seed only a database with no tenant and no pool (make run); else change nothing.")
+        parser.add_argument("--follow-sim", action="store_true",
+                            help="Point the demo simulator pool at --pool-url even when it exists (make run: the "
+                                 "simulator's port can change between runs). Only its base_url, only if is_simulator.")
 
-    @transaction.atomic
-    def _seed(self, pool_url: str) -> tuple[dict, dict[str, str]]:
-        pool, _ = InferencePool.objects.update_or_create(slug=POOL["slug"], defaults={**POOL, "base_url": pool_url})
+    # --- seeding --------------------------------------------------------------------------
+
+    def _seed_pool(self, *, pool_url: str, reset: bool, report: SeedReport) -> InferencePool:
+        pool = InferencePool.objects.filter(slug=POOL["slug"]).first()
+        if pool is None:
+            pool = InferencePool(**POOL, base_url=pool_url)
+            pool.full_clean()
+            pool.save()
+            report.created.append(f"pool {pool.slug}")
+        elif reset and _apply(pool, {**POOL, "base_url": pool_url}, label=f"pool {pool.slug}", report=report):
+            pool.full_clean()
+            pool.save()
+        return pool
+
+    def _follow_sim(self, *, pool_url: str, report: SeedReport) -> None:
+        """Where the local simulator listens is plumbing, not configuration:
+        the demo simulator pool follows it; nothing else of the pool changes."""
+        pool = InferencePool.objects.filter(slug=POOL["slug"], is_simulator=True).first()
+        if pool is not None and _apply(pool, {"base_url": pool_url}, label=f"pool {pool.slug}", report=report):
+            pool.save(update_fields=["base_url"])
+
+    def _seed_prices(self, *, reset: bool, report: SeedReport) -> None:
+        effective_from = timezone.make_aware(timezone.datetime(*PRICES_FROM))
         for model, input_price, output_price in PRICES:
-            ModelPrice.objects.get_or_create(
-                model=model,
-                effective_from=timezone.make_aware(timezone.datetime(2026, 1, 1)),
+            price, created = ModelPrice.objects.get_or_create(
+                model=model, effective_from=effective_from,
                 defaults={"input_per_million": input_price, "output_per_million": output_price},
             )
-        workloads: dict[str, dict] = {}
+            if created:
+                report.created.append(f"price {model}")
+            elif reset and _apply(price, {"input_per_million": input_price, "output_per_million": output_price},
+                                  label=f"price {model} from {effective_from:%Y-%m-%d}", report=report):
+                price.save()
+
+    def _seed_workloads(self, *, pool: InferencePool, reset: bool, report: SeedReport) -> list[Workload]:
+        workloads = []
         for tenant_slug, tenant_name, cost_center, specs in TENANTS:
-            tenant, _ = Tenant.objects.update_or_create(slug=tenant_slug, defaults={"name": tenant_name, "cost_center": cost_center})
+            tenant_values = {"name": tenant_name, "cost_center": cost_center}
+            tenant = Tenant.objects.filter(slug=tenant_slug).first()
+            if tenant is None:
+                tenant = Tenant.objects.create(slug=tenant_slug, **tenant_values)
+                report.created.append(f"tenant {tenant_slug}")
+            elif reset and _apply(tenant, tenant_values, label=f"tenant {tenant_slug}", report=report):
+                tenant.save()
             for slug, wclass, reserved, ceiling, lend, rpm, prompt_cap, max_cap, default, timeout in specs:
-                workload, _ = Workload.objects.update_or_create(
-                    slug=slug,
-                    defaults={"tenant": tenant, "name": slug.replace("-", " ").title(), "workload_class": wclass,
-                              "prompt_tokens_cap": prompt_cap, "max_tokens_cap": max_cap,
-                              "max_tokens_default": default, "queue_timeout_s": timeout},
-                )
-                reservation = Reservation.objects.filter(workload=workload).first() or Reservation(workload=workload)
-                for field, value in {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling,
-                                     "lend_fraction": lend, "rpm": rpm}.items():
-                    setattr(reservation, field, value)
-                reservation_save(reservation=reservation)
-                key = api_key_create(workload=workload, name="demo")
-                workloads[slug] = {
-                    "api_key": key.raw_key, "class": wclass, "tenant": tenant_slug, "reserved_tpm": reserved,
-                    "ceiling_tpm": ceiling, "lend_fraction": lend, "rpm": rpm, "prompt_tokens_cap": prompt_cap,
-                    "max_tokens_cap": max_cap, "pool": pool.slug,
-                }
-        logins = self._ensure_users()
-        return workloads, logins
+                values = {"tenant": tenant, "name": slug.replace("-", " ").title(), "workload_class": wclass,
+                          "prompt_tokens_cap": prompt_cap, "max_tokens_cap": max_cap,
+                          "max_tokens_default": default, "queue_timeout_s": timeout, "is_active": True}
+                workload = Workload.objects.filter(slug=slug).first()
+                if workload is None:
+                    workload = Workload.objects.create(slug=slug, **values)
+                    report.created.append(f"workload {slug}")
+                elif reset and _apply(workload, values, label=f"workload {slug}", report=report):
+                    workload.save()
+                reservation = Reservation.objects.filter(workload=workload).first()
+                demo = {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling, "lend_fraction": lend,
+                        "rpm": rpm}
+                if reservation is None:
+                    reservation = Reservation(workload=workload, **demo)
+                    reservation_save(reservation=reservation)
+                    report.created.append(f"reservation {slug}")
+                elif reset and _apply(reservation, demo, label=f"reservation {slug}", report=report):
+                    reservation_save(reservation=reservation)
+                workloads.append(workload)
+        return workloads
 
-    def _ensure_users(self) -> dict[str, str]:
-        """Demo logins, one per role: a platform admin, a finance auditor and a
-        member of each tenant. Passwords are random, made once per machine and
-        kept in var/demo-logins.json (mode 600), never in the repository."""
-        from django.contrib.auth.models import Group
-
+    def _seed_people(self, *, reset: bool, report: SeedReport) -> dict[str, str]:
+        """Demo logins, one per role. Passwords are random, made once per
+        machine and kept in var/demo-logins.json (mode 600), never in the
+        repository; an existing user's password is left alone unless --reset."""
         User = get_user_model()
-        logins_file = settings.VAR_DIR / "demo-logins.json"
-        logins: dict[str, str] = json.loads(logins_file.read_text()) if logins_file.exists() else {}
-        people = [
-            ("admin", {"is_staff": True, "is_superuser": True}, None),
-            ("finance", {}, "Finance auditors"),
-            ("acme-dev", {}, None),
-            ("globex-dev", {}, None),
-        ]
-        for username, flags, group in people:
-            user, created = User.objects.get_or_create(username=username, defaults={"email": f"{username}@sluice.local", **flags})
-            if created or username not in logins:
+        logins = _read_json(demo_logins_file())
+        for username, flags, group, tenant_slug in PEOPLE:
+            user = User.objects.filter(username=username).first()
+            created = user is None
+            if created:
+                user = User(username=username, email=f"{username}@sluice.local", **flags)
                 logins[username] = logins.get(username) or secrets.token_urlsafe(12)
                 user.set_password(logins[username])
                 user.save()
-            if group:
-                user.groups.add(Group.objects.get(name=group))
-        for tenant_slug in ("acme", "globex"):
-            Membership.objects.get_or_create(tenant=Tenant.objects.get(slug=tenant_slug),
-                                             user=User.objects.get(username=f"{tenant_slug}-dev"))
-        settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
-        logins_file.write_text(json.dumps(logins, indent=2) + "\n")
-        logins_file.chmod(0o600)
+                report.created.append(f"user {username}")
+            elif reset:
+                changed = _apply(user, {**flags, "is_active": True}, label=f"user {username}", report=report)
+                logins[username] = logins.get(username) or secrets.token_urlsafe(12)
+                if not user.check_password(logins[username]):
+                    user.set_password(logins[username])
+                    report.overwritten.append(f"user {username}: password -> the one in {demo_logins_file()}")
+                    changed = True
+                if changed:
+                    user.save()
+            if group and (created or reset):
+                user.groups.add(_group(group))
+            if tenant_slug and (created or reset):
+                Membership.objects.get_or_create(tenant=Tenant.objects.get(slug=tenant_slug), user=user)
+        _write_private(demo_logins_file(), logins)
         return logins
+
+    def _demo_keys(self, *, workloads: list[Workload], new_key: bool, mint: bool,
+                   report: SeedReport) -> dict[str, str]:
+        """A usable plaintext key per demo workload, from var/demo-keys.json;
+        minted where there is none (``mint``) or for all with ``new_key``."""
+        stored = _read_json(demo_keys_file())
+        keys: dict[str, str] = {}
+        for workload in workloads:
+            raw = stored.get(workload.slug)
+            usable = raw is not None and not new_key and (found := api_key_lookup(raw_key=raw)) is not None \
+                and found.workload_id == workload.id
+            if usable:
+                keys[workload.slug] = raw
+            elif mint or new_key:
+                keys[workload.slug] = api_key_create(workload=workload, name="demo").raw_key
+                report.keys_minted.append(workload.slug)
+        if report.keys_minted:
+            _write_private(demo_keys_file(), {**stored, **keys})
+        return keys
+
+    # --- the command ------------------------------------------------------------------------
 
     def handle(self, *args, **options):
         pool_url = options["pool_url"] or settings.SLUICE_SIM_URL
-        workloads, logins = self._seed(pool_url)
-        pool_config_push(pool=InferencePool.objects.get(slug=POOL["slug"]))
+        report = SeedReport()
+        empty = not Tenant.objects.exists() and not InferencePool.objects.exists()
+        seed = empty or not options["if_empty"]
+        with transaction.atomic():
+            if seed:
+                pool = self._seed_pool(pool_url=pool_url, reset=options["reset"], report=report)
+                self._seed_prices(reset=options["reset"], report=report)
+                self._seed_workloads(pool=pool, reset=options["reset"], report=report)
+                logins = self._seed_people(reset=options["reset"], report=report)
+            else:
+                logins = _read_json(demo_logins_file())
+            if options["follow_sim"] and not options["reset"]:
+                self._follow_sim(pool_url=pool_url, report=report)
+            demo_slugs = [spec[0] for _, _, _, specs in TENANTS for spec in specs]
+            workloads = list(Workload.objects.filter(slug__in=demo_slugs).select_related("tenant", "reservation__pool"))
+            workloads.sort(key=lambda w: demo_slugs.index(w.slug))
+            keys = self._demo_keys(workloads=workloads, new_key=options["new_key"], mint=seed, report=report)
+        for pool in InferencePool.objects.filter(reservations__workload__in=workloads).distinct():
+            pool_config_push(pool=pool)
+        info = {}
+        for workload in workloads:
+            reservation = getattr(workload, "reservation", None)
+            info[workload.slug] = {
+                "api_key": keys.get(workload.slug), "class": workload.workload_class, "tenant": workload.tenant.slug,
+                "reserved_tpm": reservation.reserved_tpm if reservation else 0,
+                "ceiling_tpm": reservation.ceiling_tpm if reservation else 0,
+                "lend_fraction": reservation.lend_fraction if reservation else 0.0,
+                "rpm": reservation.rpm if reservation else 0,
+                "prompt_tokens_cap": workload.prompt_tokens_cap, "max_tokens_cap": workload.max_tokens_cap,
+                "pool": reservation.pool.slug if reservation else None,
+            }
         base_url = options["base_url"] or f"http://127.0.0.1:{settings.PORT}/v1"
+        # With --json, stdout is the JSON alone; what changed goes to stderr.
+        notes = self.stderr if options["json"] else self.stdout
+        if not seed:
+            notes.write("The database already holds tenants or pools: seeded nothing (seed_demo adds what is missing).")
+        for line in report.created:
+            notes.write(f"created {line}")
+        for line in report.overwritten:
+            notes.write(f"overwrote {line}")
+        if options["reset"] and not report.overwritten:
+            notes.write("reset: every demo object already had its demo values.")
+        for slug in report.keys_minted:
+            notes.write(f"minted a key for {slug} (kept in {demo_keys_file()})")
         if options["json"]:
-            self.stdout.write(json.dumps({"base_url": base_url, "workloads": workloads}, indent=2))
+            self.stdout.write(json.dumps({"base_url": base_url, "workloads": info}, indent=2))
             return
-        self.stdout.write(f"Seeded pool {POOL['slug']} and {len(workloads)} workloads.")
-        for slug, info in workloads.items():
-            self.stdout.write(f"  {slug:18s} {info['class']:12s} key {info['api_key']}")
+        self.stdout.write(f"Demo pool {POOL['slug']} and {len(info)} workloads.")
+        for slug, item in info.items():
+            self.stdout.write(f"  {slug:18s} {item['class']:12s} key {item['api_key'] or '(none: --new-key mints one)'}")
         for username, password in logins.items():
             self.stdout.write(f"Login: {username} / {password}")
+

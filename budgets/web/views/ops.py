@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.http import Http404
 from django.shortcuts import redirect, render
@@ -9,6 +10,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from tenants.decorators import staff_required
+
+from budgets.selectors.reservations import reservation_of_workload
 
 from budgets.admission.pool_status import PoolStatus, pool_statuses
 from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note
@@ -107,6 +110,8 @@ def _review_context(request_id: int, form: DecisionForm | None = None, errors: d
         "req": budget_request, "preview": preview, "before_chart": before, "after_chart": after,
         "history": budget_request_history(request=budget_request), "form": form or DecisionForm(),
         "errors": errors or {},
+        "preview_current": (reservation_of_workload(workload=budget_request.workload)
+                            if budget_request.workload_id else None),
     }
 
 
@@ -130,9 +135,19 @@ def review_decide(request, request_id: int, decision: str):
     except BudgetRequest.DoesNotExist:
         raise Http404("No such request.")
     except ValidationError as exc:
-        # A missing comment is the reviewer's input; anything else (no
-        # headroom, already decided) conflicts with the current state.
-        status = 400 if set(exc.message_dict) == {"comment"} else 409
-        return render(request, "budgets/review_detail.html",
-                      _review_context(request_id, form, errors=exc.message_dict), status=status)
+        # A missing comment is the reviewer's input: the form again, with
+        # what they typed. Anything else (no headroom, already decided)
+        # conflicts with the current state: back to the request's page (its
+        # URL, not /approve), which shows why once: the headroom problems
+        # box when the request no longer fits, else this message.
+        if set(exc.message_dict) == {"comment"}:
+            return render(request, "budgets/review_detail.html",
+                          _review_context(request_id, form, errors=exc.message_dict), status=400)
+        context = _review_context(request_id)
+        if not (context["req"].is_pending and not context["preview"].fits):
+            for problems in exc.message_dict.values():
+                for problem in problems:
+                    messages.error(request, problem)
+        return redirect("review-detail", request_id=request_id)
+    messages.success(request, f"Request #{request_id} {'approved' if decision == 'approve' else 'rejected'}.")
     return redirect("review-detail", request_id=request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.http import Http404
@@ -11,7 +12,8 @@ from django.views.decorators.http import require_http_methods
 
 from tenants.access import tenant_for_user_or_404, tenant_is_writable
 
-from budgets.services.budget_requests import budget_request_submit
+from budgets.selectors.reservations import reservation_of_workload
+from budgets.services.budget_requests import budget_request_submit, budget_request_withdraw
 from budgets.web.dashboards import tenant_dashboard
 from budgets.web.forms import NEW, ApiKeyForm, BudgetRequestForm
 from budgets.models import BudgetRequest
@@ -67,8 +69,8 @@ def budget_request_new(request, slug: str):
                 spend_hard_cap=bool(data.get("spend_hard_cap")),
             )
         except ValidationError as exc:
-            for name, messages in exc.message_dict.items():
-                form.add_error(name if name in form.fields else None, messages)
+            for name, problems in exc.message_dict.items():
+                form.add_error(name if name in form.fields else None, problems)
         else:
             return redirect("budget-request-detail", slug=tenant.slug, request_id=created.pk)
     pools = [{"pool": p, "headroom": pool_headroom(pool=p)} for p in pools_active()]
@@ -84,4 +86,25 @@ def budget_request_detail(request, slug: str, request_id: int):
         raise Http404("No such request.")
     return render(request, "budgets/budget_request_detail.html", {
         "tenant": tenant, "req": budget_request, "history": budget_request_history(request=budget_request),
+        "current": reservation_of_workload(workload=budget_request.workload) if budget_request.workload_id else None,
+        "can_write": tenant_is_writable(user=request.user, slug=slug),
     })
+
+
+@login_required
+@require_http_methods(["POST"])
+def budget_request_withdraw_view(request, slug: str, request_id: int):
+    """A member withdraws their tenant's pending request (finance and other
+    tenants get 404, like every write)."""
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    try:
+        budget_request_withdraw(request_id=request_id, tenant=tenant, user=request.user)
+    except BudgetRequest.DoesNotExist:
+        raise Http404("No such request.")
+    except ValidationError as exc:
+        for problems in exc.message_dict.values():
+            for problem in problems:
+                messages.error(request, problem)
+    else:
+        messages.success(request, f"Request #{request_id} is withdrawn.")
+    return redirect("budget-request-detail", slug=tenant.slug, request_id=request_id)
