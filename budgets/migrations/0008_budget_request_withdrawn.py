@@ -83,7 +83,7 @@ def backwards(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('budgets', '0006_usage_worker_lost'),
+        ('budgets', '0007_request_log_key_indexes_reservation_history'),
     ]
 
     operations = [

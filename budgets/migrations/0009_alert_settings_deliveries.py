@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('budgets', '0007_budget_request_withdrawn'),
+        ('budgets', '0008_budget_request_withdrawn'),
         ('tenants', '0005_apikey_expiry_revoked_index'),
     ]
 

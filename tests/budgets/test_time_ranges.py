@@ -176,7 +176,8 @@ def test_buckets_sum_the_ledger_at_every_resolution(world):
 def test_the_key_that_made_a_request_reaches_its_ledger_row(world):
     key = ApiKey.objects.get(workload=world.wl_a)
     # the web side's context carries the key
-    ctx = _load_context(world.key_a)
+    cached, _expires_in = _load_context(world.key_a)
+    ctx = cached.context
     assert ctx.api_key_id == key.id
     # through the request record (and its Redis form) to the ledger entry
     record = record_build(ctx, request_id="req_" + uuid.uuid4().hex, model="sim-small", payload={},

@@ -282,7 +282,7 @@ def test_keys_alerts_jobs_and_withdraw_in_a_real_browser(platform, browser, file
     member.goto(f"/t/{world.tenant_a.slug}/#keys")
     member.click(f"a[href='/t/{world.tenant_a.slug}/keys/{key.id}/revoke']")
     assert "within about a second" in member.inner_text("#revoke-confirm")
-    shot(member, "13-revoke-key")
+    shot(member, "17-revoke-key")
     member.click("#confirm-revoke")
     member.wait_for_selector("#messages >> text=is revoked")
     key.refresh_from_db()
@@ -313,7 +313,7 @@ def test_keys_alerts_jobs_and_withdraw_in_a_real_browser(platform, browser, file
     assert len(list(file_mail.iterdir())) == 1
     member.reload()
     assert "delivered" in member.inner_text("#alert-deliveries")
-    shot(member, "14-alerts")
+    shot(member, "18-alerts")
 
     # the jobs page: delayed with its release time, queued, finished
     now = timezone.now()
@@ -325,14 +325,14 @@ def test_keys_alerts_jobs_and_withdraw_in_a_real_browser(platform, browser, file
     member.click(f"#workload-{world.wl_a.slug} >> text=Jobs")
     assert member.locator("#jobs tbody tr").count() == 3
     assert "workload_tpm" in member.inner_text("#jobs tr[data-status=delayed]")
-    shot(member, "15-jobs")
+    shot(member, "19-jobs")
 
     # a pending request shows current -> requested and can be withdrawn
     request = budget_request_submit(tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a,
                                     reserved_tpm=120_000, ceiling_tpm=200_000, rpm=700, justification="More for launch")
     member.goto(f"/t/{world.tenant_a.slug}/requests/{request.pk}/")
     assert "Current" in member.inner_text("#current-vs-requested")
-    shot(member, "16-request-withdraw")
+    shot(member, "20-request-withdraw")
     member.click("#withdraw")
     member.wait_for_selector("#request-status >> text=Withdrawn")
     assert BudgetRequest.objects.get(pk=request.pk).status == "withdrawn"
