@@ -191,6 +191,18 @@ class UsageRecord(models.Model):
         # Its worker was lost mid-call and no other could take it over in
         # time: the pool may have run it, so it is charged on its estimate.
         WORKER_LOST = "worker_lost", "Worker lost"
+        # A stream whose caller went away: the pool call was closed and it is
+        # charged the tokens produced until then.
+        CANCELLED = "cancelled", "Cancelled by the caller"
+
+    class UsageSource(models.TextChoices):
+        POOL = "pool", "Reported by the pool"
+        # A stream cut short without the pool's usage: its text counted with
+        # the pool's tokenizer.
+        COUNTED = "counted", "Counted by the gateway"
+        # The pool may have run it and nobody knows how far: the estimate.
+        ESTIMATE = "estimate", "Estimate"
+        NONE = "", "Nothing charged"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(db_index=True)
@@ -212,6 +224,7 @@ class UsageRecord(models.Model):
     total_ms = models.PositiveIntegerField(default=0)
     attempts = models.PositiveSmallIntegerField(default=0)
     error = models.CharField(max_length=500, blank=True)
+    usage_source = models.CharField(max_length=16, choices=UsageSource.choices, blank=True, default="")
 
     objects = UsageRecordQuerySet.as_manager()
 
