@@ -147,9 +147,13 @@ def test_the_raw_events_are_openais_and_end_with_done(platform, caller):
 
 def test_a_refusal_before_the_stream_starts_is_the_usual_json_error(platform, make_caller, redis_client):
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
-    caller = make_caller(pool=pool, reserved_tpm=400, ceiling_tpm=400, prompt_tokens_cap=200, max_tokens_cap=400)
+    caller = make_caller(pool=pool, reserved_tpm=4_000, ceiling_tpm=4_000, prompt_tokens_cap=200, max_tokens_cap=400)
     client = sdk(platform, caller.api_key)
-    # 15 s x 400 TPM = 100 tokens of burst: an estimate of prompt + 400 never fits
+    # a ceiling bucket of 15 s x 4,000 TPM = 1,000 tokens, spent down by two
+    # calls estimated at prompt + 400
+    for _ in range(2):
+        client.chat.completions.create(model="sim-small", messages=HELLO, max_tokens=400,
+                                       extra_body={"sim": {"output_tokens": 400}})
     with pytest.raises(openai.RateLimitError) as excinfo:
         client.chat.completions.create(model="sim-small", messages=HELLO, max_tokens=400, stream=True)
     assert excinfo.value.response.headers["content-type"].startswith("application/json")
@@ -160,7 +164,7 @@ def test_a_refusal_before_the_stream_starts_is_the_usual_json_error(platform, ma
     with pytest.raises(openai.BadRequestError) as excinfo:
         sdk(platform, small.api_key).chat.completions.create(model="sim-small", messages=HELLO, stream=True)
     assert excinfo.value.code == "context_length_exceeded"
-    assert UsageRecord.objects.count() == 0
+    assert UsageRecord.objects.count() == 2  # the two unstreamed calls only
 
 
 def test_a_pool_refusal_before_the_first_chunk_is_json_and_charges_nothing(platform, caller, redis_client):
@@ -171,7 +175,9 @@ def test_a_pool_refusal_before_the_first_chunk_is_json_and_charges_nothing(platf
     assert excinfo.value.code == "upstream_error"
     row = ledger_row(UsageRecord.objects.get().request_id)
     assert (row.status, row.actual_input_tokens, row.actual_output_tokens) == ("upstream_error", 0, 0)
-    assert counters(redis_client, caller.pool.id)["actual_tokens"] == 0
+    wid = caller.workload.id
+    found = counters(redis_client, caller.pool.id)
+    assert (found[f"{wid}.debited_tok"], found[f"{wid}.used_tok"], found["P.debited_tok"]) == (0, 0, 0)
 
 
 def test_a_caller_that_disconnects_cancels_the_pool_call_within_a_second_and_pays_what_was_produced(
