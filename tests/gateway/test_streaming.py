@@ -246,3 +246,36 @@ def test_a_job_that_asks_to_stream_is_refused_in_openais_shape(platform, caller)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "stream_unsupported"
     assert response.json()["error"]["param"] == "stream"
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_settled_once(platform, caller,
+                                                                                             redis_client):
+    # given a long stream (1,000 tokens: seconds) whose first chunks arrived
+    client = sdk(platform, caller.api_key)
+    stream = client.chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=1000, stream=True, extra_body={"sim": {"output_tokens": 1000}})
+    texts = []
+    try:
+        with pytest.raises(openai.APIError) as excinfo:
+            for chunk in stream:
+                texts.append(chunk.choices[0].delta.content or "")
+                if len(texts) == 5:
+                    # when its worker is SIGKILLed mid-stream
+                    platform.workers["interactive"].kill()
+                    killed_at = time.monotonic()
+        # then the caller gets an error event (never a hang) within the
+        # heartbeat's TTL plus an interval or two
+        answered_in = time.monotonic() - killed_at
+    finally:
+        platform.start_worker("interactive")
+        platform.wait_workers_ready(["interactive"])
+    assert answered_in < 10.0
+    assert excinfo.value.code == "worker_lost"
+    assert 5 <= len(texts) < 1000
+    # and it is settled once, on its estimate: nobody knows how far the pool got
+    row = ledger_row(UsageRecord.objects.get().request_id)
+    assert (row.status, row.usage_source) == ("worker_lost", "estimate")
+    assert UsageRecord.objects.count() == 1
+    assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens,
+                      output_tokens=row.estimated_output_tokens)
+    assert row.estimated_output_tokens == 1000
