@@ -24,7 +24,7 @@ import httpx
 from bench.common import PLOTS_DIR, fmt, log, md_table, pcts, run_standalone, write_result
 from bench.load import open_loop
 from bench.platform import Platform, Services
-from bench.seed import config_push, pool_create, workload_create
+from bench.seed import config_push, ledger_rows, pool_create, workload_create
 
 NAME = "streaming"
 RATE = 20.0  # new streams per second
@@ -96,6 +96,24 @@ def _stats(results: list[dict]) -> dict:
             "ttft_all": [round(r["ttft_ms"], 3) for r in ok]}
 
 
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in values:
+        out[value or "none"] = out.get(value or "none", 0) + 1
+    return out
+
+
+def _settled_rows(pool_id: int, *, expected: int, timeout_s: float = 30.0) -> list[dict]:
+    """The pool's ledger rows, once every stream's row is written."""
+    from budgets.models import UsageRecord
+
+    deadline = time.monotonic() + timeout_s
+    while len(rows := ledger_rows(pool_id=pool_id)) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    sources = dict(UsageRecord.objects.filter(pool_id=pool_id).values_list("request_id", "usage_source"))
+    return [{**row, "usage_source": sources.get(row["request_id"], "")} for row in rows]
+
+
 def _sub(a, b):
     return None if a is None or b is None else a - b
 
@@ -123,6 +141,7 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
         sluice = asyncio.run(_paced(f"{platform.sluice_url}/v1/chat/completions", auth, duration, rng))
         log(f"{NAME}: through sluice {len(sluice)} streams")
         platform.assert_alive()
+        rows = _settled_rows(pool.id, expected=len(sluice) + 10)
     finally:
         platform.stop()
         if own:
@@ -135,6 +154,13 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
                      "ttft_p99": _sub(s["ttft_ms"]["p99"], d["ttft_ms"]["p99"]),
                      "gap_p50": _sub(s["gap_ms"]["p50"], d["gap_ms"]["p50"]),
                      "gap_p99": _sub(s["gap_ms"]["p99"], d["gap_ms"]["p99"])},
+        # From the ledger: how long streams waited for a lane worker (a
+        # stream holds its worker thread for its whole duration), and where
+        # their charged usage came from.
+        "ledger": {"rows": len(rows), "lane_wait_ms": pcts([r["queue_wait_ms"] for r in rows]),
+                   "upstream_ms": pcts([r["upstream_ms"] for r in rows]),
+                   "statuses": _count(r["status"] for r in rows),
+                   "usage_sources": _count(r["usage_source"] for r in rows)},
     }
     write_result(NAME, data)
     return data
@@ -168,6 +194,13 @@ def summarize(data: dict) -> str:
         "",
         f"Errors direct: {d['codes'] or 'none'}; through Sluice: {s['codes'] or 'none'}.",
     ]
+    ledger = data.get("ledger")
+    if ledger:
+        lines += ["", f"From the ledger ({ledger['rows']} streams): lane wait p50/p99 "
+                  f"{fmt(ledger['lane_wait_ms']['p50'], 0)} / {fmt(ledger['lane_wait_ms']['p99'], 0)} ms, "
+                  f"pool time p50/p99 {fmt(ledger['upstream_ms']['p50'], 0)} / "
+                  f"{fmt(ledger['upstream_ms']['p99'], 0)} ms; statuses {ledger['statuses']}; "
+                  f"usage from {ledger['usage_sources']}."]
     return "\n".join(lines)
 
 
