@@ -181,7 +181,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         headers["Retry-After"] = str(max(1, -(-outcome.retry_after_ms // 1000)))
         headers["retry-after-ms"] = str(outcome.retry_after_ms)
     if outcome.status == STREAMING:
-        # The first chunk came: from here the answer is the stream.
+        # The first chunk came: from here the answer is the stream. Its lane
+        # wait and attempts are known to the worker only (the ledger row).
+        del headers["x-sluice-queue-ms"], headers["x-sluice-attempts"]
         headers["x-sluice-total-ms"] = str(int((time.monotonic() - started) * 1000))
         return stream_response(record=dispatched.record, headers=headers)
     if idem_key:
