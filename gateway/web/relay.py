@@ -14,6 +14,7 @@ the pool call."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from django.conf import settings
@@ -23,6 +24,7 @@ from budgets.admission.redis_client import REDIS_UNAVAILABLE, get_async_redis
 from budgets.errors import Rejected
 from gateway.core import keys
 from gateway.core.errors import error_body
+from gateway.core.observability import TIME_TO_FIRST_TOKEN
 from gateway.core.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
 from gateway.core.streams import CHUNK_FIELD, sse_event, stream_cancel, stream_closing_events, stream_error_event
 from gateway.web.dispatch import _claim, _take_over, _wait_outcome
@@ -94,6 +96,8 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
 def stream_response(*, record: RequestRecord, headers: dict[str, str]) -> StreamingHttpResponse:
     """The caller's ``text/event-stream`` answer, with the same headers an
     unstreamed answer has."""
+    # Admission (Redis's clock, which the hosts share by NTP) to the first chunk.
+    TIME_TO_FIRST_TOKEN.labels(lane=record.lane).observe(max(0.0, time.time() - record.admitted_ms / 1000))
     response = StreamingHttpResponse(stream_relay(record=record), content_type="text/event-stream")
     for name, value in headers.items():
         response[name] = value
