@@ -5,6 +5,7 @@ the request over when its worker is lost mid-call (gateway/core/takeover.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from gateway.core.observability import settlement_report
 from gateway.core.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
                                   claim_call, heartbeat_holder, ledger_entry)
 from gateway.core.settlement import request_refund_async
-from gateway.core.streams import CHUNK_FIELD, STREAMING
+from gateway.core.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.takeover import request_take_over
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,13 @@ def _stream_first_wait(record: RequestRecord) -> Callable[[float], Awaitable[Out
         return Outcome.from_json(raw) if raw else None
 
     return wait
+
+
+def _stream_cancel_quietly(record: RequestRecord) -> None:
+    try:
+        stream_cancel(request_id=record.request_id)
+    except Exception:  # noqa: BLE001 - Redis away: the stream runs to its end and is charged in full
+        logger.warning("request %s: could not cancel the stream", record.request_id, exc_info=True)
 
 
 def _result_unavailable() -> Rejected:
@@ -198,7 +206,14 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     log_annotate(lane=record.lane)
     await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
 
-    outcome = await _await_outcome(ctx, record, wait=_stream_first_wait(record) if record.stream else None)
+    try:
+        outcome = await _await_outcome(ctx, record, wait=_stream_first_wait(record) if record.stream else None)
+    except asyncio.CancelledError:
+        if record.stream:
+            # The caller left before the first chunk: the worker closes the
+            # pool call at its first chunk and is charged what was produced.
+            _stream_cancel_quietly(record)
+        raise
     log_annotate(queue_ms=outcome.queue_wait_ms, upstream_ms=outcome.upstream_ms, attempts=outcome.attempts,
                  upstream_status=outcome.upstream_status)
     if outcome.status == "queue_timeout":

@@ -26,8 +26,8 @@ from gateway.core import keys
 from gateway.core.errors import error_body
 from gateway.core.observability import TIME_TO_FIRST_TOKEN
 from gateway.core.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
-from gateway.core.streams import CHUNK_FIELD, sse_event, stream_cancel, stream_closing_events, stream_error_event
-from gateway.web.dispatch import _claim, _take_over, _wait_outcome
+from gateway.core.streams import CHUNK_FIELD, sse_event, stream_closing_events, stream_error_event
+from gateway.web.dispatch import _claim, _stream_cancel_quietly, _take_over, _wait_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +87,7 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
         yield _unavailable_event("Sluice lost its connection to the result store; the request may still complete.")
     finally:
         if not ended:
-            try:
-                stream_cancel(request_id=record.request_id)
-            except Exception:  # noqa: BLE001 - Redis away: the worker relays to the end and settles it all
-                logger.warning("request %s: could not cancel the stream", record.request_id, exc_info=True)
+            _stream_cancel_quietly(record)
 
 
 def stream_response(*, record: RequestRecord, headers: dict[str, str]) -> StreamingHttpResponse:

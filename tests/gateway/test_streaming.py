@@ -7,6 +7,7 @@ checked to the token."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 
@@ -279,3 +280,62 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_s
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens,
                       output_tokens=row.estimated_output_tokens)
     assert row.estimated_output_tokens == 1000
+
+
+def test_a_caller_that_leaves_before_the_first_chunk_cancels_the_stream_too(platform, caller, redis_client):
+    # given a warm path (the caller's key known) and a stream whose pool
+    # takes 1.2 s (6 simulated seconds) to start
+    list(sdk(platform, caller.api_key).chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=5, stream=True, extra_body={"sim": {"output_tokens": 1}}))
+    first = ledger_row(UsageRecord.objects.get().request_id)
+    before = platform.sim_stats()
+    with pytest.raises(httpx.ReadTimeout):
+        # when the caller gives up after 0.6 s, queued on the pool, before any chunk
+        httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=httpx.Timeout(10, read=0.6),
+                   headers={"Authorization": f"Bearer {caller.api_key}"},
+                   json={"model": "sim-small", "messages": HELLO, "max_tokens": 500, "stream": True,
+                         "sim": {"output_tokens": 500, "latency_ms": 6_000}})
+    # then the worker closes the pool call at its first chunk
+    deadline = time.monotonic() + 10
+    while (row := UsageRecord.objects.exclude(request_id=first.request_id).first()) is None:
+        assert time.monotonic() < deadline, "no ledger row"
+        time.sleep(0.05)
+    assert (row.status, row.usage_source) == ("cancelled", "counted")
+    assert row.actual_output_tokens <= 1
+    deadline = time.monotonic() + 5
+    while platform.sim_stats()["aborted"] != before["aborted"] + 1:
+        assert time.monotonic() < deadline, "the pool call was not closed"
+        time.sleep(0.05)
+    # both streams' tokens, as their ledger rows say
+    both = row.actual_input_tokens + row.actual_output_tokens + first.actual_input_tokens + first.actual_output_tokens
+    found = settled_counters(redis_client, caller, tokens=both)
+    assert found[f"{caller.workload.id}.debited_tok"] == found[f"{caller.workload.id}.used_tok"] == both
+
+
+def test_ledger_and_buckets_match_the_usage_the_pool_reported_for_concurrent_streams(platform, caller, redis_client):
+    platform.sim_reset()
+    lengths = [3, 11, 29, 64, 1, 47, 20, 8]
+
+    def call(n: int) -> list:
+        messages = [{"role": "user", "content": f"Stream number {n}: " + "tell me more " * n}]
+        return list(sdk(platform, caller.api_key).chat.completions.create(
+            model="sim-small", messages=messages, max_tokens=64, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim": {"output_tokens": n}}))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as executor:
+        streams = list(executor.map(call, lengths))
+    stats = platform.sim_stats()
+    pool_total = stats["prompt_tokens"] + stats["completion_tokens"]
+    assert stats["completed"] == len(lengths)
+    assert stats["completion_tokens"] == sum(lengths)
+    assert sum(chunks[-1].usage.total_tokens for chunks in streams) == pool_total
+    deadline = time.monotonic() + 10
+    while UsageRecord.objects.filter(workload=caller.workload).count() < len(lengths):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rows = list(UsageRecord.objects.filter(workload=caller.workload))
+    assert {(r.status, r.usage_source) for r in rows} == {("ok", "pool")}
+    assert sum(r.actual_input_tokens + r.actual_output_tokens for r in rows) == pool_total
+    wid = caller.workload.id
+    found = settled_counters(redis_client, caller, tokens=pool_total)
+    assert found[f"{wid}.debited_tok"] == found[f"{wid}.used_tok"] == pool_total
