@@ -64,7 +64,7 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
                     if claim.verdict in (LOST, FINISH, REQUEUE):
                         await _take_over(record, claim)
                     continue
-                ended = True
+                ended = outcome.status == "ok"
                 yield stream_closing_events(outcome)
                 return
             events = []
@@ -76,7 +76,9 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
                     continue
                 # The end marker: the outcome was published just before it.
                 outcome = await _wait_outcome(result_key, settings.SLUICE_HEARTBEAT_INTERVAL_S)
-                ended = True
+                # Any other end (a take-over from a worker whose heartbeat
+                # only stalled) also asks that worker to stop.
+                ended = outcome is not None and outcome.status == "ok"
                 events.append(stream_closing_events(outcome) if outcome is not None else
                               _unavailable_event("The stream ended without its outcome."))
                 yield b"".join(events)
@@ -86,7 +88,7 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
         ended = True
         yield _unavailable_event("Sluice lost its connection to the result store; the request may still complete.")
     finally:
-        if not ended:
+        if not ended:  # the caller left, or the stream ended without the pool finishing it
             _stream_cancel_quietly(record)
 
 

@@ -74,6 +74,7 @@ def assert_settled_on(redis_client, caller, row: UsageRecord, *, input_tokens: i
     assert found["P.debited_tok"] == input_tokens + output_tokens
 
 
+@pytest.mark.redis_cluster
 def test_the_sync_sdk_streams_text_and_usage_as_the_pool_produced_them(platform, caller, redis_client):
     before = platform.sim_stats()
     with sdk(platform, caller.api_key).chat.completions.with_streaming_response.create(
@@ -181,6 +182,7 @@ def test_a_pool_refusal_before_the_first_chunk_is_json_and_charges_nothing(platf
     assert (found[f"{wid}.debited_tok"], found[f"{wid}.used_tok"], found["P.debited_tok"]) == (0, 0, 0)
 
 
+@pytest.mark.redis_cluster
 def test_a_caller_that_disconnects_cancels_the_pool_call_within_a_second_and_pays_what_was_produced(
         platform, caller, redis_client):
     # a long generation (1,000 tokens: seconds), still running when the caller leaves
