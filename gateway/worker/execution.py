@@ -234,7 +234,6 @@ def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome |
                         code=WORKER_ERROR),
         input_tokens=input_tokens, output_tokens=output_tokens, attempts=answer.attempts if answer else int(pool_reached),
         usage_source=(answer.usage_source or "pool") if answer is not None else ("estimate" if pool_reached else ""),
-        streamed=record.stream,
         upstream_ms=answer.upstream_ms if answer else 0,
         queue_wait_ms=max(0, int(redis_now_ms() - record.admitted_ms)),
     )

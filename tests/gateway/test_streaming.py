@@ -209,6 +209,9 @@ def test_a_caller_that_disconnects_cancels_the_pool_call_within_a_second_and_pay
     texts = [json.loads(f["d"])["choices"][0]["delta"].get("content") or "" for _, f in chunks if "d" in f]
     produced = llm_tokens.count_text_tokens("".join(texts))
     assert 4 <= produced < 1000
+    # the stream and the cancel flag expire with the request's other keys
+    assert 0 < redis_client.pttl(gateway_keys.request_stream_cancel(request_id)) <= platform_result_ttl_ms()
+    assert 0 < redis_client.pttl(gateway_keys.request_stream(request_id)) <= platform_result_ttl_ms()
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens, output_tokens=produced)
 
 
@@ -227,7 +230,7 @@ def test_an_upstream_error_mid_stream_is_an_error_event_and_charges_what_was_pro
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens, output_tokens=6)
 
 
-def test_the_stream_and_its_cancel_flag_expire(platform, caller, redis_client):
+def test_the_stream_key_expires_with_the_requests_other_keys(platform, caller, redis_client):
     stream = sdk(platform, caller.api_key).chat.completions.create(
         model="sim-small", messages=HELLO, max_tokens=10, stream=True, extra_body={"sim": {"output_tokens": 2}})
     list(stream)
