@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import signal
 import time
 
 import httpx
@@ -344,3 +345,42 @@ def test_ledger_and_buckets_match_the_usage_the_pool_reported_for_concurrent_str
     wid = caller.workload.id
     found = settled_counters(redis_client, caller, tokens=pool_total)
     assert found[f"{wid}.debited_tok"] == found[f"{wid}.used_tok"] == pool_total
+
+
+def test_a_worker_stopped_mid_stream_ends_it_within_its_grace_charged_what_was_produced(platform, make_caller,
+                                                                                         redis_client):
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, max_tokens_cap=4_000)
+    # given a stream far longer than the worker's stop grace (3,000 tokens: ~12 s)
+    stream = sdk(platform, caller.api_key).chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=3_000, stream=True, extra_body={"sim": {"output_tokens": 3_000}})
+    lane = stream.response.headers["x-sluice-lane"]  # a long request: interactive-long
+    worker = platform.workers[lane]
+    texts = []
+    try:
+        with pytest.raises(openai.APIError) as excinfo:
+            for chunk in stream:
+                texts.append(chunk.choices[0].delta.content or "")
+                if len(texts) == 5:
+                    # when its worker is told to stop (SIGTERM, as an orchestrator sends it)
+                    stopping = time.monotonic()
+                    worker.popen.send_signal(signal.SIGTERM)
+        ended_in = time.monotonic() - stopping
+        worker.popen.wait(timeout=20)
+        stopped_in = time.monotonic() - stopping
+    finally:
+        platform.start_worker(lane)
+        platform.wait_workers_ready([lane])
+    # then the stream ends with an error event once the grace (3 s) is over,
+    # and the worker exits within 5 s
+    assert 2.5 < ended_in < 5.0
+    assert stopped_in < 5.0
+    assert excinfo.value.code == "worker_shutdown"
+    # charged the tokens it relayed, counted: not the 3,000 it might have run
+    row = ledger_row(UsageRecord.objects.get().request_id)
+    assert (row.status, row.usage_source, row.error) == ("upstream_error", "counted", "worker_shutdown")
+    chunks = redis_client.xrange(gateway_keys.request_stream(row.request_id))
+    texts = [json.loads(f["d"])["choices"][0]["delta"].get("content") or "" for _, f in chunks if "d" in f]
+    produced = llm_tokens.count_text_tokens("".join(texts))
+    assert 5 <= produced < 3_000
+    assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens, output_tokens=produced)
