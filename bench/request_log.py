@@ -1,4 +1,4 @@
-"""7. Request log at scale: keyset pages over a large ledger on PostgreSQL.
+"""8. Request log at scale: keyset pages over a large ledger on PostgreSQL.
 
 Seeds N ledger rows (1,000,000 by default, 20,000 with --quick) over 30 days
 with one ``INSERT ... SELECT generate_series`` into a PostgreSQL database of

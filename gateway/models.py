@@ -120,6 +120,9 @@ class JobSchedule(models.Model):
             validate_chat_request(self.body if isinstance(self.body, dict) else {})
         except Exception as exc:  # Rejected carries the OpenAI-style message
             raise ValidationError({"body": getattr(exc, "message", str(exc))}) from exc
+        if isinstance(self.body, dict) and self.body.get("stream"):
+            # Its jobs would be refused when they fire (jobs do not stream).
+            raise ValidationError({"body": "A schedule's jobs do not stream: set stream to false."})
         if self.callback_url:
             try:
                 callback_url_check(url=self.callback_url)

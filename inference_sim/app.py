@@ -233,10 +233,16 @@ class _StreamSession:
         writer = ChunkWriter(new_completion_id(), chat.model, chat.include_usage)
         pieces = token_pieces(seq.output_tokens)
         emitted = 0
+        fail_after = chat.sim.fail_after_tokens
         try:
             yield writer.role()
             while True:
                 while emitted < seq.generated:
+                    if fail_after is not None and emitted >= fail_after:
+                        # An injected mid-stream failure: the stream just ends.
+                        self._outcome = "failed"
+                        self._pool.engine.abort(seq)
+                        return
                     emitted += 1
                     yield writer.content(next(pieces))
                 if seq.finished:

@@ -14,7 +14,7 @@ import llm_tokens
 from inference_sim.config import OUTAGE_STATUSES
 from inference_sim.errors import invalid_request, model_not_found
 
-SIM_FIELDS = ("output_tokens", "fail_status", "fail_retry_after", "latency_ms")
+SIM_FIELDS = ("output_tokens", "fail_status", "fail_retry_after", "latency_ms", "fail_after_tokens")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class SimOverrides:
     fail_status: int | None = None
     fail_retry_after: float | None = None
     latency_ms: float = 0.0
+    # A stream breaks off (no finish, no [DONE]) after this many tokens.
+    fail_after_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,10 @@ def _parse_sim(raw: Any) -> SimOverrides:
         latency_ms = 0.0
     if not _is_number(latency_ms) or latency_ms < 0:
         raise invalid_request("sim.latency_ms must be a number >= 0.", param="sim.latency_ms")
-    return SimOverrides(output_tokens, fail_status, retry_after, float(latency_ms))
+    fail_after = raw.get("fail_after_tokens")
+    if fail_after is not None and (not _is_int(fail_after) or fail_after < 0):
+        raise invalid_request("sim.fail_after_tokens must be an integer >= 0.", param="sim.fail_after_tokens")
+    return SimOverrides(output_tokens, fail_status, retry_after, float(latency_ms), fail_after)
 
 
 def parse_chat_request(raw_body: bytes, models: list[str], default_max_tokens: int) -> ChatRequest:

@@ -19,12 +19,13 @@ CHUNK_ROWS = 2000
 LEDGER_COLUMNS = [
     "request_id", "created_at", "tenant", "cost_center", "workload", "pool", "model", "lane", "status", "borrowed",
     "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "cost",
-    "currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error",
+    "currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error", "usage_source",
 ]
 _FIELDS = [
     "request_id", "created_at", "tenant__slug", "tenant__cost_center", "workload__slug", "pool__slug", "model", "lane",
     "status", "borrowed", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
     "actual_output_tokens", "cost", "price__currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error",
+    "usage_source",
 ]
 
 

@@ -38,6 +38,9 @@ class LedgerEntry:
     attempts: int = 0
     error: str = ""
     api_key_id: int | None = None  # the key that made the request (None: a cron firing)
+    # Where the actual tokens come from (UsageRecord.UsageSource): the pool's
+    # usage, counted by the gateway (a stream cut short), or the estimate.
+    usage_source: str = ""
     # The price the gateway resolved at admission (the price in force when the
     # request arrived), so settlement needs no lookup: (id, input, output per
     # million), or None when the model had no price. Unset: look it up.

@@ -191,6 +191,18 @@ class UsageRecord(models.Model):
         # Its worker was lost mid-call and no other could take it over in
         # time: the pool may have run it, so it is charged on its estimate.
         WORKER_LOST = "worker_lost", "Worker lost"
+        # A stream whose caller went away: the pool call was closed and it is
+        # charged the tokens produced until then.
+        CANCELLED = "cancelled", "Cancelled by the caller"
+
+    class UsageSource(models.TextChoices):
+        POOL = "pool", "Reported by the pool"
+        # A stream cut short without the pool's usage: its text counted with
+        # the pool's tokenizer.
+        COUNTED = "counted", "Counted by the gateway"
+        # The pool may have run it and nobody knows how far: the estimate.
+        ESTIMATE = "estimate", "Estimate"
+        NONE = "", "Nothing charged"
 
     request_id = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(db_index=True)
@@ -216,6 +228,7 @@ class UsageRecord(models.Model):
     # keys were recorded). PROTECT: keys are revoked, never deleted, once used.
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT, related_name="usage_records",
                                 db_index=False)  # ledger_key_at_id leads with it
+    usage_source = models.CharField(max_length=16, choices=UsageSource.choices, blank=True, default="")
 
     objects = UsageRecordQuerySet.as_manager()
 

@@ -62,6 +62,7 @@ class ChatRequest:
     stream: bool
     passthrough: dict[str, Any] = field(default_factory=dict)  # forwarded to the pool as given
     sim: dict[str, Any] | None = None  # the simulated pool's test switches (chat_check decides)
+    stream_usage: bool = False  # stream_options.include_usage: the caller wants the usage chunk
 
     @property
     def prompt_fields(self) -> dict[str, Any]:
@@ -385,9 +386,10 @@ def _check_sim(name: str, value: Any) -> None:
     a bad switch is refused before it costs a pool call."""
     sim = _object(value, name)
     _only_keys(sim, set(SIM_FIELDS), name)
-    for key, low in (("output_tokens", 0), ("latency_ms", 0), ("fail_retry_after", 0)):
+    for key, low in (("output_tokens", 0), ("latency_ms", 0), ("fail_retry_after", 0), ("fail_after_tokens", 0)):
         item = sim.get(key)
-        if item is not None and (not _is_number(item) or item < low or (key == "output_tokens" and not _is_int(item))):
+        if item is not None and (not _is_number(item) or item < low
+                                 or (key in ("output_tokens", "fail_after_tokens") and not _is_int(item))):
             raise bad_request(f"'{name}.{key}' must be a number >= {low}.", param=f"{name}.{key}")
     if sim.get("fail_status") is not None and sim["fail_status"] not in OUTAGE_STATUSES:
         raise bad_request(f"'{name}.fail_status' must be one of {list(OUTAGE_STATUSES)}.", param=f"{name}.fail_status")
@@ -447,8 +449,14 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream")
+    stream_usage = False
     if body.get("stream_options") is not None:
-        _only_keys(_object(body["stream_options"], "stream_options"), {"include_usage"}, "stream_options")
+        stream_options = _object(body["stream_options"], "stream_options")
+        _only_keys(stream_options, {"include_usage"}, "stream_options")
+        include_usage = stream_options.get("include_usage", False)
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise bad_request("'stream_options.include_usage' must be a boolean.", param="stream_options.include_usage")
+        stream_usage = bool(include_usage)
 
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
@@ -463,14 +471,17 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
     if sim is not None:
         _check_sim("sim", sim)
     return ChatRequest(model=model, messages=checked, max_tokens=max_tokens, stream=bool(stream),
-                       passthrough=passthrough, sim=sim)
+                       passthrough=passthrough, sim=sim, stream_usage=bool(stream) and stream_usage)
 
 
-def chat_check(ctx: CallerContext, chat: ChatRequest) -> None:
-    """What a valid body may still not ask of this caller's pool."""
-    if chat.stream:
-        raise Rejected(reason="stream_unsupported", message="Streaming is not supported yet; send stream=false.",
-                       status=400, param="stream", error_type="invalid_request_error")
+def chat_check(ctx: CallerContext, chat: ChatRequest, *, streaming: bool = False) -> None:
+    """What a valid body may still not ask of this caller's pool. Only the
+    synchronous chat path streams (``streaming``); an async job's answer is
+    read later, so a job that asks to stream is refused."""
+    if chat.stream and not streaming:
+        raise Rejected(reason="stream_unsupported", message="Jobs do not stream: send stream=false and read the "
+                       "job's result (or give a callback_url).", status=400, param="stream",
+                       error_type="invalid_request_error")
     if ctx.pool_id is None:
         raise no_reservation(on_any_pool=True)
     if chat.model not in ctx.served_models:
@@ -502,8 +513,13 @@ def chat_estimate(ctx: CallerContext, chat: ChatRequest) -> Estimate:
 
 def pool_payload(chat: ChatRequest, estimate: Estimate) -> dict[str, Any]:
     """What the pool receives: the caller's body with the applied max_tokens
-    (and the test switches, which chat_check allowed for this pool)."""
+    (and the test switches, which chat_check allowed for this pool). A
+    stream always asks the pool for its usage: settlement needs it, whether
+    or not the caller wants the usage chunk (gateway/core/streams.py)."""
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
+    if chat.stream:
+        payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
     if chat.sim is not None:
         payload["sim"] = chat.sim
     return payload

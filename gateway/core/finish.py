@@ -16,6 +16,7 @@ from gateway.core.metrics import departure_record
 from gateway.core.observability import settlement_report
 from gateway.core.records import Outcome, RequestRecord, ledger_entry, publish_call
 from gateway.core.settlement import request_settle
+from gateway.core.streams import stream_end
 
 
 def finish_steps(*, record: RequestRecord, outcome: Outcome,
@@ -34,6 +35,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome,
             actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
             upstream_ms=outcome.upstream_ms, total_ms=total_ms, attempts=outcome.attempts,
             error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+            usage_source=outcome.usage_source or ("pool" if outcome.input_tokens or outcome.output_tokens else ""),
         ))
         written["s"] = time.monotonic() - writing
 
@@ -51,6 +53,10 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome,
         ("departure", departure),
         ("publish", lambda: publish_call(record, outcome).run()),
     ]
+    if record.stream:
+        # After the publish: the web process relaying the stream wakes on it
+        # and ends the caller's stream with the published outcome.
+        steps.append(("stream_end", lambda: stream_end(request_id=record.request_id)))
     if record.job_id:
         steps.append(("job", lambda: job_complete(job_id=record.job_id, outcome=outcome)))
     return steps

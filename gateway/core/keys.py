@@ -51,6 +51,18 @@ def request_result_published(request_id: str) -> str:
     return f"{request_result(request_id)}:published"
 
 
+def request_stream(request_id: str) -> str:
+    """Stream: a streamed request's chunks, XADDed by the worker and read by
+    the waiting web process, then its end marker (gateway/core/streams.py)."""
+    return f"{request_tag(request_id)}:stream"
+
+
+def request_stream_cancel(request_id: str) -> str:
+    """String: set when a streamed request's caller went away; the worker
+    closes the pool call when it sees it."""
+    return f"{request_tag(request_id)}:cancel"
+
+
 def idempotency(workload_id: int, key: str) -> str:
     """String: a sync request's Idempotency-Key: body digest, state, stored
     response. Only single-key commands touch it (SET NX, GET, DEL), so any

@@ -21,6 +21,13 @@ class Lane:
     # Worker threads, sized by Little's law at the lane's design load
     # (concurrency ~ 2 x arrival rate x time in system). Threads, not
     # processes: a worker mostly waits on the pool's HTTP answer.
+    # A streamed request holds its thread for the whole stream, first token
+    # to last, as an unstreamed one holds it for the whole generation: its W
+    # is queue wait + the full generation time, never just the time to first
+    # token. (A slow reader does not lengthen it: chunks go to a Redis Stream
+    # as they come, gateway/core/streams.py.) The measured W per lane
+    # (gateway/core/metrics.py) is time from admission to settlement, which
+    # for a stream is its end, so λ·W there already counts streams right.
     default_concurrency: int
     design_load: str
 

@@ -71,6 +71,13 @@ class RequestRecord:
     # ('' without a price): settlement corrects that month.
     spend_month: str = ""
     api_key_id: int = 0  # 0: no key (a cron firing)
+    # "stream": true: the worker relays the pool's chunks through a Redis
+    # Stream (gateway/core/streams.py); stream_usage: the caller asked for the
+    # usage chunk (stream_options.include_usage). tokenizer: the pool's
+    # encoding, to count the tokens of a stream cut short.
+    stream: bool = False
+    stream_usage: bool = False
+    tokenizer: str = ""
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -88,6 +95,8 @@ class RequestRecord:
         data = asdict(self)
         data["payload"] = json.dumps(self.payload)
         data["borrowed"] = int(self.borrowed)
+        data["stream"] = int(self.stream)
+        data["stream_usage"] = int(self.stream_usage)
         return {k: str(v) for k, v in data.items()}
 
     @classmethod
@@ -115,6 +124,9 @@ class RequestRecord:
             spend_month=data.get("spend_month", ""),
             price_id=int(data.get("price_id", 0) or 0),
             api_key_id=int(data.get("api_key_id", 0) or 0),
+            stream=data.get("stream") == "1",
+            stream_usage=data.get("stream_usage") == "1",
+            tokenizer=data.get("tokenizer", ""),
         )
 
 
@@ -124,7 +136,8 @@ class Outcome:
 
     # "ok" | "queue_timeout" | "upstream_error" | "invalid_request" (the pool
     # refused it as malformed) | "worker_error" (the worker failed on it) |
-    # "worker_lost" (its worker died mid-call and none could take it over)
+    # "worker_lost" (its worker died mid-call and none could take it over) |
+    # "cancelled" (a stream whose caller went away: the pool call was closed)
     status: str
     http_status: int = 200
     body: dict[str, Any] | None = None
@@ -136,6 +149,14 @@ class Outcome:
     attempts: int = 0
     upstream_status: int = 0
     upstream_429s: int = 0
+    # Where the charged tokens come from: "pool" (its usage), "counted" (a
+    # stream cut short, its text counted with the pool's tokenizer),
+    # "estimate" (the pool may have run it, nobody knows how far); "" when
+    # nothing is charged.
+    usage_source: str = ""
+    # Chunks went to the caller through the request's Redis Stream: the body
+    # is not a JSON answer, and the web process ends the stream with it.
+    streamed: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -196,6 +217,7 @@ def worker_lost_outcome(record: RequestRecord, *, queue_wait_ms: int = 0) -> Out
         body=error_body(message="The worker running this request was lost and no other could take it over in "
                                 "time; it is charged on its estimate. Retry shortly.",
                         error_type="service_unavailable", code="worker_lost"),
+        usage_source="estimate", streamed=record.stream,
     )
 
 
@@ -208,7 +230,7 @@ def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
 
 def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int = 0, actual_output_tokens: int = 0,
                  queue_wait_ms: int = 0, upstream_ms: int = 0, total_ms: int = 0, attempts: int = 0,
-                 error: str = "") -> LedgerEntry:
+                 error: str = "", usage_source: str = "") -> LedgerEntry:
     """The request's one ledger row, priced at the price in force when it was admitted."""
     return LedgerEntry(
         request_id=record.request_id,
@@ -218,5 +240,5 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, attempts=attempts, error=error,
-        price=record.ledger_price, api_key_id=record.api_key_id or None,
+        usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
     )

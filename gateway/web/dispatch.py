@@ -5,9 +5,11 @@ the request over when its worker is lost mid-call (gateway/core/takeover.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -29,6 +31,7 @@ from gateway.core.observability import settlement_report
 from gateway.core.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
                                   claim_call, heartbeat_holder, ledger_entry)
 from gateway.core.settlement import request_refund_async
+from gateway.core.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.takeover import request_take_over
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,8 @@ class Dispatched:
     estimate: Estimate
     admission: Admission
     lane: str
-    outcome: Outcome
+    outcome: Outcome  # for a stream whose first chunk came: status STREAMING (gateway/web/relay.py)
+    record: RequestRecord | None = None
 
 
 def _record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
@@ -66,6 +70,42 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     except REDIS_UNAVAILABLE as exc:
         raise _result_unavailable() from exc
     return Outcome.from_json(popped[1]) if popped else None
+
+
+def _stream_first_wait(record: RequestRecord) -> Callable[[float], Awaitable[Outcome | None]]:
+    """A stream's wait before its first chunk: wake at the first entry of
+    its Redis Stream. A chunk: the stream starts (``STREAMING``; the relay
+    in gateway/web/relay.py reads it from the start). The end marker first:
+    the request ended before any chunk (a refusal, a timeout), and its
+    outcome is answered as JSON, exactly as an unstreamed request's."""
+    stream_key = keys.request_stream(record.request_id)
+    result_key = keys.request_result(record.request_id)
+
+    async def wait(timeout_s: float) -> Outcome | None:
+        blocking = get_async_redis(blocking=True)
+        try:
+            reply = await blocking.xread({stream_key: "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
+        except REDIS_UNAVAILABLE as exc:
+            raise _result_unavailable() from exc
+        if reply and CHUNK_FIELD in reply[0][1][0][1]:
+            return Outcome(status=STREAMING, streamed=True)
+        if reply:  # the end marker: the outcome was published before it
+            return await _wait_outcome(result_key, timeout_s)
+        try:
+            # Taken over by this process (finished, or lost): published, no marker needed.
+            raw = await blocking.lpop(result_key)
+        except REDIS_UNAVAILABLE as exc:
+            raise _result_unavailable() from exc
+        return Outcome.from_json(raw) if raw else None
+
+    return wait
+
+
+def _stream_cancel_quietly(record: RequestRecord) -> None:
+    try:
+        stream_cancel(request_id=record.request_id)
+    except Exception:  # noqa: BLE001 - Redis away: the stream runs to its end and is charged in full
+        logger.warning("request %s: could not cancel the stream", record.request_id, exc_info=True)
 
 
 def _result_unavailable() -> Rejected:
@@ -91,14 +131,19 @@ async def _take_over(record: RequestRecord, claim: Claim) -> None:
         logger.exception("request %s: taking it over (%s) failed", record.request_id, claim.verdict)
 
 
-async def _await_outcome(ctx: CallerContext, record: RequestRecord) -> Outcome:
+async def _await_outcome(ctx: CallerContext, record: RequestRecord,
+                         wait: Callable[[float], Awaitable[Outcome | None]] | None = None) -> Outcome:
     """Wait for the outcome one heartbeat interval at a time. Between waits,
     gateway/core/claim.lua says whether the request is still queued or running, gives it
     up at its queue deadline (we refund), or takes it over from a lost worker
     (we redeliver it, finish it with the pool's stored answer, or settle it
     as lost): the caller hears within seconds, not at the broker's
-    visibility timeout."""
+    visibility timeout. ``wait``: how one wait is made (a stream's also
+    wakes at its first chunk: gateway/web/relay.py)."""
     result_key = keys.request_result(record.request_id)
+    if wait is None:
+        async def wait(timeout_s: float) -> Outcome | None:
+            return await _wait_outcome(result_key, timeout_s)
     interval_s = settings.SLUICE_HEARTBEAT_INTERVAL_S
     finish_ms = (settings.SLUICE_UPSTREAM_TIMEOUT_S + FINISH_GRACE_S) * 1000
     # The latest a running delivery may have started: past this plus the
@@ -109,7 +154,7 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord) -> Outcome:
         until_deadline_s = (record.deadline_ms - now_ms) / 1000
         # Wake at the queue deadline, not up to an interval after it.
         wait_s = interval_s if until_deadline_s <= 0 else min(interval_s, until_deadline_s + 0.005)
-        outcome = await _wait_outcome(result_key, wait_s)
+        outcome = await wait(wait_s)
         if outcome is not None:
             return outcome
         claim = await _claim(record)
@@ -152,20 +197,28 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     except Rejected as rejected:
         rejected.estimated_tokens = rejected.estimated_tokens or estimate.total_tokens  # for rejection stats
         raise
-    record = record_build(
+    record = replace(record_build(
         ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
         admission=admission, deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
         # Retries must end while the caller still waits for them.
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
-    )
+    ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
     log_annotate(lane=record.lane)
     await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
 
-    outcome = await _await_outcome(ctx, record)
+    try:
+        outcome = await _await_outcome(ctx, record, wait=_stream_first_wait(record) if record.stream else None)
+    except asyncio.CancelledError:
+        if record.stream:
+            # The caller left before the first chunk: the worker closes the
+            # pool call at its first chunk and is charged what was produced.
+            _stream_cancel_quietly(record)
+        raise
     log_annotate(queue_ms=outcome.queue_wait_ms, upstream_ms=outcome.upstream_ms, attempts=outcome.attempts,
                  upstream_status=outcome.upstream_status)
     if outcome.status == "queue_timeout":
         raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
     if outcome.status == "worker_lost":
         raise worker_lost()
-    return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=record.lane, outcome=outcome)
+    return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=record.lane, outcome=outcome,
+                      record=record)

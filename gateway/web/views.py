@@ -11,7 +11,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
@@ -25,6 +25,7 @@ from gateway.core.errors import bad_request, budget_unavailable
 from gateway.core.jobs import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
                                jobs_of_workload)
 from gateway.core.log_context import log_annotate
+from gateway.core.streams import STREAMING
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
 from gateway.core.throttle import request_client_address
@@ -33,6 +34,7 @@ from gateway.web.dispatch import chat_completion
 from gateway.web.health import health_details_allowed, liveness_report, readiness_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
                                      idempotency_wait)
+from gateway.web.relay import stream_response
 from gateway.web.responses import openai_error, ratelimit_headers, rejected_response
 
 logger = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ def _idempotency_conflict() -> JsonResponse:
 
 @csrf_exempt
 @redis_unavailable_is_503
-async def chat_completions(request: HttpRequest) -> JsonResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponse:
     if request.method != "POST":
         return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
                             headers={"Allow": "POST"})
@@ -130,8 +132,12 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
     try:
         body = _read_body(request)
         chat = validate_chat_request(body)
-        chat_check(ctx, chat)
+        chat_check(ctx, chat, streaming=True)
         idem_key = _idempotency_key(request)
+        if chat.stream and idem_key:
+            # A stream cannot be stored and replayed as one answer.
+            raise bad_request("Idempotency-Key is not supported with stream=true.", param="stream",
+                              code="idempotency_stream_unsupported")
     except Rejected as rejected:
         return await _rejection(ctx, rejected)
 
@@ -163,7 +169,7 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
 
     outcome = dispatched.outcome
     admission = dispatched.admission
-    headers = {
+    headers: dict[str, str] = {
         "x-request-id": dispatched.request_id,
         "x-sluice-lane": dispatched.lane,
         "x-sluice-borrowed": "true" if admission.borrowed else "false",
@@ -176,6 +182,12 @@ async def chat_completions(request: HttpRequest) -> JsonResponse:
     if outcome.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-outcome.retry_after_ms // 1000)))
         headers["retry-after-ms"] = str(outcome.retry_after_ms)
+    if outcome.status == STREAMING:
+        # The first chunk came: from here the answer is the stream. Its lane
+        # wait and attempts are known to the worker only (the ledger row).
+        del headers["x-sluice-queue-ms"], headers["x-sluice-attempts"]
+        headers["x-sluice-total-ms"] = str(int((time.monotonic() - started) * 1000))
+        return stream_response(record=dispatched.record, headers=headers)
     if idem_key:
         await idempotency_store(workload_id=ctx.workload_id, key=idem_key, digest=digest, status=outcome.http_status,
                                 body=outcome.body or {}, headers=headers)

@@ -15,7 +15,6 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import openai
@@ -41,6 +40,7 @@ from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
+from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,10 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     sim = payload.pop("sim", None)
     started = time.monotonic()
     try:
+        if record.stream:
+            # Relayed chunk by chunk; from the first chunk on, never retried.
+            return pool_stream(client, record, payload=payload, extra_body={"sim": sim} if sim is not None else None,
+                               started=started), False
         # The raw response: the pool's JSON is relayed as it came, and the
         # SDK's model parsing (a fifth of a worker's CPU) is skipped. The call
         # may be cut off when the worker stops (gateway/worker/shutdown.py).
@@ -163,6 +167,7 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
         upstream_ms=upstream_ms,
         attempts=1,
         upstream_status=200,
+        usage_source="pool",
     ), False
 
 
@@ -227,6 +232,7 @@ def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome |
         body=error_body(message=f"Sluice failed while running this request; {charged}.", error_type="server_error",
                         code=WORKER_ERROR),
         input_tokens=input_tokens, output_tokens=output_tokens, attempts=answer.attempts if answer else int(pool_reached),
+        usage_source=(answer.usage_source or "pool") if answer is not None else ("estimate" if pool_reached else ""),
         upstream_ms=answer.upstream_ms if answer else 0,
         queue_wait_ms=max(0, int(redis_now_ms() - record.admitted_ms)),
     )
@@ -247,6 +253,7 @@ def interrupted_outcome(record: RequestRecord, *, queue_wait_ms: int) -> Outcome
     return Outcome(
         status="upstream_error", http_status=503, queue_wait_ms=queue_wait_ms, retry_after_ms=1000,
         input_tokens=record.estimated_input_tokens, output_tokens=record.estimated_output_tokens,
+        usage_source="estimate",
         body=error_body(message="The worker running this request stopped before the pool answered; retry it.",
                         error_type="service_unavailable", code="worker_shutdown"),
     )
@@ -256,7 +263,11 @@ def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
     """Store the pool's answer once: the first stored wins, so whoever
     finishes the request (this worker, one that took it over, a late one)
     settles and publishes the same answer, and a pool's answer and an
-    interruption never both count."""
+    interruption never both count. A stream's own end replaces the answer
+    its first chunk stored (gateway/worker/streaming.py)."""
+    if outcome.streamed:
+        client.set(keys.request_response(record.request_id), outcome.to_json(), px=ttl_ms())
+        return outcome
     if client.set(keys.request_response(record.request_id), outcome.to_json(), nx=True, px=ttl_ms()):
         return outcome
     stored = client.get(keys.request_response(record.request_id))
@@ -397,7 +408,8 @@ def leases_reap(*, pool_ids: list[int]) -> int:
                 usage_record_write(entry=ledger_entry(
                     record, status="lease_expired", actual_input_tokens=record.estimated_input_tokens,
                     actual_output_tokens=record.estimated_output_tokens,
-                    total_ms=max(0, int(now_ms - record.admitted_ms)), error="lease_expired"))
+                    total_ms=max(0, int(now_ms - record.admitted_ms)), error="lease_expired",
+                    usage_source="estimate"))
                 lease_expiry_report(record=record, ledger_lag_s=(now_ms - record.admitted_ms) / 1000
                                     + (time.monotonic() - writing))
                 client.delete(keys.request_record(request_id))

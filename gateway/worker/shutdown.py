@@ -144,6 +144,12 @@ def pool_call_within_grace(fn: Callable[[], T]) -> T:
     return _shutdown.call(fn)
 
 
+def shutdown_grace_over() -> bool:
+    """Whether the stop's grace has ended: a stream being relayed (which no
+    single blocking call covers) ends here (gateway/worker/streaming.py)."""
+    return _shutdown.expired.is_set()
+
+
 def pause(seconds: float) -> bool:
     """Sleep like ``time.sleep``; False when cut short by the stop."""
     return not _shutdown.stopping.wait(seconds)

@@ -128,7 +128,9 @@ MALFORMED = [
     ("max_tokens bool", b'{"model": "sim-small", "max_tokens": true, "messages": [{"role": "user", "content": "x"}]}', 400, None),
     ("temperature out of range", b'{"model": "sim-small", "temperature": 9, "messages": [{"role": "user", "content": "x"}]}', 400, None),
     ("n above one", b'{"model": "sim-small", "n": 3, "messages": [{"role": "user", "content": "x"}]}', 400, None),
-    ("stream", b'{"model": "sim-small", "stream": true, "messages": [{"role": "user", "content": "x"}]}', 400, "stream_unsupported"),
+    ("stream not a boolean", b'{"model": "sim-small", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}', 400, None),
+    ("include_usage not a boolean", b'{"model": "sim-small", "stream": true, "stream_options": {"include_usage": 1}, "messages": [{"role": "user", "content": "x"}]}', 400, None),
+    ("stream_options unknown key", b'{"model": "sim-small", "stream": true, "stream_options": {"nope": true}, "messages": [{"role": "user", "content": "x"}]}', 400, None),
     ("unknown model", b'{"model": "gpt-nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found"),
     ("invalid utf-8", b'{"model": "sim-small", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "invalid_json"),
 ]

@@ -54,6 +54,11 @@ def test_schedules_only_serve_scheduled_workloads(make_caller):
     scheduled = make_caller(workload_class="scheduled", prompt_tokens_cap=100, max_tokens_cap=100)
     with pytest.raises(ValidationError):
         JobSchedule(name="y", workload=scheduled.workload, crontab=crontab, body={"messages": []}).full_clean()
+    # a schedule's jobs cannot stream (jobs do not)
+    with pytest.raises(ValidationError) as excinfo:
+        JobSchedule(name="z", workload=scheduled.workload, crontab=crontab, body={**BODY, "stream": True}).full_clean()
+    assert "do not stream" in str(excinfo.value)
+    JobSchedule(name="w", workload=scheduled.workload, crontab=crontab, body={**BODY, "stream": False}).full_clean()
 
 
 def test_a_firing_creates_its_jobs_once(make_caller):

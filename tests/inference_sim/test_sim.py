@@ -255,6 +255,17 @@ def test_streaming_with_sdk(sim):
     assert (stats["completed"], stats["completion_tokens"], stats["in_flight"]) == (1, 40, 0)
 
 
+def test_a_stream_can_be_made_to_break_off_after_some_tokens(sim):
+    events = sse_events(sim.chat(messages=USER, stream=True, stream_options={"include_usage": True},
+                                 sim={"output_tokens": 20, "fail_after_tokens": 7}))
+    # the role chunk, 7 tokens, then nothing: no finish, no usage, no [DONE]
+    role, *content = events
+    assert role["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["delta"]["content"] for c in content] == list(token_pieces(7))
+    stats = sim.stats()
+    assert (stats["failed"], stats["completed"], stats["completion_tokens"], stats["in_flight"]) == (1, 0, 0, 0)
+
+
 # -- simulated latency -----------------------------------------------------------
 
 

@@ -1,0 +1,87 @@
+"""The streaming relay between the worker and the waiting web process
+(docs/architecture.md, "Streaming").
+
+A streamed request is admitted, queued, claimed and retried like any other
+until the pool's first chunk. From then on the worker appends each chunk of
+the pool's server-sent events to the request's Redis Stream
+(``keys.request_stream``: XADD, one field ``d`` = the event's JSON), and the
+web process reads it with a blocking XREAD on the event loop and writes each
+chunk to the caller as it arrives: no thread per stream, nothing buffered.
+
+Whoever finishes the request (request_finish: the worker, or whoever took it
+over from a lost worker) appends the end marker (field ``end``) after the
+outcome is published, so the web process wakes at once and ends the stream
+with ``data: [DONE]`` or an error event in OpenAI's shape.
+
+A caller that goes away sets the cancel flag (``keys.request_stream_cancel``);
+the worker reads it in the same round trip as each XADD, closes the pool call
+(the pool stops generating) and settles on the tokens produced. Both keys
+carry the request's hash tag and expire with its other keys (TTL set on
+every write), so nothing leaks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from budgets.admission.redis_client import SyncRedis, get_redis
+from gateway.core import keys
+from gateway.core.records import Outcome, ttl_ms
+
+# The outcome status a waiting web process gets when a stream's first chunk
+# came: answer with the stream, not with JSON.
+STREAMING = "streaming"
+CHUNK_FIELD = "d"
+END_FIELD = "end"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def stream_append(client: SyncRedis, *, request_id: str, chunk: str) -> bool:
+    """Append one chunk (an SSE event's JSON); True when the caller has gone
+    away (the cancel flag is set). One round trip: XADD, its TTL, the flag."""
+    stream_key = keys.request_stream(request_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(stream_key, {CHUNK_FIELD: chunk})
+    pipe.pexpire(stream_key, ttl_ms())
+    pipe.exists(keys.request_stream_cancel(request_id))
+    return bool(pipe.execute()[2])
+
+
+def stream_end(*, request_id: str, client: SyncRedis | None = None) -> None:
+    """Append the end marker: the outcome is published, the web process ends
+    the stream with it. Idempotent enough: a second marker is never read
+    (the reader stops at the first)."""
+    client = client or get_redis()
+    stream_key = keys.request_stream(request_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.xadd(stream_key, {END_FIELD: "1"})
+    pipe.pexpire(stream_key, ttl_ms())
+    pipe.execute()
+
+
+def stream_cancel(*, request_id: str, client: SyncRedis | None = None) -> None:
+    """The caller went away: ask the worker to close the pool call."""
+    (client or get_redis()).set(keys.request_stream_cancel(request_id), "1", px=ttl_ms())
+
+
+def sse_event(data: str | bytes) -> bytes:
+    return b"data: " + (data.encode() if isinstance(data, str) else data) + b"\n\n"
+
+
+def stream_error_event(outcome: Outcome) -> bytes:
+    """An outcome that is not a completed stream, as OpenAI's error event
+    (the SDKs raise APIError on it)."""
+    error: dict[str, Any] = dict((outcome.body or {}).get("error") or {})
+    error.setdefault("message", "The stream ended before the pool finished it.")
+    error.setdefault("type", "server_error")
+    error.setdefault("param", None)
+    error.setdefault("code", outcome.status)
+    return sse_event(json.dumps({"error": error}, separators=(",", ":")))
+
+
+def stream_closing_events(outcome: Outcome) -> bytes:
+    """How the caller's stream ends, given the request's outcome."""
+    if outcome.status == "ok":
+        return DONE_EVENT
+    return stream_error_event(outcome)
+

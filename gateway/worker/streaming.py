@@ -1,0 +1,164 @@
+"""The worker's half of a streamed request (docs/architecture.md, "Streaming").
+
+The pool is asked to stream with its usage (``stream_options.include_usage``
+is always set upstream: gateway/core/chat.py ``pool_payload``). Opening the
+call is an attempt like any other: a refusal before the first chunk (429,
+5xx, timeout) raises as the SDK raises it, and the retry policy in
+gateway/worker/execution.py ``pool_call`` decides. From the first chunk on
+nothing is retried: each chunk is appended to the request's Redis Stream
+(gateway/core/streams.py) as it arrives, the caller's cancel flag is read in
+the same round trip, and the outcome says what to charge:
+
+- the pool's usage chunk when it sent one (``usage_source`` "pool");
+- else the text produced, counted with the pool's tokenizer, and the prompt
+  as estimated (``usage_source`` "counted"): a caller that went away
+  (``cancelled``), a stream the pool broke off (``upstream_error``), a
+  worker that stops past its shutdown grace (``upstream_error``,
+  ``worker_shutdown``).
+
+Before the first chunk is relayed, the request's stored answer is set to
+"lost, charged on the estimate" (``worker_lost_outcome``): a worker killed
+mid-stream is then finished from it by whoever takes the request over
+(gateway/core/takeover.py), never delivered again (its caller already has
+chunks) and never left hanging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import openai
+
+import llm_tokens
+from budgets.admission.redis_client import get_redis
+from gateway.core import keys
+from gateway.core.errors import error_body
+from gateway.core.records import Outcome, RequestRecord, ttl_ms, worker_lost_outcome
+from gateway.core.streams import stream_append
+from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
+
+logger = logging.getLogger(__name__)
+
+CANCELLED = "cancelled"
+CLIENT_CLOSED = 499  # nginx's code: the caller closed the connection first
+STREAM_BROKEN = (httpx.HTTPError, openai.APIError)
+
+
+class _Relay:
+    """What one stream produced so far."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.pieces: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.relayed = 0
+        self.finished = False  # a finish_reason came
+        self.done = False  # [DONE] came
+        self.error: dict[str, Any] | None = None  # an error event from the pool
+
+    def tokens(self) -> tuple[int, int, str]:
+        """(input, output, usage_source) to settle on."""
+        if self.usage is not None:
+            return int(self.usage.get("prompt_tokens") or 0), int(self.usage.get("completion_tokens") or 0), "pool"
+        text = "".join(self.pieces)
+        output = llm_tokens.count_text_tokens(text, self.record.tokenizer or "cl100k_base") if text else 0
+        return self.record.estimated_input_tokens, output, "counted"
+
+
+def _read_chunk(relay: _Relay, data: str) -> bool:
+    """Take one event's JSON in; whether to relay it to the caller."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        relay.error = {"message": "The inference pool sent an event that is not JSON."}
+        return False
+    if not isinstance(chunk, dict):
+        return False
+    if isinstance(chunk.get("error"), dict):
+        relay.error = chunk["error"]
+        return False
+    if isinstance(chunk.get("usage"), dict):
+        relay.usage = chunk["usage"]
+    choices = chunk.get("choices")
+    if not choices:
+        # The usage chunk: only for a caller that asked for it.
+        return relay.record.stream_usage
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") or {}
+        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+            relay.pieces.append(delta["content"])
+        if choice.get("finish_reason"):
+            relay.finished = True
+    return True
+
+
+def _first_chunk_mark(client, record: RequestRecord) -> None:
+    """From here the caller has chunks: a lost worker's request is finished
+    on this answer, not delivered again."""
+    client.set(keys.request_response(record.request_id), worker_lost_outcome(record).to_json(), nx=True, px=ttl_ms())
+
+
+def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_body: dict | None,
+                started: float) -> Outcome:
+    """One streamed attempt. Errors before the pool's first byte raise (the
+    caller, ``_single_call``, turns them into a retryable outcome or not);
+    everything after is this function's outcome."""
+    opening = pool.chat.completions.with_streaming_response.create(**payload, extra_body=extra_body)
+    response = pool_call_within_grace(opening.__enter__)
+    relay = _Relay(record)
+    client = get_redis()
+    cancelled = stopped = False
+    try:
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                relay.done = True
+                break
+            if not _read_chunk(relay, data):
+                if relay.error is not None:
+                    break
+                continue
+            if relay.relayed == 0:
+                _first_chunk_mark(client, record)
+            relay.relayed += 1
+            if stream_append(client, request_id=record.request_id, chunk=data):
+                cancelled = True
+                break
+            if shutdown_grace_over():
+                stopped = True
+                break
+    except STREAM_BROKEN as exc:
+        logger.warning("request %s: the pool's stream broke off after %d chunks: %s", record.request_id,
+                       relay.relayed, exc)
+    finally:
+        # Closing the response closes the connection: the pool stops generating.
+        opening.__exit__(None, None, None)
+    upstream_ms = int((time.monotonic() - started) * 1000)
+    input_tokens, output_tokens, source = relay.tokens()
+    outcome = Outcome(status="ok", input_tokens=input_tokens, output_tokens=output_tokens, upstream_ms=upstream_ms,
+                      attempts=1, upstream_status=200, usage_source=source, streamed=relay.relayed > 0)
+    if cancelled:
+        return replace(outcome, status=CANCELLED, http_status=CLIENT_CLOSED,
+                       body=error_body(message="The caller closed the stream.", error_type="invalid_request_error",
+                                       code=CANCELLED))
+    if stopped:
+        return replace(outcome, status="upstream_error", http_status=503, retry_after_ms=1000,
+                       body=error_body(message="The worker relaying this stream stopped; it is charged the tokens "
+                                               "produced. Retry it.", error_type="service_unavailable",
+                                       code="worker_shutdown"))
+    if relay.error is not None or not (relay.done or relay.finished):
+        message = relay.error.get("message") if relay.error else None
+        return replace(outcome, status="upstream_error", http_status=502,
+                       body=error_body(message="The inference pool's stream broke off"
+                                               + (f": {str(message)[:500]}" if message else "")
+                                               + "; it is charged the tokens produced.",
+                                       error_type="upstream_error", code="upstream_stream_error"))
+    return outcome
