@@ -34,6 +34,7 @@ class LedgerEntry:
     actual_output_tokens: int = 0
     queue_wait_ms: int = 0
     upstream_ms: int = 0
+    ttft_ms: int | None = None  # streams: admission to the pool's first chunk
     total_ms: int = 0
     attempts: int = 0
     error: str = ""

@@ -221,6 +221,8 @@ class UsageRecord(models.Model):
     price = models.ForeignKey(ModelPrice, null=True, blank=True, on_delete=models.PROTECT)
     queue_wait_ms = models.PositiveIntegerField(default=0)
     upstream_ms = models.PositiveIntegerField(default=0)
+    # Streams only: ms from admission to the pool's first chunk (time to first token).
+    ttft_ms = models.PositiveIntegerField(null=True, blank=True)
     total_ms = models.PositiveIntegerField(default=0)
     attempts = models.PositiveSmallIntegerField(default=0)
     error = models.CharField(max_length=500, blank=True)

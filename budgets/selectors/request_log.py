@@ -32,8 +32,9 @@ LEDGER, REJECTION = 1, 0  # rank at one instant: ledger rows first
 REJECTED = "rejected"  # the status filter that shows rejections only
 # Latency columns a ledger row carries, in the order pages show them. One
 # more timing (a stream's time to first token) is one more entry here.
-TIMINGS = ("queue_wait_ms", "upstream_ms", "total_ms")
-TIMING_LABELS = {"queue_wait_ms": "queue wait", "upstream_ms": "upstream", "total_ms": "total"}
+TIMINGS = ("queue_wait_ms", "upstream_ms", "ttft_ms", "total_ms")
+TIMING_LABELS = {"queue_wait_ms": "queue wait", "upstream_ms": "upstream", "ttft_ms": "TTFT (streams)",
+                 "total_ms": "total"}
 
 
 @dataclass(frozen=True)
@@ -279,9 +280,8 @@ def ledger_timeline(*, row: UsageRecord) -> list[tuple[str, datetime]]:
     if row.upstream_ms or row.status == UsageRecord.Status.OK:
         started = admitted + timedelta(milliseconds=row.queue_wait_ms)
         steps.append(("started on the pool", started))
-        first_token_ms = getattr(row, "ttft_ms", None)
-        if first_token_ms is not None:
-            steps.append(("first token", started + timedelta(milliseconds=first_token_ms)))
+        if row.ttft_ms is not None:  # streams: counted from admission
+            steps.append(("first token", admitted + timedelta(milliseconds=row.ttft_ms)))
         steps.append(("pool answered", started + timedelta(milliseconds=row.upstream_ms)))
     steps.append(("settled", admitted + timedelta(milliseconds=row.total_ms)))
     return steps

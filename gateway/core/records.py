@@ -157,6 +157,9 @@ class Outcome:
     # Chunks went to the caller through the request's Redis Stream: the body
     # is not a JSON answer, and the web process ends the stream with it.
     streamed: bool = False
+    # Streams: ms until the pool's first chunk (pool_stream gives it per
+    # attempt; request execution turns it into ms since admission).
+    ttft_ms: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -230,7 +233,7 @@ def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
 
 def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int = 0, actual_output_tokens: int = 0,
                  queue_wait_ms: int = 0, upstream_ms: int = 0, total_ms: int = 0, attempts: int = 0,
-                 error: str = "", usage_source: str = "") -> LedgerEntry:
+                 error: str = "", usage_source: str = "", ttft_ms: int | None = None) -> LedgerEntry:
     """The request's one ledger row, priced at the price in force when it was admitted."""
     return LedgerEntry(
         request_id=record.request_id,
@@ -239,6 +242,6 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         model=record.model, lane=record.lane, status=status, borrowed=record.borrowed,
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
-        queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, attempts=attempts, error=error,
-        usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
+        queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, ttft_ms=ttft_ms, attempts=attempts,
+        error=error, usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
     )

@@ -346,7 +346,13 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
             outcome = _answer_keep(client, record, answered[request_id])
         else:
             try:
+                calling = time.monotonic()
                 outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+                if outcome.ttft_ms is not None:
+                    # Earlier attempts and the wait between them count: the
+                    # call's time less what followed the last attempt's first chunk.
+                    before_first_chunk = int((time.monotonic() - calling) * 1000) - (outcome.upstream_ms - outcome.ttft_ms)
+                    outcome = replace(outcome, ttft_ms=queue_wait_ms + max(outcome.ttft_ms, before_first_chunk))
             except CallInterrupted as interrupted:
                 if interrupted.started:
                     # The redelivery finishes it from this answer, without a call.

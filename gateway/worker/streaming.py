@@ -114,6 +114,7 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False
+    first_chunk_ms: int | None = None
     try:
         for line in response.iter_lines():
             if not line.startswith("data:"):
@@ -127,6 +128,7 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
                     break
                 continue
             if relay.relayed == 0:
+                first_chunk_ms = int((time.monotonic() - started) * 1000)
                 _first_chunk_mark(client, record)
             relay.relayed += 1
             if stream_append(client, request_id=record.request_id, chunk=data):
@@ -144,7 +146,8 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     upstream_ms = int((time.monotonic() - started) * 1000)
     input_tokens, output_tokens, source = relay.tokens()
     outcome = Outcome(status="ok", input_tokens=input_tokens, output_tokens=output_tokens, upstream_ms=upstream_ms,
-                      attempts=1, upstream_status=200, usage_source=source, streamed=relay.relayed > 0)
+                      attempts=1, upstream_status=200, usage_source=source, streamed=relay.relayed > 0,
+                      ttft_ms=first_chunk_ms)
     if cancelled:
         return replace(outcome, status=CANCELLED, http_status=CLIENT_CLOSED,
                        body=error_body(message="The caller closed the stream.", error_type="invalid_request_error",

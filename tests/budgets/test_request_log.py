@@ -132,7 +132,7 @@ def test_log_entries_carry_the_ledgers_numbers(world):
     # sim-small: 0.15 in, 0.60 out per million
     assert entry.cost == row.cost == Decimal("0.00045000")
     assert entry.currency == "USD" and entry.key_prefix == key.prefix and entry.borrowed is True
-    assert entry.timings == {"queue_wait_ms": 40, "upstream_ms": 900, "total_ms": 960}
+    assert entry.timings == {"queue_wait_ms": 40, "upstream_ms": 900, "ttft_ms": None, "total_ms": 960}
 
 
 def test_pending_rejections_in_redis_show_before_the_flush_and_once_after(world):

@@ -98,6 +98,8 @@ def test_the_sync_sdk_streams_text_and_usage_as_the_pool_produced_them(platform,
     assert after["prompt_tokens"] - before["prompt_tokens"] == PROMPT_TOKENS
     row = ledger_row(request_id)
     assert (row.status, row.usage_source) == ("ok", "pool")
+    # time to first token: after the queue wait, before the request was settled
+    assert row.ttft_ms is not None and row.queue_wait_ms <= row.ttft_ms <= row.total_ms
     assert_settled_on(redis_client, caller, row, input_tokens=PROMPT_TOKENS, output_tokens=17)
 
 
@@ -384,3 +386,10 @@ def test_a_worker_stopped_mid_stream_ends_it_within_its_grace_charged_what_was_p
     produced = llm_tokens.count_text_tokens("".join(texts))
     assert 5 <= produced < 3_000
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens, output_tokens=produced)
+
+
+def test_a_non_streamed_answer_has_no_time_to_first_token_in_the_ledger(platform, caller):
+    sdk(platform, caller.api_key).chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=40, extra_body={"sim": {"output_tokens": 3}})
+    row = ledger_row(UsageRecord.objects.get().request_id)
+    assert (row.status, row.usage_source, row.ttft_ms) == ("ok", "pool", None)
