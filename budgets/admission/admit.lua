@@ -33,6 +33,9 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- As it is written back (tostring keeps 14 digits: 0.1 ms), so a level
+-- read later refills from exactly the moment this script computed it at.
+now = tonumber(tostring(now))
 local INF = math.huge
 
 local wid = ARGV[1]

@@ -68,7 +68,7 @@ local function ps_add(a, k_fill, name, lvl, rate, cap, now)
     a[d .. '.s'] = a[d .. '.s'] + lvl
     a[d .. '.r'] = a[d .. '.r'] + rate
     local at = '+inf'
-    if rate > 0 then at = tostring(now + (cap - lvl) / rate) end
+    if rate > 0 then at = string.format('%.17g', now + (cap - lvl) / rate) end
     redis.call('ZADD', k_fill, at, name)
   end
 end
@@ -88,7 +88,7 @@ end
 
 local function ps_save(k_sum, a)
   local flat = {}
-  for f, v in pairs(a) do flat[#flat + 1] = f; flat[#flat + 1] = tostring(v) end
+  for f, v in pairs(a) do flat[#flat + 1] = f; flat[#flat + 1] = string.format('%.17g', v) end
   redis.call('HSET', k_sum, unpack(flat))
 end
 

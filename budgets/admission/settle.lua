@@ -21,6 +21,9 @@ for i = 1, #lease_flat, 2 do lease[lease_flat[i]] = lease_flat[i + 1] end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- As it is written back (tostring keeps 14 digits: 0.1 ms), so a level
+-- read later refills from exactly the moment this script computed it at.
+now = tonumber(tostring(now))
 
 local wid = lease['wid']
 local k_in, k_out = tonumber(lease['k_in']), tonumber(lease['k_out'])
