@@ -124,9 +124,13 @@ end
 
 -- Earliest time at which P - S >= k (a loan fits), walking the piecewise
 -- linear P(t) - S(t) through the moments buckets fill up: P's own, and the
--- protected buckets' in the fill zset's order (read in batches, and only as
--- far as needed).
-local FILL_BATCH = 64
+-- protected buckets' in the fill zset's order. The walk stops after FILL_WALK
+-- of them (O(log n) in all): past that, it answers an upper bound, never an
+-- earlier time than the loan fits. Until P is full, the buckets still to fill
+-- only make P - S grow faster, so the current slope gives one; failing that,
+-- once P and every protected bucket are full, P - S is the full-capacity gap,
+-- which fits k (checked first).
+local FILL_WALK = 64
 local function wait_for_free(d, p, k)
   local pname = 'P.' .. d
   if k > cap_of(pname) - agg[d .. '.cap'] then
@@ -147,24 +151,26 @@ local function wait_for_free(d, p, k)
     slope = slope + dslope
     return nil
   end
-  local offset = 0
-  local done = false
-  while not done do
-    local batch = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', '+inf', 'WITHSCORES', 'LIMIT', offset, FILL_BATCH)
-    for i = 1, #batch, 2 do
-      if batch[i + 1] == 'inf' then done = true; break end
-      if ps_dim(batch[i]) == d then
-        local at = tonumber(batch[i + 1]) - now
-        if p_pending and tp <= at then
-          local r = step(tp, -rate_of(pname)); if r then return r end
-          p_pending = false
-        end
-        local rate = ps_bucket(KEYS[1], KEYS[8], batch[i])
-        local r = step(at, rate); if r then return r end
+  local batch = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, FILL_WALK)
+  for i = 1, #batch, 2 do
+    if batch[i + 1] == 'inf' then break end
+    if ps_dim(batch[i]) == d then
+      local at = tonumber(batch[i + 1]) - now
+      if p_pending and tp <= at then
+        local r = step(tp, -rate_of(pname)); if r then return r end
+        p_pending = false
       end
+      local rate = ps_bucket(KEYS[1], KEYS[8], batch[i])
+      local r = step(at, rate); if r then return r end
     end
-    if #batch < 2 * FILL_BATCH then done = true end
-    offset = offset + FILL_BATCH
+  end
+  if #batch == 2 * FILL_WALK then
+    if p_pending and slope > 0 and t0 + (k - f) / slope <= tp then return t0 + (k - f) / slope end
+    local last = redis.call('ZREVRANGEBYSCORE', KEYS[10], '(+inf', '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local t_last = 0
+    if #last > 0 then t_last = tonumber(last[2]) - now end
+    if p_pending then return math.max(tp, t_last, t0) end
+    return math.max(t_last, t0)
   end
   if p_pending then
     local r = step(tp, -rate_of(pname)); if r then return r end

@@ -128,3 +128,33 @@ def test_incremental_protected_sum_equals_the_brute_force_sum_after_random_opera
     assert compared > 400
     assert filling_seen > 100
     assert min(outcomes.values()) > 0, outcomes
+
+
+def test_a_refused_loan_past_the_fill_walk_is_told_a_wait_after_which_it_fits(make_caller):
+    # given 70 strict workloads (more protected buckets than admit.lua walks)
+    # each part-spent so that every one fills at its own time, and a borrower
+    # that drained the free capacity
+    pool = make_caller.pool(provider_tpm=8_400_000, provider_rpm=100_000, headroom=0.5, burst_seconds=1.0)
+    small = {"prompt_tokens_cap": 100, "max_tokens_cap": 100, "rpm": 600}
+    strict = [make_caller(pool=pool, reserved_tpm=57_000, lend_fraction=0.0, **small) for _ in range(70)]
+    borrower = make_caller(pool=pool, reserved_tpm=60_000, ceiling_tpm=2_400_000, lend_fraction=1.0,
+                           prompt_tokens_cap=1_000, max_tokens_cap=1_000, rpm=6_000)
+
+    def ask(caller, tokens):
+        try:
+            return admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=uuid.uuid4().hex,
+                         input_tokens=0, output_tokens=tokens, lease_ttl_ms=600_000)
+        except Rejected as rejected:
+            return rejected
+
+    for i, caller in enumerate(strict):
+        assert not isinstance(ask(caller, 100 + 5 * i), Rejected)
+    while not isinstance(ask(borrower, 2_000), Rejected):
+        pass
+    # when a loan of 2,000 tokens is refused for the pool
+    refused = ask(borrower, 2_000)
+    assert isinstance(refused, Rejected) and refused.reason == "pool_tpm", refused
+    # then waiting what it was told is enough (an upper bound past the walk)
+    assert 0 < refused.retry_after_ms <= 1_000
+    time.sleep(refused.retry_after_ms / 1000)
+    assert not isinstance(ask(borrower, 2_000), Rejected)
