@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from . import accuracy, admission_scale, brownout, calibration, mixed, overhead, retry_storm, runaway
+from . import accuracy, admission_scale, brownout, calibration, cost, mixed, overhead, retry_storm, runaway
 from .common import OUT_DIR, git_revision, log, read_result, report_paths, write_result
 from .platform import Services
 
@@ -31,13 +31,15 @@ SCENARIOS = [
     ("calibration", calibration, "Simulator calibration"),
     ("admission_scale", admission_scale, "7. Admission cost against workloads on a pool"),
     ("overhead", overhead, "5. Overhead and throughput (spine bench)"),
+    ("cost", cost, "8. The cost of the path (CPU per request, profile)"),
     ("mixed", mixed, "1. Mixed short and long"),
     ("runaway", runaway, "2. Runaway batch (bulkhead)"),
     ("brownout", brownout, "3. Brownout"),
     ("retry_storm", retry_storm, "4. Retry storm"),
     ("accuracy", accuracy, "6. Budget accuracy"),
 ]
-REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "admission_scale", "calibration"]
+REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "cost", "admission_scale",
+                "calibration"]
 
 
 def _machine() -> str:
