@@ -122,7 +122,7 @@ class Profiler:
             name = f"{phase}-{name}"
             out = PROFILE_DIR / f"{name}.txt"
             self.running.append((name, subprocess.Popen(
-                [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking",
+                [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking", "--gil",
                  "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
         time.sleep(1.0)  # py-spy attaches before the phase starts (its startup is not the phase's)
 
