@@ -1,12 +1,12 @@
 """Admission cost against the number of workloads on one pool (issue 9):
-admit.lua at 10, 100 and 1,000 workloads, for a request paid from its
+budgets/admission/admit.lua at 10, 100 and 1,000 workloads, for a request paid from its
 workload's protected bucket, a loan (needs the pool's protected sum S) and a
 refused loan (needs the time at which P - S will fit it).
 
 Redis's own time per script call (INFO commandstats: the time Redis is
 blocked, which every other caller of the pool waits behind) and the client's
 round trip, with the 10-workload row as the same-run baseline. When git has
-it, admit.lua as it was before S became an incremental aggregate (commit
+it, the script as it was before S became an incremental aggregate (commit
 BASELINE_REV: a loop over every workload's protected level, HGETALL of the
 pool's hashes) runs on an identical pool in the same run as a second
 baseline. No HTTP, no database: the bucket config comes from the same
@@ -27,7 +27,7 @@ from bench.platform import Services
 
 NAME = "admission_scale"
 SIZES = (10, 100, 1_000)
-BASELINE_REV = "5a4493b"  # the last commit with the O(n) admit.lua
+BASELINE_REV = "5a4493b"  # the last commit with the O(n) admission script
 TARGET_US = 200.0
 
 
@@ -162,9 +162,10 @@ def summarize(data: dict) -> str:
                           f"{cell['hits']}/{cell['calls']}"])
     worst = max(r[k]["server_us"] for r in rows if r["workloads"] == max(SIZES) for k, _ in KINDS[:2])
     return "\n".join([
-        f"{data['calls_per_cell']} calls per cell; µs per admit.lua call: Redis's own time (INFO commandstats, "
-        "the time every other caller of the pool waits) and the client's round trip; ratio against the "
-        f"10-workload row of the same run; 'before' = admit.lua of commit {data.get('baseline_rev') or '(git n/a)'} "
+        f"{data['calls_per_cell']} calls per cell; µs per budgets/admission/admit.lua call: Redis's own time "
+        "(INFO commandstats, the time every other caller of the pool waits) and the client's round trip; ratio "
+        "against the 10-workload row of the same run; 'before' = the same script at commit "
+        f"{data.get('baseline_rev') or '(git n/a)'} "
         "(a loop over every workload's protected level) on an identical pool in the same run.",
         "",
         md_table(["workloads", "admission", "Redis µs", "round trip µs", "× 10-workload row", "before: Redis µs",

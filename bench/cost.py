@@ -140,7 +140,7 @@ class Profiler:
 
 
 def _frame(frame: str) -> str:
-    # raw frames read "function (path/to/file.py:line)"; keep function and short file
+    # raw frames read "function (<file>:<line>)"; keep the function and a short file name
     name, _, where = frame.partition(" (")
     where = where.rstrip(")").rsplit(":", 1)[0]
     parts = Path(where).parts
@@ -265,10 +265,11 @@ def summarize(data: dict) -> str:
     rows.append(["simulator, direct call (same run)", "", "", ""])
     rows[-1][1] = fmt(d["sim_ms_per_request"], 2)
     web_refusals_per_s = r["n"] / max(1e-9, r["net_cpu_s"].get("web", 0.0))
+    redis_note = "counted (started by the bench)" if data["redis_counted"] else "not counted (external, shared)"
     lines = [
         f"{data['requests_per_phase']} requests per phase, {data['clients']} closed-loop clients, zero-latency "
         "simulator; CPU time (user + system) from /proc of each process tree, minus its idle rate over the "
-        f"phase's wall time. Redis {'counted (started by the bench)' if data['redis_counted'] else 'not counted (external, shared)'}; "
+        f"phase's wall time. Redis {redis_note}; "
         "PostgreSQL and the load generator not counted.",
         "",
         md_table(["process", "ms CPU per admitted request", "ms CPU per refusal", "idle ms CPU per s"], rows),
