@@ -210,8 +210,8 @@ samples, walks the body for unencodable strings, and every waiting call claims (
 once a second; the worker renews heartbeats and stores the answer with SET NX; a priced request
 holds and settles its spend on the tenant's keys in calls of their own. Together they cost the
 full path about a third of its throughput on these 2 cores (69 admitted req/s here) and the fast
-path 40% of its refusals per second. None of it has been profiled yet: the streaming and
-cost-of-the-path issue starts there (py-spy on the web process and a lane worker).""",
+path 40% of its refusals per second. Section 8 (bench/cost.py, bench/PROFILE.md) profiles the
+path with py-spy and measures its CPU per request before and after the cuts it led to.""",
     "accuracy": """**Reading it.** Every window of every length stays within the bucket's own bound (capacity +
 rate x window), so 4 processes admit no more than one would: the Lua script is atomic. The 60 s
 row is the one the target names; its bound includes the 1 s burst capacity (1,000 tokens,
