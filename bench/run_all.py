@@ -22,15 +22,18 @@ import sys
 import time
 import traceback
 
-from . import accuracy, brownout, calibration, mixed, overhead, request_log, retry_storm, runaway, streaming
+from . import (accuracy, admission_scale, brownout, calibration, cost, mixed, overhead, request_log, retry_storm,
+               runaway, streaming)
 from .common import OUT_DIR, fmt, git_revision, log, read_result, report_paths, write_result
 from .platform import Services
 
 # Order: cheap and self-contained first, so a failure late still leaves most results.
 SCENARIOS = [
     ("calibration", calibration, "Simulator calibration"),
+    ("admission_scale", admission_scale, "10. Admission cost against workloads on a pool"),
     ("overhead", overhead, "5. Overhead and throughput (spine bench)"),
     ("streaming", streaming, "7. Streaming: time to first token and inter-chunk delay"),
+    ("cost", cost, "9. The cost of the path (CPU per request, profile)"),
     ("mixed", mixed, "1. Mixed short and long"),
     ("runaway", runaway, "2. Runaway batch (bulkhead)"),
     ("brownout", brownout, "3. Brownout"),
@@ -38,7 +41,8 @@ SCENARIOS = [
     ("accuracy", accuracy, "6. Budget accuracy"),
     ("request_log", request_log, "8. Request log at scale"),
 ]
-REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log", "calibration"]
+REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log",
+                "cost", "admission_scale", "calibration"]
 
 
 def _machine() -> str:
@@ -209,8 +213,8 @@ samples, walks the body for unencodable strings, and every waiting call claims (
 once a second; the worker renews heartbeats and stores the answer with SET NX; a priced request
 holds and settles its spend on the tenant's keys in calls of their own. Together they cost the
 full path about a third of its throughput on these 2 cores (69 admitted req/s here) and the fast
-path 40% of its refusals per second. None of it has been profiled yet: the streaming and
-cost-of-the-path issue starts there (py-spy on the web process and a lane worker).""",
+path 40% of its refusals per second. Section 8 (bench/cost.py, bench/PROFILE.md) profiles the
+path with py-spy and measures its CPU per request before and after the cuts it led to.""",
     "accuracy": """**Reading it.** Every window of every length stays within the bucket's own bound (capacity +
 rate x window), so 4 processes admit no more than one would: the Lua script is atomic. The 60 s
 row is the one the target names; its bound includes the 1 s burst capacity (1,000 tokens,

@@ -12,6 +12,7 @@ not on a thread. Every /v1 answer gets a request id, an access log line and
 its metrics (gateway/web/access_log.py); /metrics is served here too, for
 the same reason as /healthz: a scrape needs no session."""
 
+import asyncio
 import os
 
 from django.core.asgi import get_asgi_application
@@ -20,8 +21,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
-from django.core.handlers.asgi import ASGIHandler  # noqa: E402  (after django.setup())
-from django.urls import set_urlconf  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E402  (after django.setup())
+from django.core.exceptions import RequestAborted  # noqa: E402
+from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
@@ -34,6 +36,56 @@ class ApiHandler(ASGIHandler):
     """Django's ASGI handler with an empty middleware chain, every error
     answered as OpenAI-shaped JSON (gateway/web/edge.py), not an HTML page,
     and one access-log line per /v1 answer (gateway/web/access_log.py)."""
+
+    async def __call__(self, scope, receive, send):
+        """One request, without the thread Django's handler starts for it.
+        Django enters a ThreadSensitiveContext per request and closes the
+        response through sync_to_async: a new thread started and joined per
+        request, a third of the web process's samples on the refusal path
+        (bench/PROFILE.md). Nothing under /v1 needs it: every blocking call
+        there runs with thread_sensitive=False, so the response closes here,
+        on the loop (HttpResponse.close: its closers and request_finished,
+        whose receivers touch only this thread's database connections, and
+        the loop has none). request_started is not sent, for the same reason.
+        A client that disconnects still cancels its view, as in Django's."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            error_response.close()
+            return
+        respond = asyncio.ensure_future(self._respond(request, send))
+        disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((respond, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (disconnect, respond):
+                if not task.done():
+                    task.cancel()
+                    try:
+                        await task
+                    except (asyncio.CancelledError, RequestAborted):
+                        pass
+            body_file.close()
+        if disconnect.done() and not disconnect.cancelled():
+            disconnect.exception()  # RequestAborted: the client left (its view was cancelled)
+        if not respond.cancelled() and respond.exception() is None:
+            respond.result().close()
+        elif not respond.cancelled():
+            raise respond.exception()
+
+    async def _respond(self, request, send):
+        response = await self.get_response_async(request)
+        try:
+            await self.send_response(response, send)
+        except asyncio.CancelledError:
+            pass  # the client went away while we answered
+        return response
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []

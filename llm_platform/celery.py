@@ -38,6 +38,13 @@ app.conf.update(
         "unacked_restore_throttle": 1,
     },
     broker_connection_retry_on_startup=True,
+    # Celery's Django fixup closes the task thread's database connection
+    # before and after every task unless this is set: a new PostgreSQL
+    # connection per request (py-spy: psycopg's connect in the lane worker's
+    # top entries, bench/PROFILE.md). Kept instead, like any Django
+    # connection (CONN_MAX_AGE); execute_request replaces a broken one
+    # (close_old_connections) and retries on DATABASE_AWAY.
+    CELERY_DB_REUSE_MAX=1_000,
     # Each lane is a bulkhead: its own queue consumed by its own worker pool,
     # so a flood on one cannot starve another (gateway/core/lanes.py). The
     # request path names its lane's queue when it enqueues; everything else

@@ -23,6 +23,7 @@ from budgets.admission.buckets import admit_call, settle_call
 from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reconcile_call, spend_settle_call
 from budgets.admission.redis_client import get_redis
 from budgets.ledger.rejections import rejection_count_call
+from gateway.core.metrics import departure_call
 from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call
 from llm_platform.processes import ROOT
 from tests.redis_servers import LocalRedisCluster, PlainRedis
@@ -59,6 +60,7 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
         publish_call(record, Outcome(status="ok")),
         rejection_count_call(pool_id=3, workload_id=2, tenant_id=1, reason="workload_tpm", estimated_tokens=1,
                              retry_after_ms=1),
+        departure_call(pool_id=3, lane="interactive", request_id="req_0123abcd", time_in_system_ms=1),
     ]
     for call in calls:
         assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)

@@ -13,6 +13,11 @@
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
 --       8 capacity hash (adaptive factor of the pool, shed scale per workload,
 --         and the prober's down mark: down_until_ms, probe_next_ms; probe.lua)
+--       9 protected-sum hash, 10 protected fill zset (protected_sum.lua)
+-- Cost: O(log n) in the pool's workloads (every read names its fields; the
+-- protected sum S is an aggregate), except the wait hint of a refused loan
+-- (a walk over the fill times until the loan fits) and a rebuild of S after a
+-- config push or a shed change (O(n), once).
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
 --       5 lease ttl (ms)
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
@@ -28,6 +33,9 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- As it is written back (tostring keeps 14 digits: 0.1 ms), so a level
+-- read later refills from exactly the moment this script computed it at.
+now = tonumber(tostring(now))
 local INF = math.huge
 
 local wid = ARGV[1]
@@ -35,23 +43,33 @@ local k_in = tonumber(ARGV[3])
 local k_out = tonumber(ARGV[4])
 local lease_ttl = tonumber(ARGV[5])
 
-local function to_table(flat)
+local function hmget(key, fields)
+  local vals = redis.call('HMGET', key, unpack(fields))
   local out = {}
-  for i = 1, #flat, 2 do out[flat[i]] = tonumber(flat[i + 1]) end
+  for i, f in ipairs(fields) do out[f] = tonumber(vals[i]) end
   return out
 end
 
-local cfg = to_table(redis.call('HGETALL', KEYS[1]))
+local E_TOK, E_REQ, Q_TOK, Q_REQ = wid .. '.E.tok', wid .. '.E.req', wid .. '.Q.tok', wid .. '.Q.req'
+local BUCKETS = {E_TOK, E_REQ, Q_TOK, Q_REQ, 'P.tok', 'P.req', 'P.in', 'P.out'}
+local cfg_fields = {'P.conc', wid .. '.conc', wid .. '.prio'}
+local st_fields = {}
+for _, b in ipairs(BUCKETS) do
+  cfg_fields[#cfg_fields + 1] = b .. '.rate'; cfg_fields[#cfg_fields + 1] = b .. '.cap'
+  st_fields[#st_fields + 1] = b .. '.l'; st_fields[#st_fields + 1] = b .. '.t'
+end
+
+local cfg = hmget(KEYS[1], cfg_fields)
 if cfg['P.tok.rate'] == nil then return {-1, 'unconfigured'} end
-if cfg[wid .. '.E.tok.rate'] == nil then return {-1, 'no_reservation'} end
+if cfg[E_TOK .. '.rate'] == nil then return {-1, 'no_reservation'} end
 
 local lease_existing = redis.call('HGET', KEYS[6], 'borrowed')
 if lease_existing then
   return {2, tonumber(lease_existing), '0', '0', '0', '0', redis.call('HGET', KEYS[6], 'admitted_ms')}
 end
 
-local st = to_table(redis.call('HGETALL', KEYS[3]))
-local capacity = to_table(redis.call('HGETALL', KEYS[8]))
+local st = hmget(KEYS[3], st_fields)
+local capacity = hmget(KEYS[8], {'factor', wid .. '.shed', 'down_until_ms', 'probe_next_ms', 'blocked_until_ms'})
 
 -- Capacity that moves: the pool's buckets run at the adaptive factor of their
 -- configured rate, and when that no longer covers every reservation the
@@ -98,63 +116,68 @@ local function time_to_full(name, lvl)
   return (cap - lvl) / rate
 end
 
-local wids = redis.call('SMEMBERS', KEYS[2])
+local agg, agg_changed = ps_load(KEYS[9], KEYS[10], KEYS[1], KEYS[8], now)
+if agg == nil then
+  agg = ps_rebuild(KEYS[9], KEYS[10], KEYS[1], KEYS[2], KEYS[3], KEYS[8], now)
+  agg_changed = true
+end
 
 -- Earliest time at which P - S >= k (a loan fits), walking the piecewise
--- linear P(t) - S(t) through the moments buckets fill up.
+-- linear P(t) - S(t) through the moments buckets fill up: P's own, and the
+-- protected buckets' in the fill zset's order. The walk stops after FILL_WALK
+-- of them (O(log n) in all): past that, it answers an upper bound, never an
+-- earlier time than the loan fits. Until P is full, the buckets still to fill
+-- only make P - S grow faster, so the current slope gives one; failing that,
+-- once P and every protected bucket are full, P - S is the full-capacity gap,
+-- which fits k (checked first).
+local FILL_WALK = 64
 local function wait_for_free(d, p, k)
   local pname = 'P.' .. d
-  local slope = 0
-  local events = {}
-  local s = 0
-  local full_cap_gap = cap_of(pname)
-  local tp = time_to_full(pname, p)
-  if tp > 0 and tp < INF then
-    slope = slope + rate_of(pname)
-    events[#events + 1] = {tp, -rate_of(pname)}
-  end
-  for _, w in ipairs(wids) do
-    local qname = w .. '.Q.' .. d
-    if cfg[qname .. '.cap'] ~= nil then
-      local q = level(qname)
-      s = s + q
-      full_cap_gap = full_cap_gap - cap_of(qname)
-      local tq = time_to_full(qname, q)
-      if tq > 0 and tq < INF then
-        slope = slope - rate_of(qname)
-        events[#events + 1] = {tq, rate_of(qname)}
-      end
-    end
-  end
-  if k > full_cap_gap then
-    local unscaled_gap = cfg[pname .. '.cap'] or 0
-    for _, w in ipairs(wids) do unscaled_gap = unscaled_gap - (cfg[w .. '.Q.' .. d .. '.cap'] or 0) end
-    if k > unscaled_gap then return INF end
+  if k > cap_of(pname) - agg[d .. '.cap'] then
+    if k > (cfg[pname .. '.cap'] or 0) - agg[d .. '.ucap'] then return INF end
     return CAPACITY_RECOVERY_HINT_MS
   end
-  local f = p - s
+  local f = p - ps_value(agg, d)
   if f >= k then return 0 end
-  table.sort(events, function(a, b) return a[1] < b[1] end)
+  local slope = -agg[d .. '.r']
+  local tp = time_to_full(pname, p)
+  local p_pending = tp > 0 and tp < INF
+  if p_pending then slope = slope + rate_of(pname) end
   local t0 = 0
-  for _, ev in ipairs(events) do
-    if slope > 0 and f + slope * (ev[1] - t0) >= k then
-      return t0 + (k - f) / slope
+  local function step(at, dslope)
+    if slope > 0 and f + slope * (at - t0) >= k then return t0 + (k - f) / slope end
+    f = f + slope * (at - t0)
+    t0 = at
+    slope = slope + dslope
+    return nil
+  end
+  local batch = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, FILL_WALK)
+  for i = 1, #batch, 2 do
+    if batch[i + 1] == 'inf' then break end
+    if ps_dim(batch[i]) == d then
+      local at = tonumber(batch[i + 1]) - now
+      if p_pending and tp <= at then
+        local r = step(tp, -rate_of(pname)); if r then return r end
+        p_pending = false
+      end
+      local rate = ps_bucket(KEYS[1], KEYS[8], batch[i])
+      local r = step(at, rate); if r then return r end
     end
-    f = f + slope * (ev[1] - t0)
-    t0 = ev[1]
-    slope = slope + ev[2]
+  end
+  if #batch == 2 * FILL_WALK then
+    if p_pending and slope > 0 and t0 + (k - f) / slope <= tp then return t0 + (k - f) / slope end
+    local last = redis.call('ZREVRANGEBYSCORE', KEYS[10], '(+inf', '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local t_last = 0
+    if #last > 0 then t_last = tonumber(last[2]) - now end
+    if p_pending then return math.max(tp, t_last, t0) end
+    return math.max(t_last, t0)
+  end
+  if p_pending then
+    local r = step(tp, -rate_of(pname)); if r then return r end
   end
   if slope > 0 then return t0 + (k - f) / slope end
   if f >= k then return t0 end
   return INF
-end
-
-local function protected_sum(d)
-  local s = 0
-  for _, w in ipairs(wids) do
-    if cfg[w .. '.Q.' .. d .. '.cap'] ~= nil then s = s + level(w .. '.Q.' .. d) end
-  end
-  return s
 end
 
 local levels = {}
@@ -179,7 +202,7 @@ for _, d in ipairs({'tok', 'req'}) do
   else
     plan[d] = false
     borrowed = 1
-    local s = protected_sum(d)
+    local s = ps_value(agg, d)
     if p - k < s then
       local w = math.min(wait_for(qname, q, k), wait_for_free(d, p, k))
       fail('pool_' .. (d == 'tok' and 'tpm' or 'rpm'), math.max(w, e_wait))
@@ -233,6 +256,7 @@ if reason == nil then
 end
 
 if reason ~= nil then
+  if agg_changed then ps_save(KEYS[9], agg) end
   if wait == INF then reason = 'request_too_large'; wait = -1 end
   return {0, reason, tostring(math.ceil(wait)), tostring(math.floor(e_tok)), tostring(math.floor(e_req)),
           tostring(math.ceil(e_tok_full)), tostring(math.ceil(e_req_full)), tostring(now)}
@@ -249,8 +273,15 @@ end
 local k_tok = k_in + k_out
 debit(wid .. '.E.tok', k_tok); debit('P.tok', k_tok)
 debit(wid .. '.E.req', 1); debit('P.req', 1)
-if plan['tok'] then debit(wid .. '.Q.tok', k_tok) end
-if plan['req'] then debit(wid .. '.Q.req', 1) end
+local function debit_protected(name, k)
+  local old = levels[name]
+  debit(name, k)
+  ps_move(agg, KEYS[10], name, old, levels[name], rate_of(name), cap_of(name), now)
+  agg_changed = true
+end
+if plan['tok'] then debit_protected(Q_TOK, k_tok) end
+if plan['req'] then debit_protected(Q_REQ, 1) end
+if agg_changed then ps_save(KEYS[9], agg) end
 if levels['P.in'] ~= nil then debit('P.in', k_in) end
 if levels['P.out'] ~= nil then debit('P.out', k_out) end
 redis.call('HSET', KEYS[3], unpack(writes))

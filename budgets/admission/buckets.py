@@ -16,8 +16,9 @@ from budgets.admission import keys
 from budgets.admission.redis_client import LuaScript, ScriptCall
 from budgets.errors import RateLimitSnapshot, Rejected
 
-ADMIT = LuaScript(__package__, "admit.lua")
-SETTLE = LuaScript(__package__, "settle.lua")
+# Both keep the pool's protected sum (protected_sum.lua, a shared library).
+ADMIT = LuaScript(__package__, "admit.lua", library="protected_sum.lua")
+SETTLE = LuaScript(__package__, "settle.lua", library="protected_sum.lua")
 
 REASON_MESSAGES = {
     "workload_tpm": "This workload's tokens-per-minute budget is used up.",
@@ -83,6 +84,8 @@ def _lease_keys(*, pool_id: int, workload_id: int, request_id: str) -> list[str]
         keys.lease(pool_id, request_id),
         keys.pool_counters(pool_id),
         keys.pool_capacity(pool_id),
+        keys.pool_protected_sum(pool_id),
+        keys.pool_protected_fill(pool_id),
     ]
 
 

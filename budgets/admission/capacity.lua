@@ -5,7 +5,9 @@
 -- every reservation, protected buckets are scaled down in shedding order:
 -- scheduled first, then batch, interactive last.
 --
--- KEYS: 1 cfg hash, 2 workload-id set, 3 capacity hash
+-- KEYS: 1 cfg hash, 2 workload-id set, 3 capacity hash, 4 protected-sum hash,
+--       5 protected fill zset (a shed change rescales protected buckets: the
+--         sum is deleted and the next admission rebuilds it, protected_sum.lua)
 -- ARGV: 1 event ('throttle' | 'ok' | 'recompute'), 2 upstream latency per
 --       token (ms, 'ok' only), 3 retry-after from upstream (ms, 'throttle'),
 --       4 decrease factor, 5 recovery per second, 6 minimum factor,
@@ -113,6 +115,7 @@ if changed then
     end
     table.sort(by_prio, function(a, b) return a[1] < b[1] end)
     local writes = {}
+    local shed_moved = false
     for _, item in ipairs(by_prio) do
       local shed = 1
       if item[2] > 0 then
@@ -121,8 +124,10 @@ if changed then
       end
       writes[#writes + 1] = item[3] .. '.shed'
       writes[#writes + 1] = tostring(shed)
+      if (cap[item[3] .. '.shed'] or 1) ~= tonumber(tostring(shed)) then shed_moved = true end
     end
     if #writes > 0 then redis.call('HSET', KEYS[3], unpack(writes)) end
+    if shed_moved then redis.call('DEL', KEYS[4], KEYS[5]) end
   end
 end
 return {tostring(factor), changed and 1 or 0}

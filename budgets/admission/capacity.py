@@ -32,7 +32,8 @@ def capacity_signal(*, pool_id: int, event: str, latency_per_token_ms: float = 0
     # explains each knob.
     return ScriptCall(
         script=CAPACITY,
-        keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id), keys.pool_capacity(pool_id)],
+        keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id), keys.pool_capacity(pool_id),
+              keys.pool_protected_sum(pool_id), keys.pool_protected_fill(pool_id)],
         args=[event, latency_per_token_ms, retry_after_ms, settings.SLUICE_CAPACITY_DECREASE,
               settings.SLUICE_CAPACITY_RECOVERY_PER_S, settings.SLUICE_CAPACITY_MIN_FACTOR,
               settings.SLUICE_CAPACITY_COOLDOWN_MS, settings.SLUICE_CAPACITY_LATENCY_RATIO,

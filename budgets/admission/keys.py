@@ -53,6 +53,18 @@ def pool_capacity(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:capacity"
 
 
+def pool_protected_sum(pool_id: int) -> str:
+    """Hash: the pool's protected sum S (every workload's protected level added
+    up) as an incremental aggregate, per dimension (protected_sum.lua)."""
+    return f"{pool_tag(pool_id)}:psum"
+
+
+def pool_protected_fill(pool_id: int) -> str:
+    """Sorted set: protected buckets not yet full ("<wid>.Q.<tok|req>"),
+    scored by the ms at which they will be (protected_sum.lua)."""
+    return f"{pool_tag(pool_id)}:pfill"
+
+
 def pool_probe(pool_id: int) -> str:
     """Hash: the pool's last probe (when, answered or not, why, failures in a row)."""
     return f"{pool_tag(pool_id)}:probe"

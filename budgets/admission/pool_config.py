@@ -22,7 +22,10 @@ def pool_config_push(*, pool: InferencePool) -> None:
     reservations = list(Reservation.objects.filter(pool=pool).select_related("workload")) if pool.is_active else []
     fields = pool_bucket_fields(pool, reservations) if pool.is_active else {}
     pipe = get_redis().pipeline(transaction=True)
-    pipe.delete(keys.pool_config(pool.id), keys.pool_workloads(pool.id))
+    # The protected sum goes with the config it was built on: the next
+    # admission rebuilds it (protected_sum.lua).
+    pipe.delete(keys.pool_config(pool.id), keys.pool_workloads(pool.id),
+                keys.pool_protected_sum(pool.id), keys.pool_protected_fill(pool.id))
     if fields:
         pipe.hset(keys.pool_config(pool.id), mapping=fields)
     if reservations:

@@ -123,11 +123,14 @@ def redis_now_ms(client: SyncRedis | None = None) -> float:
 
 
 class LuaScript:
-    """One ``.lua`` file next to the Python that calls it, read once at import."""
+    """One ``.lua`` file next to the Python that calls it, read once at import;
+    ``library``: a file of local functions several scripts share, put before it."""
 
-    def __init__(self, package: str, filename: str):
+    def __init__(self, package: str, filename: str, *, library: str | None = None):
         self.name = f"{package}/{filename}"
-        self.source = importlib.resources.files(package).joinpath(filename).read_text()
+        files = importlib.resources.files(package)
+        prelude = files.joinpath(library).read_text() + "\n" if library else ""
+        self.source = prelude + files.joinpath(filename).read_text()
 
     def __repr__(self) -> str:
         return f"LuaScript({self.name})"

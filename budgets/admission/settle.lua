@@ -4,7 +4,9 @@
 -- is deleted in the same atomic step.
 --
 -- KEYS: 1 cfg hash, 2 bucket hash, 3 pool leases zset, 4 workload leases zset
---       (of the lease's workload), 5 lease hash, 6 counters hash, 7 capacity hash
+--       (of the lease's workload), 5 lease hash, 6 counters hash, 7 capacity hash,
+--       8 protected-sum hash, 9 protected fill zset (protected_sum.lua: a
+--         protected bucket's correction moves the pool's S with it)
 -- ARGV: 1 request id, 2 actual input tokens, 3 actual output tokens,
 --       4 1 when the pool was never called (the request slot is refunded too)
 -- (Spend is settled on the tenant's keys by spend_settle.lua.)
@@ -19,6 +21,9 @@ for i = 1, #lease_flat, 2 do lease[lease_flat[i]] = lease_flat[i + 1] end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+-- As it is written back (tostring keeps 14 digits: 0.1 ms), so a level
+-- read later refills from exactly the moment this script computed it at.
+now = tonumber(tostring(now))
 
 local wid = lease['wid']
 local k_in, k_out = tonumber(lease['k_in']), tonumber(lease['k_out'])
@@ -33,6 +38,13 @@ local function scale(name)
   end
   if field == nil then return 1 end
   return tonumber(redis.call('HGET', KEYS[7], field)) or 1
+end
+
+-- The protected sum follows any protected bucket this settlement corrects;
+-- when it is missing, the next admission rebuilds it from the levels.
+local agg = nil
+if lease['q_tok'] == '1' or (refund_request and lease['q_req'] == '1') then
+  agg = ps_load(KEYS[8], KEYS[9], KEYS[1], KEYS[7], now)
 end
 
 local writes = {}
@@ -50,8 +62,10 @@ local function adjust(name, delta)
   end
   -- A refund never fills a bucket past its capacity; a charge (actual above
   -- the estimate) may take it below zero: that debt is real usage.
+  local old = l
   l = l + delta
   if l > cap then l = cap end
+  if agg ~= nil and string.find(name, '.Q.', 1, true) then ps_move(agg, KEYS[9], name, old, l, rate, cap, now) end
   writes[#writes + 1] = name .. '.l'; writes[#writes + 1] = tostring(l)
   writes[#writes + 1] = name .. '.t'; writes[#writes + 1] = tostring(now)
 end
@@ -68,6 +82,7 @@ end
 adjust('P.in', k_in - a_in)
 adjust('P.out', k_out - a_out)
 if #writes > 0 then redis.call('HSET', KEYS[2], unpack(writes)) end
+if agg ~= nil then ps_save(KEYS[8], agg) end
 
 redis.call('DEL', KEYS[5])
 redis.call('ZREM', KEYS[3], ARGV[1])

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from django.db import connections, router
+
 from budgets.models import ModelPrice, UsageRecord
 
 MILLION = Decimal(1_000_000)
@@ -63,4 +65,18 @@ def usage_record_write(*, entry: LedgerEntry) -> None:
         price_id, input_per_million, output_per_million = known
         cost = (Decimal(entry.actual_input_tokens) * input_per_million
                 + Decimal(entry.actual_output_tokens) * output_per_million) / MILLION
-    UsageRecord.objects.bulk_create([UsageRecord(price_id=price_id, cost=cost, **fields)], ignore_conflicts=True)
+    _insert_ignoring_conflicts(UsageRecord(price_id=price_id, cost=cost, **fields))
+
+
+def _insert_ignoring_conflicts(record: UsageRecord) -> None:
+    """One INSERT ... ON CONFLICT DO NOTHING in autocommit: bulk_create wraps
+    even one row in a transaction (BEGIN, INSERT, COMMIT: two more round
+    trips and a fifth of the lane worker's samples per request, bench/PROFILE.md)."""
+    connection = connections[router.db_for_write(UsageRecord)]
+    fields = [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+    quote = connection.ops.quote_name
+    sql = (f"INSERT INTO {quote(UsageRecord._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+           f"VALUES ({', '.join(['%s'] * len(fields))}) ON CONFLICT DO NOTHING")
+    values = [f.get_db_prep_save(f.pre_save(record, add=True), connection) for f in fields]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, values)

@@ -14,13 +14,15 @@ from celery import current_app
 from budgets.admission import keys as budget_keys
 from budgets.admission.capacity import capacity_state
 from budgets.admission.pool_status import pool_status
-from budgets.admission.redis_client import get_redis
+from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
 from gateway.core import keys
 from gateway.core.lanes import LANE_NAMES, queue_for_lane
 
 SLOT_S = 10
 WINDOW_S = 60
 KEEP_S = 600
+
+DEPARTURE = LuaScript(__package__, "departure.lua")
 
 
 def slot(now_s: float | None = None) -> int:
@@ -33,22 +35,22 @@ def arrival_commands(pipe, *, pool_id: int, lane: str, request_id: str, expires_
     pipe.zadd(keys.lane_in_flight(pool_id, lane), {request_id: expires_ms})
 
 
+def departure_call(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
+                   upstream_429s: int = 0) -> ScriptCall[bool]:
+    """Count the departure once (departure.lua): True when counted, False when
+    an earlier finish of the same request (a redelivered task) did."""
+    return ScriptCall(
+        script=DEPARTURE,
+        keys=[keys.lane_in_flight(pool_id, lane), keys.pool_metrics(pool_id, lane)],
+        args=[request_id, slot(), max(0, int(time_in_system_ms)), max(0, int(upstream_429s))],
+        parse=lambda raw: bool(int(raw)),
+    )
+
+
 def departure_record(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
                      upstream_429s: int = 0) -> bool:
-    """Count the departure; False when an earlier finish of the same request did."""
-    key = keys.pool_metrics(pool_id, lane)
-    now_slot = slot()
-    client = get_redis()
-    # Count a departure once, even when a redelivered task finishes again.
-    if not client.zrem(keys.lane_in_flight(pool_id, lane), request_id):
-        return False
-    pipe = client.pipeline(transaction=False)
-    pipe.hincrby(key, f"d:{now_slot}", 1)
-    pipe.hincrby(key, f"w:{now_slot}", max(0, int(time_in_system_ms)))
-    if upstream_429s:
-        pipe.hincrby(key, f"u429:{now_slot}", upstream_429s)
-    pipe.execute()
-    return True
+    return departure_call(pool_id=pool_id, lane=lane, request_id=request_id, time_in_system_ms=time_in_system_ms,
+                          upstream_429s=upstream_429s).run()
 
 
 def _window_sums(raw: dict[str, str], now_s: float) -> dict[str, int]:

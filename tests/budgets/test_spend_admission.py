@@ -213,11 +213,12 @@ def test_tenant_cap_holds_across_pools_under_threads(make_caller, redis_client):
     assert (len(results), len(admitted)) == (300, 30)
     mtd = month_to_date(redis_client, tenant)
     assert mtd[f"T{tenant.id}"] == 30 * CENT
-    assert sum(mtd[str(c.workload.id)] for c in callers) == 30 * CENT
+    # (a workload that won no request has no field: which pool wins is timing)
+    assert sum(mtd.get(str(c.workload.id), 0) for c in callers) == 30 * CENT
     for caller in callers:
         # each pool holds a lease for each request it admitted, no more
         assert redis_client.zcard(keys.pool_leases(caller.pool.id)) == admitted.count(caller.workload.id)
-        assert mtd[str(caller.workload.id)] == admitted.count(caller.workload.id) * CENT
+        assert mtd.get(str(caller.workload.id), 0) == admitted.count(caller.workload.id) * CENT
     assert len(holds(redis_client, tenant)) == 30
 
 

@@ -1,0 +1,308 @@
+"""The cost of the request path (issue 9): CPU time of every Sluice process
+(web, every lane worker, the pacer, beat, and Redis when the bench started
+it) read from /proc around a fixed number of requests, beside the
+simulator's own CPU for the same number of direct calls in the same run.
+
+* idle: the processes' CPU per second with no traffic (heartbeats, beat,
+  pacer polls), subtracted from the phases below over their wall time;
+* admitted: N non-streamed chat requests through the full path (8
+  closed-loop clients, zero-latency simulator);
+* refused: N requests of a workload over its RPM (the fast path, 429s);
+* direct: N requests straight to the simulator (its CPU per call: the
+  work a request costs without Sluice).
+
+With ``BENCH_PROFILE=1`` (or ``--profile`` alone) py-spy records the web
+process and the interactive lane worker during the admitted phase and the
+web process during the refused phase (``py-spy record --format raw``; root
+or ptrace rights), and the result lists each one's top functions by
+self-time and by inclusive time (bench/out/profile/*.txt keeps the raw
+stacks). bench/PROFILE.md is the written-up profile that RESULTS.md
+includes.
+
+Run alone: ``python -m bench.cost --seed 1 [--profile]``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from bench.common import OUT_DIR, PLOTS_DIR, fmt, log, md_table, ratio, run_standalone, write_result
+from bench.http import HttpClient
+from bench.load import timed_post
+from bench.platform import Platform, Services
+from bench.seed import config_push, pool_create, workload_create
+
+NAME = "cost"
+CLIENTS = 8
+TICK = os.sysconf("SC_CLK_TCK")
+PROFILE_DIR = OUT_DIR / "profile"
+TARGET_ADMITTED_MS = 4.0
+TARGET_REFUSED_MS = 0.5
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process, its threads included, and of its reaped children."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # fields[0] is the state (field 3): utime, stime, cutime, cstime are fields 14-17
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def _descendants(pid: int) -> list[int]:
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            out.extend(_descendants(int(child)))
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of named process trees."""
+
+    def __init__(self, roots: dict[str, int]) -> None:
+        self.roots = roots
+
+    def read(self) -> dict[str, float]:
+        return {name: sum(_cpu_s(p) for p in _descendants(pid)) for name, pid in self.roots.items()}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _body(rng: random.Random) -> dict:
+    return {"model": "sim-small", "max_tokens": 16,
+            "messages": [{"role": "user", "content": f"Ping {rng.randrange(10**6)}: what is 2+2?"}]}
+
+
+async def _fixed(base: str, headers: dict, n: int, rng: random.Random, kind: str) -> tuple[list, float]:
+    """n requests over CLIENTS closed-loop clients; (calls, wall seconds)."""
+    client = HttpClient(base, max_connections=CLIENTS)
+    calls: list = []
+    left = [n]
+    t0 = time.monotonic()
+
+    async def worker() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            calls.append(await timed_post(client, "/v1/chat/completions", _body(rng), headers, kind, t0, timeout=30))
+
+    await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+    elapsed = time.monotonic() - t0
+    await client.aclose()
+    return calls, elapsed
+
+
+class Profiler:
+    """py-spy record of some processes while a phase runs."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and shutil.which("py-spy", path=os.path.dirname(sys.executable)) is not None
+        self.running: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, phase: str, targets: dict[str, int]) -> None:
+        if not self.enabled:
+            return
+        PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+        exe = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        for name, pid in targets.items():
+            name = f"{phase}-{name}"
+            out = PROFILE_DIR / f"{name}.txt"
+            self.running.append((name, subprocess.Popen(
+                [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--nonblocking", "--gil",
+                 "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        time.sleep(1.0)  # py-spy attaches before the phase starts (its startup is not the phase's)
+
+    def stop(self) -> dict[str, dict]:
+        out = {}
+        for name, proc in self.running:
+            proc.send_signal(2)  # SIGINT: py-spy writes what it has
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            out[name] = profile_summary(PROFILE_DIR / f"{name}.txt")
+        self.running.clear()
+        return out
+
+
+def _frame(frame: str) -> str:
+    # raw frames read "function (<file>:<line>)"; keep the function and a short file name
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit(":", 1)[0]
+    parts = Path(where).parts
+    if "site-packages" in parts:
+        parts = parts[parts.index("site-packages") + 1:]
+    elif "lib" in parts:
+        parts = parts[parts.index("lib") + 1:]
+    else:
+        parts = parts[-3:]
+    return f"{name} ({'/'.join(parts)})"
+
+
+IDLE_LEAVES = ("wait (threading.py)", "select (selectors.py)", "_worker (concurrent/futures/thread.py)",
+               "poll (selectors.py)", "acquire", "sleep")
+
+
+def profile_summary(path: Path, top: int = 15) -> dict:
+    """Top functions by self and inclusive samples, over the samples where
+    the process was on a CPU (py-spy's idle frames dropped)."""
+    self_time: Counter = Counter()
+    inclusive: Counter = Counter()
+    total = 0
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {"samples": 0, "self": [], "inclusive": []}
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [_frame(f) for f in stack.split(";") if f and not f.startswith("process ")
+                  and not f.startswith("thread ")]
+        if not frames or any(frames[-1].startswith(idle) for idle in IDLE_LEAVES):
+            continue
+        n = int(count)
+        total += n
+        self_time[frames[-1]] += n
+        for f in set(frames):
+            inclusive[f] += n
+    pct = (lambda c: round(100.0 * c / total, 1)) if total else (lambda c: 0.0)
+    return {"samples": total, "self": [(f, pct(c)) for f, c in self_time.most_common(top)],
+            "inclusive": [(f, pct(c)) for f, c in inclusive.most_common(top * 2)]}
+
+
+def main(seed: int = 1, quick: bool = False, services: Services | None = None, profile: bool | None = None) -> dict:
+    own = services is None
+    services = services or Services().up()
+    profile = bool(os.environ.get("BENCH_PROFILE")) if profile is None else profile
+    rng = random.Random(seed)
+    n = 200 if quick else 2_000
+    services.fresh_redis()
+    platform = Platform(services, NAME)
+    profiler = Profiler(profile)
+    profiles: dict[str, dict] = {}
+    try:
+        platform.start_sim(["--zero-latency", "--seed", str(seed)])
+        pool = pool_create(slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1", provider_tpm=50_000_000,
+                           provider_rpm=2_000_000)
+        open_wl = workload_create(pool=pool, slug=f"{NAME}-open", workload_class="interactive",
+                                  reserved_tpm=20_000_000, ceiling_tpm=30_000_000, rpm=1_000_000,
+                                  prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=16)
+        tight_wl = workload_create(pool=pool, slug=f"{NAME}-tight", workload_class="interactive",
+                                   reserved_tpm=1_000, ceiling_tpm=1_000, rpm=20, prompt_tokens_cap=100,
+                                   max_tokens_cap=16, max_tokens_default=16)
+        config_push(pool)
+        platform.start_sluice()
+        roots = {c.name: c.popen.pid for c in platform.children if c.name != "sim"}
+        if services.redis_process is not None:
+            roots["redis"] = services.redis_process.popen.pid
+        meter = CpuMeter(roots)
+        sim = CpuMeter({"sim": next(c.popen.pid for c in platform.children if c.name == "sim")})
+        open_auth = {"Authorization": f"Bearer {open_wl.api_key}"}
+        tight_auth = {"Authorization": f"Bearer {tight_wl.api_key}"}
+        # Warm every code path (imports, connection pools, cached contexts).
+        asyncio.run(_fixed(platform.sluice_url, open_auth, 50, rng, "warm"))
+        asyncio.run(_fixed(platform.sluice_url, tight_auth, 50, rng, "warm"))
+        asyncio.run(_fixed(platform.sim_url, {}, 50, rng, "warm"))
+
+        idle_s = 2.0 if quick else 5.0
+        before = meter.read()
+        time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
+        idle = {k: v / idle_s for k, v in _delta(meter.read(), before).items()}
+
+        def phase(base: str, auth: dict, kind: str, targets: dict[str, int]) -> dict:
+            profiler.start(kind, targets)
+            before, sim_before = meter.read(), sim.read()
+            calls, wall = asyncio.run(_fixed(base, auth, n, rng, kind))
+            after, sim_after = meter.read(), sim.read()
+            profiles.update(profiler.stop())
+            cpu = _delta(after, before)
+            net = {k: max(0.0, v - idle[k] * wall) for k, v in cpu.items()}
+            return {"n": len(calls), "wall_s": wall, "statuses": dict(Counter(c.status for c in calls)),
+                    "cpu_s": cpu, "net_cpu_s": net, "ms_per_request": 1000 * sum(net.values()) / len(calls),
+                    "sim_ms_per_request": 1000 * _delta(sim_after, sim_before)["sim"] / len(calls)}
+
+        admitted = phase(platform.sluice_url, open_auth, "admitted",
+                         {"web": roots["web"], "worker": roots["worker-interactive"]})
+        log(f"{NAME}: admitted {admitted['ms_per_request']:.2f} ms CPU per request")
+        refused = phase(platform.sluice_url, tight_auth, "refused", {"web": roots["web"]})
+        log(f"{NAME}: refused {refused['ms_per_request']:.2f} ms CPU per request")
+        direct = phase(platform.sim_url, {}, "direct", {})
+        log(f"{NAME}: direct: simulator {direct['sim_ms_per_request']:.2f} ms CPU per request")
+        platform.assert_alive()
+    finally:
+        platform.stop()
+        if own:
+            services.down()
+    data = {"scenario": NAME, "seed": seed, "quick": quick, "requests_per_phase": n, "clients": CLIENTS,
+            "redis_counted": services.redis_process is not None, "idle_cpu_per_s": idle,
+            "admitted": admitted, "refused": refused, "direct": direct, "profiles": profiles}
+    write_result(NAME, data)
+    return data
+
+
+def summarize(data: dict) -> str:
+    a, r, d = data["admitted"], data["refused"], data["direct"]
+    procs = sorted(a["net_cpu_s"])
+    rows = [[p, fmt(1000 * a["net_cpu_s"][p] / a["n"], 2), fmt(1000 * r["net_cpu_s"][p] / r["n"], 3),
+             fmt(data["idle_cpu_per_s"][p] * 1000, 1)] for p in procs]
+    rows.append(["**all Sluice processes**", f"**{fmt(a['ms_per_request'], 2)}**", f"**{fmt(r['ms_per_request'], 3)}**",
+                 fmt(sum(data["idle_cpu_per_s"].values()) * 1000, 1)])
+    rows.append(["simulator, direct call (same run)", "", "", ""])
+    rows[-1][1] = fmt(d["sim_ms_per_request"], 2)
+    web_refusals_per_s = r["n"] / max(1e-9, r["net_cpu_s"].get("web", 0.0))
+    redis_note = "counted (started by the bench)" if data["redis_counted"] else "not counted (external, shared)"
+    lines = [
+        f"{data['requests_per_phase']} requests per phase, {data['clients']} closed-loop clients, zero-latency "
+        "simulator; CPU time (user + system) from /proc of each process tree, minus its idle rate over the "
+        f"phase's wall time. Redis {redis_note}; "
+        "PostgreSQL and the load generator not counted.",
+        "",
+        md_table(["process", "ms CPU per admitted request", "ms CPU per refusal", "idle ms CPU per s"], rows),
+        "",
+        md_table(["target", "value", ""], [
+            ["≤ 4 ms CPU per admitted request", f"**{fmt(a['ms_per_request'], 2)} ms**",
+             f"{'met' if a['ms_per_request'] <= TARGET_ADMITTED_MS else 'missed'}; "
+             f"{fmt(ratio(a['ms_per_request'], d['sim_ms_per_request']), 1)}× the simulator's CPU per direct call"],
+            ["≤ 0.5 ms CPU per refusal", f"**{fmt(r['ms_per_request'], 3)} ms**",
+             f"{'met' if r['ms_per_request'] <= TARGET_REFUSED_MS else 'missed'}; one web process's CPU "
+             f"refuses {fmt(web_refusals_per_s, 0)} per s"],
+        ]),
+        "",
+        f"Statuses: admitted {a['statuses']}, refused {r['statuses']}, direct {d['statuses']}; wall time "
+        f"{a['wall_s']:.1f} / {r['wall_s']:.1f} / {d['wall_s']:.1f} s.",
+    ]
+    for name, prof in (data.get("profiles") or {}).items():
+        if not prof.get("samples"):
+            continue
+        lines += ["", f"py-spy, {name} ({prof['samples']} on-CPU samples), top self-time:", "",
+                  md_table(["function", "% self"], [[f"`{f}`", p] for f, p in prof["self"][:10]])]
+    profile_md = Path(__file__).with_name("PROFILE.md")
+    if profile_md.exists():
+        lines += ["", profile_md.read_text().strip()]
+    return "\n".join(lines)
+
+
+def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
+    return []
+
+
+if __name__ == "__main__":
+    if "--profile" in sys.argv:
+        sys.argv.remove("--profile")
+        os.environ["BENCH_PROFILE"] = "1"
+    run_standalone(NAME, main, summarize, plot, __doc__.split("\n")[0])
