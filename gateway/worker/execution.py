@@ -39,6 +39,7 @@ from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUN
 from gateway.core.settlement import request_settle
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
+from gateway.worker.lane_slot import lane_signal, lane_slot
 from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
@@ -176,7 +177,9 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     upstream_ms = 0
     throttled = 0
     while True:
-        outcome, retryable = _single_call(record)
+        with lane_slot(record) as slot:
+            outcome, retryable = _single_call(record)
+        lane_signal(record, outcome, hold=slot)
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms

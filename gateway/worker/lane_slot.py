@@ -1,0 +1,90 @@
+"""The worker's side of the adaptive long-lane limit (gateway/core/concurrency.py):
+hold one of the lane's slots on the pool for the length of a pool call, and
+tell the limit what the call showed.
+
+A request that finds its lane's slots all taken waits, polling Redis with a
+short backoff, until a slot frees or its deadline passes. Past its deadline
+it calls the pool anyway (fail open): the limit may delay a long request, it
+must never fail one that FIFO would have completed. A stopping worker stops
+waiting the same way (its call is then cut off or finished by the shutdown
+grace, gateway/worker/shutdown.py)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
+                                      lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
+from gateway.core.records import Outcome, RequestRecord
+from gateway.worker.shutdown import pause
+
+logger = logging.getLogger(__name__)
+
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.05
+
+
+def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
+              rng: random.Random | None = None) -> bool:
+    """Take a slot, waiting for one up to ``deadline_ms`` (Redis clock).
+    True: a slot is held (release it); False: none was (the deadline passed
+    or the worker is stopping), and the call goes ahead without one."""
+    rng = rng or random.Random()
+    delay = POLL_FIRST_S
+    call = slot_acquire_call(pool_id=pool_id, lane=lane, holder=holder)
+    while True:
+        grant = call.run()
+        if grant.taken:
+            return True
+        if deadline_ms and grant.now_ms >= deadline_ms:
+            logger.info("request %s: no %s slot before its deadline (%d held, limit %.2f); calling anyway",
+                        holder, lane, grant.held, grant.limit)
+            return False
+        # Full jitter: waiters polling in step would all race for one freed slot.
+        if not pause(rng.uniform(0, delay)):
+            return False
+        delay = min(POLL_MAX_S, delay * 2)
+
+
+@dataclass
+class SlotHold:
+    """One pool call's slot: whether it got one, and how many of the lane's
+    slots were in use when it ended (its own included; 0 without a slot)."""
+
+    held: bool = False
+    in_use: int = 0
+
+
+@contextmanager
+def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
+    """Hold one of the record's lane slots on its pool during a pool call
+    (nothing for lanes that are not limited)."""
+    hold = SlotHold()
+    if not lane_limited(record.lane):
+        yield hold
+        return
+    hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
+                          deadline_ms=record.deadline_ms)
+    try:
+        yield hold
+    finally:
+        if hold.held:
+            hold.in_use = 1 + slot_release(pool_id=record.pool_id, lane=record.lane, holder=record.request_id)
+
+
+def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:
+    """What one pool answer tells the lane limits: a short call's latency per
+    token, a limited lane's success, or a 429."""
+    if outcome.upstream_status == 429:
+        lane_limit_throttle(pool_id=record.pool_id)
+    elif outcome.status != "ok":
+        return
+    elif record.lane == SIGNAL_LANE:
+        lane_limit_short_sample(pool_id=record.pool_id, ms_per_token=outcome.upstream_ms / (outcome.output_tokens + 1),
+                                admitted_ms=record.admitted_ms)
+    elif lane_limited(record.lane):
+        lane_limit_long_done(pool_id=record.pool_id, lane=record.lane, in_use=hold.in_use)
