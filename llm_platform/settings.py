@@ -293,7 +293,7 @@ SLUICE_CAPACITY_LATENCY_FLOOR_MS = env_float("SLUICE_CAPACITY_LATENCY_FLOOR_MS",
 # How long the factor at the last throttle caps fast recovery (ms).
 SLUICE_CAPACITY_HINT_MEMORY_MS = env_int("SLUICE_CAPACITY_HINT_MEMORY_MS", 60_000)
 
-# --- adaptive long-lane concurrency (gateway/core/concurrency.py, lane_limit.lua) ----
+# --- adaptive long-lane concurrency (gateway/core/concurrency.py, gateway/core/lane_limit.lua)
 # How many interactive-long (and, separately, batch) requests may be in a call
 # to one pool at once is learned by AIMD from the short requests' latency per
 # token; these shape the rule, not the level it finds.

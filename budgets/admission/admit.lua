@@ -12,7 +12,8 @@
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
 --       8 capacity hash (adaptive factor of the pool, shed scale per workload,
---         and the prober's down mark: down_until_ms, probe_next_ms; probe.lua)
+--         the prober's down mark: down_until_ms, probe_next_ms; probe.lua;
+--         and the provider's stated limits: prov_*, provider_limits.lua)
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
 --       5 lease ttl (ms)
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
@@ -56,8 +57,12 @@ local capacity = to_table(redis.call('HGETALL', KEYS[8]))
 -- Capacity that moves: the pool's buckets run at the adaptive factor of their
 -- configured rate, and when that no longer covers every reservation the
 -- sheddable workloads' protected buckets shrink first (capacity.lua).
+-- The pool's factor is the provider's own stated limit over the configured
+-- one while it states one (provider_limits.lua), else capacity.lua's.
+local pool_factor = capacity['factor'] or 1
+if capacity['prov_factor'] and now < (capacity['prov_until_ms'] or 0) then pool_factor = capacity['prov_factor'] end
 local function scale(name)
-  if string.sub(name, 1, 2) == 'P.' then return capacity['factor'] or 1 end
+  if string.sub(name, 1, 2) == 'P.' then return pool_factor end
   local wid_part, kind = string.match(name, '^([^.]+)%.(%a)%.')
   if kind == 'Q' then return capacity[wid_part .. '.shed'] or 1 end
   return 1
@@ -198,6 +203,27 @@ for _, d in ipairs({'in', 'out'}) do
   end
 end
 
+-- What the provider said remains (provider_limits.lua), less what was
+-- admitted since, refilling at its stated per-minute limit once its reset
+-- has passed: a call it would refuse is refused here instead, with the
+-- provider's reset as the wait.
+local provider_room = {}
+for _, d in ipairs({'tok', 'req'}) do
+  local room = capacity['prov_rem_' .. d]
+  if room ~= nil then
+    local k = (d == 'tok') and (k_in + k_out) or 1
+    local reset_at = capacity['prov_reset_' .. d .. '_ms'] or 0
+    local limit = capacity['prov_limit_' .. d] or 0
+    if now > reset_at and limit > 0 then room = math.min(limit, room + (now - reset_at) * limit / 60000) end
+    provider_room[d] = room
+    if room < k and (limit == 0 or k <= limit) then
+      local w = reset_at - now
+      if w <= 0 then w = (limit > 0) and (k - room) * 60000 / limit or 1000 end
+      fail('provider_' .. (d == 'tok' and 'tpm' or 'rpm'), w)
+    end
+  end
+end
+
 local e_tok, e_req = levels[wid .. '.E.tok'], levels[wid .. '.E.req']
 local e_tok_full = time_to_full(wid .. '.E.tok', e_tok)
 local e_req_full = time_to_full(wid .. '.E.req', e_req)
@@ -254,6 +280,8 @@ if plan['req'] then debit(wid .. '.Q.req', 1) end
 if levels['P.in'] ~= nil then debit('P.in', k_in) end
 if levels['P.out'] ~= nil then debit('P.out', k_out) end
 redis.call('HSET', KEYS[3], unpack(writes))
+if provider_room['tok'] ~= nil then redis.call('HINCRBYFLOAT', KEYS[8], 'prov_rem_tok', -k_tok) end
+if provider_room['req'] ~= nil then redis.call('HINCRBYFLOAT', KEYS[8], 'prov_rem_req', -1) end
 
 local expires = now + lease_ttl
 redis.call('HSET', KEYS[6], 'wid', wid, 'k_in', k_in, 'k_out', k_out,

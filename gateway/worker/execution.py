@@ -106,7 +106,7 @@ def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
 def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     """One call to the pool with the SDK (its retries are off). Returns the
     outcome and whether another attempt could help."""
-    client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env)
+    client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env, pool_id=record.pool_id)
     payload = dict(record.payload)
     sim = payload.pop("sim", None)
     started = time.monotonic()
