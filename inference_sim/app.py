@@ -85,13 +85,18 @@ class ChatHandler:
         used_requests, used_tokens = self.pool.limiter.usage()
         reset_requests, reset_tokens = self.pool.limiter.reset_after(config.rpm, config.tpm)
         clock = self.pool.clock
+        # Limits are stated per minute of the caller's (real) clock, as a
+        # provider's are: a simulator running N times faster allows N times
+        # its simulated-minute limit per real minute. Remaining counts are
+        # what its window holds now; resets are real time too.
+        per_real_minute = 60.0 / clock.to_real(60.0)
         headers = {}
         if config.rpm:
-            headers["x-ratelimit-limit-requests"] = str(config.rpm)
+            headers["x-ratelimit-limit-requests"] = str(round(config.rpm * per_real_minute))
             headers["x-ratelimit-remaining-requests"] = str(max(0, config.rpm - used_requests))
             headers["x-ratelimit-reset-requests"] = go_duration(clock.to_real(reset_requests))
         if config.tpm:
-            headers["x-ratelimit-limit-tokens"] = str(config.tpm)
+            headers["x-ratelimit-limit-tokens"] = str(round(config.tpm * per_real_minute))
             headers["x-ratelimit-remaining-tokens"] = str(max(0, config.tpm - used_tokens))
             headers["x-ratelimit-reset-tokens"] = go_duration(clock.to_real(reset_tokens))
         return headers

@@ -113,8 +113,10 @@ def test_a_provider_that_halves_its_limit_sheds_batch_before_chat_at_once(make_c
 
 
 def test_through_the_gateway_the_provider_never_sees_a_call_it_would_refuse(platform, make_caller):
-    # given the simulated provider allows 2 requests per (simulated) minute
-    caller = make_caller(pool=make_caller.pool(base_url=f"{platform.sim_url}/v1"))
+    # given the simulated provider allows 2 requests per simulated minute (10 per
+    # real minute at time scale 5), and a pool whose own buckets hold more
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1", provider_rpm=40, headroom=0.5, burst_seconds=60.0)
+    caller = make_caller(pool=pool, rpm=20)
     platform.sim_reset()
     platform.sim_capacity(rpm=2)
     try:

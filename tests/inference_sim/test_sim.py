@@ -314,7 +314,8 @@ def test_rpm_limit_returns_429_with_retry_headers(slow_sim):
     retry_ms = int(response.headers["retry-after-ms"])
     assert 0 < retry_ms <= math.ceil(60_000 / time_scale)
     assert int(response.headers["retry-after"]) == math.ceil(retry_ms / 1000)
-    assert response.headers["x-ratelimit-limit-requests"] == "3"
+    # stated per real minute: the simulator runs time_scale times faster
+    assert response.headers["x-ratelimit-limit-requests"] == str(round(3 * time_scale))
     assert response.headers["x-ratelimit-remaining-requests"] == "0"
     # The window is full: its reset is when the oldest request slides out,
     # at most the Retry-After just given (both in real time).
@@ -339,7 +340,7 @@ def test_tpm_limit_checks_worst_case_and_counts_actual_usage(slow_sim):
 
     first = sim.chat(sim={"output_tokens": 5}, max_tokens=max_tokens)
     assert first.status_code == 200
-    assert first.headers["x-ratelimit-limit-tokens"] == str(tpm)
+    assert first.headers["x-ratelimit-limit-tokens"] == str(round(tpm * sim.stats()["config"]["time_scale"]))
     # When it answered, the window still held its worst case (the whole
     # limit): the next token fits once it slides out, within the 60 s
     # window (30 real seconds at this time scale).
