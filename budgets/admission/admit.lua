@@ -203,10 +203,10 @@ for _, d in ipairs({'in', 'out'}) do
   end
 end
 
--- What the provider said remains (provider_limits.lua), less what was
--- admitted since, refilling at its stated per-minute limit once its reset
--- has passed: a call it would refuse is refused here instead, with the
--- provider's reset as the wait.
+-- What the provider said remains (provider_limits.lua), less what workers
+-- sent since (provider_take.lua takes it when a call goes out), refilling at
+-- its stated per-minute limit once its reset has passed: a call it would
+-- refuse is refused here instead, with the provider's reset as the wait.
 local provider_room = {}
 for _, d in ipairs({'tok', 'req'}) do
   local room = capacity['prov_rem_' .. d]
@@ -280,8 +280,6 @@ if plan['req'] then debit(wid .. '.Q.req', 1) end
 if levels['P.in'] ~= nil then debit('P.in', k_in) end
 if levels['P.out'] ~= nil then debit('P.out', k_out) end
 redis.call('HSET', KEYS[3], unpack(writes))
-if provider_room['tok'] ~= nil then redis.call('HINCRBYFLOAT', KEYS[8], 'prov_rem_tok', -k_tok) end
-if provider_room['req'] ~= nil then redis.call('HINCRBYFLOAT', KEYS[8], 'prov_rem_req', -1) end
 
 local expires = now + lease_ttl
 redis.call('HSET', KEYS[6], 'wid', wid, 'k_in', k_in, 'k_out', k_out,

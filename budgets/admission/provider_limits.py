@@ -7,9 +7,10 @@ malformed is ignored: a header never fails a request), and
 ``provider_limits_record`` keeps them in the pool's capacity hash
 (``provider_limits.lua``). Admission (``admit.lua``) then
 
-* admits no more than the provider said remains (less what it admitted
-  since), answering its own 429 ``provider_tpm`` / ``provider_rpm`` with a
-  Retry-After equal to the provider's reset, and
+* admits nothing the provider said no longer remains, answering its own
+  429 ``provider_tpm`` / ``provider_rpm`` with a Retry-After equal to the
+  provider's reset; a worker takes its call's share of that room as the
+  call goes out, or waits for it (``provider_take.lua``), and
 * runs the pool's buckets at the provider's current limit over the
   configured one (``prov_factor``), so a provider that halves its limits
   sheds Sluice's sheddable classes at once (capacity.lua), not after 429s."""
@@ -28,6 +29,7 @@ from budgets.admission.redis_client import LuaScript, ScriptCall
 logger = logging.getLogger(__name__)
 
 PROVIDER_LIMITS = LuaScript(__package__, "provider_limits.lua")
+PROVIDER_TAKE = LuaScript(__package__, "provider_take.lua")
 
 # How long the provider's stated limit steers the pool's rate after its last
 # answer with headers: a minute, the window the limits are stated over.
@@ -130,3 +132,10 @@ def provider_limits_record(*, pool_id: int, headers: Mapping[str, str]) -> Provi
     if changed:
         capacity_signal(pool_id=pool_id, event="recompute")
     return limits
+
+
+def provider_take_call(*, pool_id: int, tokens: int) -> ScriptCall[float]:
+    """Take a call's share of the provider's stated room as it goes out;
+    the result is how long to wait first (0.0: taken, go)."""
+    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)], args=[max(0, int(tokens))],
+                      parse=lambda raw: float(raw))

@@ -1,6 +1,8 @@
-"""The worker's side of the adaptive long-lane limit (gateway/core/concurrency.py):
-hold one of the lane's slots on the pool for the length of a pool call, and
-tell the limit what the call showed.
+"""What gates one pool call in the worker: one of the lane's slots on the
+pool for the length of the call (the adaptive long-lane limit,
+gateway/core/concurrency.py), and the provider's reset when its last answer
+said it has no room (budgets/admission/provider_limits.py); and, after the
+call, what it tells the lane limit.
 
 A request that finds its lane's slots all taken waits, polling Redis with a
 short backoff, until a slot frees or its deadline passes. Past its deadline
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from budgets.admission.provider_limits import provider_take_call
+from budgets.admission.redis_client import redis_now_ms
 from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
                                       lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
 from gateway.core.records import Outcome, RequestRecord
@@ -64,16 +68,35 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
     """Hold one of the record's lane slots on its pool during a pool call
     (nothing for lanes that are not limited)."""
     hold = SlotHold()
-    if not lane_limited(record.lane):
-        yield hold
-        return
-    hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
-                          deadline_ms=record.deadline_ms)
+    if lane_limited(record.lane):
+        hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
+                              deadline_ms=record.deadline_ms)
     try:
+        provider_room_wait(record)
         yield hold
     finally:
         if hold.held:
             hold.in_use = 1 + slot_release(pool_id=record.pool_id, lane=record.lane, holder=record.request_id)
+
+
+def provider_room_wait(record: RequestRecord) -> None:
+    """Take the call's share of the room the provider said it has
+    (budgets/admission/provider_take.lua), waiting for it if there is none,
+    never past the request's deadline: a call sent into a full window is
+    refused, and the refusal counts against us at the provider."""
+    call = provider_take_call(pool_id=record.pool_id,
+                              tokens=record.estimated_input_tokens + record.estimated_output_tokens)
+    while True:
+        wait_ms = call.run()
+        if wait_ms <= 0:
+            return
+        if record.deadline_ms:
+            left_ms = record.deadline_ms - redis_now_ms()
+            if left_ms <= 0:
+                return  # past its deadline it goes anyway: the limit delays, never fails
+            wait_ms = min(wait_ms, left_ms)
+        if not pause(max(0.005, wait_ms / 1000)):
+            return
 
 
 def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:

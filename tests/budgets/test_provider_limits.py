@@ -5,6 +5,7 @@ real Redis and, end to end, the simulated provider behind the real gateway."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -14,8 +15,9 @@ from budgets.admission import keys
 from budgets.admission.buckets import admit
 from budgets.admission.capacity import capacity_state
 from budgets.admission.provider_limits import (ProviderLimits, duration_ms, provider_limits_parse,
-                                               provider_limits_record)
+                                               provider_limits_record, provider_take_call)
 from budgets.errors import Rejected
+from tests.hammer import _hammer
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,7 +58,7 @@ def _admit(caller, tokens: int):
         return rejected
 
 
-def test_admission_stops_at_what_the_provider_says_remains_and_waits_for_its_reset(make_caller, redis_client):
+def test_admission_refuses_what_the_provider_says_no_longer_remains_until_its_reset(make_caller):
     # given a pool whose own buckets have plenty, and a provider that says 500 tokens remain until 7 s from now
     caller = make_caller(reserved_tpm=600_000)
     provider_limits_record(pool_id=caller.pool.id, headers={
@@ -64,16 +66,53 @@ def test_admission_stops_at_what_the_provider_says_remains_and_waits_for_its_res
         "x-ratelimit-reset-tokens": "7s"})
 
     # when
-    first = _admit(caller, 400)
-    second = _admit(caller, 200)
+    too_big = _admit(caller, 600)
+    fits = _admit(caller, 400)
 
-    # then the first fits what remains; the second is Sluice's own 429, waiting for the provider's reset
-    assert not isinstance(first, Rejected)
-    assert isinstance(second, Rejected)
-    assert (second.status, second.reason) == (429, "provider_tpm")
-    assert 6_000 < second.retry_after_ms <= 7_000
-    # 500 - 400 admitted since the provider answered
-    assert float(redis_client.hget(keys.pool_capacity(caller.pool.id), "prov_rem_tok")) == 100.0
+    # then the larger is Sluice's own 429, waiting for the provider's reset; the smaller fits
+    assert isinstance(too_big, Rejected)
+    assert (too_big.status, too_big.reason) == (429, "provider_tpm")
+    assert 6_000 < too_big.retry_after_ms <= 7_000
+    assert not isinstance(fits, Rejected)
+
+
+def test_a_worker_takes_its_share_of_the_room_as_it_sends_or_waits_for_the_reset(make_caller, redis_client):
+    # given the provider said 500 tokens remain until 7 s from now
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "500",
+        "x-ratelimit-reset-tokens": "7s", "x-ratelimit-remaining-requests": "10"})
+
+    # when two calls go out, 400 tokens then 200
+    first = provider_take_call(pool_id=pool_id, tokens=400).run()
+    second = provider_take_call(pool_id=pool_id, tokens=200).run()
+
+    # then the first takes its share; the second waits for the reset and takes nothing
+    assert first == 0.0
+    assert 6_000 < second <= 7_000
+    capacity = redis_client.hgetall(keys.pool_capacity(pool_id))
+    assert (float(capacity["prov_rem_tok"]), float(capacity["prov_rem_req"])) == (100.0, 9.0)
+
+
+def test_a_provider_that_states_nothing_never_holds_a_call(make_caller):
+    caller = make_caller()
+    assert provider_take_call(pool_id=caller.pool.id, tokens=10**9).run() == 0.0
+
+
+def test_hundred_threads_share_the_stated_room_exactly(make_caller):
+    # given room for 5 requests until a reset an hour away
+    caller = make_caller()
+    provider_limits_record(pool_id=caller.pool.id, headers={
+        "x-ratelimit-limit-requests": "10000", "x-ratelimit-remaining-requests": "5",
+        "x-ratelimit-reset-requests": "1h0m0s"})
+
+    # when 100 workers try to send at once
+    results = _hammer(threads=100, attempts=1, barrier_at=time.time() + 0.2,
+                      attempt=lambda n: (n, provider_take_call(pool_id=caller.pool.id, tokens=1).run()))
+
+    # then exactly 5 go
+    assert sum(1 for _, wait in results if wait == 0.0) == 5
 
 
 def test_no_requests_remaining_is_a_provider_rpm_refusal_until_the_reset(make_caller):
