@@ -318,6 +318,12 @@ SLUICE_LANE_LIMIT_EWMA_WEIGHT = env_float("SLUICE_LANE_LIMIT_EWMA_WEIGHT", 0.5)
 # The level at which congestion last appeared is not probed again for this long (ms).
 SLUICE_LANE_LIMIT_MEMORY_MS = env_int("SLUICE_LANE_LIMIT_MEMORY_MS", 60_000)
 
+# --- the pool's circuit breaker (gateway/core/circuit.py, gateway/core/circuit.lua) --------
+# Calls in a row that fail (5xx, no answer) before the circuit opens.
+SLUICE_CIRCUIT_FAILURES = env_int("SLUICE_CIRCUIT_FAILURES", 5)
+# Seconds the circuit stays open before one trial call (half-open) may go.
+SLUICE_CIRCUIT_OPEN_S = env_float("SLUICE_CIRCUIT_OPEN_S", 1.0)
+
 # --- the worker's retry policy (gateway/worker/retry.py) ---------------------------
 # Attempts per call, the first included; the SDK's own retries are off.
 SLUICE_RETRY_MAX_ATTEMPTS = env_int("SLUICE_RETRY_MAX_ATTEMPTS", 2)

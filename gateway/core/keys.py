@@ -113,6 +113,11 @@ def lane_limits(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:lane-limits"
 
 
+def pool_circuit(pool_id: int) -> str:
+    """Hash: the pool's circuit breaker (gateway/core/circuit.lua lists the fields)."""
+    return f"{pool_tag(pool_id)}:circuit"
+
+
 def pool_retry(pool_id: int) -> str:
     """Hash: the pool's retry token bucket and retry counters."""
     return f"{pool_tag(pool_id)}:retry"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from budgets.admission.provider_limits import provider_take_call
 from budgets.admission.redis_client import redis_now_ms
+from gateway.core.circuit import circuit_gate, circuit_record
 from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
                                       lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
 from gateway.core.records import Outcome, RequestRecord
@@ -72,11 +73,37 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
+        circuit_wait(record)
         provider_room_wait(record)
         yield hold
     finally:
         if hold.held:
             hold.in_use = 1 + slot_release(pool_id=record.pool_id, lane=record.lane, holder=record.request_id)
+
+
+CIRCUIT_POLL_MAX_S = 0.1
+
+
+def circuit_wait(record: RequestRecord) -> None:
+    """Wait while the pool's circuit is open (gateway/core/circuit.py), or
+    half-open with another call as its trial; never past the request's
+    deadline (then it goes anyway, and fails or succeeds as the pool says)."""
+    while True:
+        verdict = circuit_gate(pool_id=record.pool_id, holder=record.request_id)
+        if verdict.go:
+            return
+        if record.deadline_ms and redis_now_ms() >= record.deadline_ms:
+            return
+        if not pause(min(CIRCUIT_POLL_MAX_S, max(0.005, verdict.wait_ms / 1000))):
+            return
+
+
+def _pool_failed(outcome: Outcome) -> bool:
+    """The pool failed the call (a 5xx, no answer, a timeout); a 429 or a
+    refusal of the request itself is an answer."""
+    if outcome.upstream_status:
+        return outcome.upstream_status >= 500
+    return outcome.status == "upstream_error"
 
 
 def provider_room_wait(record: RequestRecord) -> None:
@@ -101,7 +128,15 @@ def provider_room_wait(record: RequestRecord) -> None:
 
 def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:
     """What one pool answer tells the lane limits: a short call's latency per
-    token, a limited lane's success, or a 429."""
+    token, a limited lane's success, or a 429; and every answer (or its
+    absence) to the pool's circuit breaker."""
+    if _pool_failed(outcome):
+        code = str((outcome.body or {}).get("error", {}).get("code", ""))
+        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=False,
+                       detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code)
+    else:
+        # Any answer, a 429 included, says the pool is there.
+        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=True)
     if outcome.upstream_status == 429:
         lane_limit_throttle(pool_id=record.pool_id)
     elif outcome.status != "ok":
