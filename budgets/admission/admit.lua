@@ -207,11 +207,15 @@ end
 -- sent since (provider_take.lua takes it when a call goes out), refilling at
 -- its stated per-minute limit once its reset has passed: a call it would
 -- refuse is refused here instead, with the provider's reset as the wait.
+-- Loans and sheddable classes leave the last prov_reserve of the provider's
+-- limit to protected work (I2 holds inside the provider's window too).
 local provider_room = {}
+local provider_sheddable = borrowed == 1 or (cfg[wid .. '.prio'] or 0) > 0
 for _, d in ipairs({'tok', 'req'}) do
   local room = capacity['prov_rem_' .. d]
   if room ~= nil then
     local k = (d == 'tok') and (k_in + k_out) or 1
+    if provider_sheddable then k = k + (capacity['prov_reserve'] or 0) * (capacity['prov_limit_' .. d] or 0) end
     local reset_at = capacity['prov_reset_' .. d .. '_ms'] or 0
     local limit = capacity['prov_limit_' .. d] or 0
     if now > reset_at and limit > 0 then room = math.min(limit, room + (now - reset_at) * limit / 60000) end

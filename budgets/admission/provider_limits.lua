@@ -17,14 +17,16 @@
 -- ARGV: 1 limit requests, 2 limit tokens, 3 remaining requests,
 --       4 remaining tokens, 5 reset requests (ms from now), 6 reset tokens
 --       (ms from now): '' where the answer did not say; 7 how long the
---       factor holds without a new answer (ms)
+--       factor holds without a new answer (ms), 8 the share of the
+--       provider's limit that loans and sheddable work leave to protected
+--       work (prov_reserve; admit.lua, provider_take.lua)
 -- Returns {factor changed by more than 1% (1/0), prov_factor as text ('' none), now_ms}
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
-local writes = {'prov_at_ms', tostring(now)}
+local writes = {'prov_at_ms', tostring(now), 'prov_reserve', ARGV[8]}
 local function put(field, value) writes[#writes + 1] = field; writes[#writes + 1] = tostring(value) end
 
 local limit_req, limit_tok = tonumber(ARGV[1]), tonumber(ARGV[2])

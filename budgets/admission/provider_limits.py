@@ -34,6 +34,11 @@ PROVIDER_TAKE = LuaScript(__package__, "provider_take.lua")
 # How long the provider's stated limit steers the pool's rate after its last
 # answer with headers: a minute, the window the limits are stated over.
 PROVIDER_FACTOR_HOLD_MS = 60_000
+# Loans and sheddable classes (batch, scheduled) leave this share of the
+# provider's stated limit to protected work: what remains in the provider's
+# window is first-come, and without it a batch flood would take the room an
+# interactive workload's reservation (I2) needs.
+PROVIDER_RESERVE_SHARE = 0.1
 
 _UNITS_MS = {"h": 3_600_000.0, "m": 60_000.0, "s": 1000.0, "ms": 1.0, "us": 0.001, "µs": 0.001, "ns": 0.000001}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
@@ -117,7 +122,7 @@ def provider_limits_record_call(*, pool_id: int, limits: ProviderLimits) -> Scri
         keys=[keys.pool_capacity(pool_id), keys.pool_config(pool_id)],
         args=[_arg(limits.limit_requests), _arg(limits.limit_tokens), _arg(limits.remaining_requests),
               _arg(limits.remaining_tokens), _arg(limits.reset_requests_ms), _arg(limits.reset_tokens_ms),
-              PROVIDER_FACTOR_HOLD_MS],
+              PROVIDER_FACTOR_HOLD_MS, PROVIDER_RESERVE_SHARE],
         parse=lambda raw: (int(raw[0]) == 1, float(raw[1]) if raw[1] else None),
     )
 
@@ -134,8 +139,11 @@ def provider_limits_record(*, pool_id: int, headers: Mapping[str, str]) -> Provi
     return limits
 
 
-def provider_take_call(*, pool_id: int, tokens: int) -> ScriptCall[float]:
+def provider_take_call(*, pool_id: int, tokens: int, sheddable: bool = False) -> ScriptCall[float]:
     """Take a call's share of the provider's stated room as it goes out;
-    the result is how long to wait first (0.0: taken, go)."""
-    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)], args=[max(0, int(tokens))],
+    the result is how long to wait first (0.0: taken, go). A sheddable call
+    (a loan, batch or scheduled work) leaves PROVIDER_RESERVE_SHARE of the
+    limit to protected work."""
+    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)],
+                      args=[max(0, int(tokens)), 1 if sheddable else 0],
                       parse=lambda raw: float(raw))

@@ -24,6 +24,7 @@ from budgets.admission.redis_client import redis_now_ms
 from gateway.core.circuit import circuit_gate, circuit_record
 from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
                                       lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
+from gateway.core.lanes import BATCH, SCHEDULED
 from gateway.core.records import Outcome, RequestRecord
 from gateway.worker.shutdown import pause
 
@@ -82,6 +83,8 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
 
 
 CIRCUIT_POLL_MAX_S = 0.1
+# Work that gives way to protected work in the provider's window.
+SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
 
 
 def circuit_wait(record: RequestRecord) -> None:
@@ -112,7 +115,8 @@ def provider_room_wait(record: RequestRecord) -> None:
     never past the request's deadline: a call sent into a full window is
     refused, and the refusal counts against us at the provider."""
     call = provider_take_call(pool_id=record.pool_id,
-                              tokens=record.estimated_input_tokens + record.estimated_output_tokens)
+                              tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                              sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
     while True:
         wait_ms = call.run()
         if wait_ms <= 0:

@@ -175,3 +175,20 @@ def test_through_the_gateway_the_provider_never_sees_a_call_it_would_refuse(plat
     assert 1_000 < int(third.headers["retry-after-ms"]) <= 12_000
     assert stats["rejected_429"] == 0
     assert stats["completed"] == 2
+
+
+def test_loans_and_sheddable_work_leave_the_last_tenth_of_the_providers_limit_to_protected_work(make_caller):
+    # given the provider says 900 of its 10,000 tokens remain for an hour (reserve: 1,000)
+    pool = make_caller.pool()
+    chat = make_caller(pool=pool, reserved_tpm=100_000)
+    batch = make_caller(pool=pool, workload_class="batch", reserved_tpm=100_000)
+    provider_limits_record(pool_id=pool.id, headers={
+        "x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "900",
+        "x-ratelimit-reset-tokens": "1h0m0s"})
+
+    # then batch is refused at the door and held at the send, chat is not
+    refused = _admit(batch, 100)
+    assert isinstance(refused, Rejected) and refused.reason == "provider_tpm"
+    assert not isinstance(_admit(chat, 100), Rejected)
+    assert provider_take_call(pool_id=pool.id, tokens=100, sheddable=True).run() > 3_000_000
+    assert provider_take_call(pool_id=pool.id, tokens=100).run() == 0.0
