@@ -327,6 +327,14 @@ def summarize(data: dict) -> str:
         "",
         f"Chat errors: {data['chat_errors'] or 'none'}. Batch outcomes: {data['batch_outcomes']}.",
     ]
+    if refused is not None and refused > 5:
+        b = data["bins"]
+        per_bin = {t: n for t, n in zip(b["t"], b["sim_429"]) if start <= t < end and n}
+        first = per_bin.get(start, 0)
+        lines += ["", f"Why the provider still refused {refused:.0f} calls: {first:.0f} in the first "
+                  f"{data['bin_s']:g} s after its limit halved (calls sent before the first answer carrying the "
+                  f"new limit came back), the rest by bin: "
+                  + ", ".join(f"{t:.0f} s: {n:.0f}" for t, n in per_bin.items() if t != start) + "."]
     return "\n".join(lines)
 
 

@@ -245,6 +245,20 @@ def summarize(data: dict) -> str:
         + "; ".join(f"{LABELS[s]} {m[s]['short']['errors'] or {}} / {m[s]['long']['errors'] or {}}"
                     for s in SYSTEMS if s in m) + ".",
     ]
+    misses = []
+    if p99_ratio is not None and p99_ratio > 0.25 or idle_ratio is not None and idle_ratio > 1.5:
+        overhead = (m["sluice"]["short"]["p50"] or 0) - (m.get("idle", {}).get("short", {}).get("p50") or 0)
+        misses.append(
+            f"short p99 {fmt(m['sluice']['short']['p99'], 2)} s against {fmt(fifo['short']['p99'], 2)} s FIFO and "
+            f"{fmt(m.get('idle', {}).get('short', {}).get('p99'), 2)} s on the idle pool: at the learned limit "
+            f"({fmt(small['median'] if small else None, 1)}) short requests still wait behind long ones in the pool's "
+            f"own queue at times (a limit is a whole number of long requests), and the gateway adds "
+            f"{fmt(overhead, 2)} s at the median (Sluice short p50 minus the idle pool's)")
+    if long_goodput is not None and long_goodput < 0.9:
+        misses.append(f"long goodput {fmt(long_goodput, 2)} of FIFO's: the limit holds long requests back while "
+                      "short ones are slow")
+    if misses:
+        lines += ["", "Why a target is missed: " + "; ".join(misses) + "."]
     return "\n".join(lines)
 
 

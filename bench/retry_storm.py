@@ -268,6 +268,21 @@ def summarize(data: dict) -> str:
         "",
         f"Error codes seen by the clients: direct {d['error_codes']}; through Sluice {s['error_codes']}.",
     ]
+    if recover_gap is None or recover_gap > 5:
+        sb = s["bins"]
+        held_ok = sum(ok for t, ok in zip(sb["t"], sb["ops_ok"]) if start <= t < end)
+        started = sum(n for t, n in zip(sb["t"], sb["ops_started"]) if start <= t < end)
+        after = [(t, r) for t, r in zip(sb["t"], sb["success_rate"]) if t >= end and r is not None]
+        worst = min(after, key=lambda x: x[1]) if after else None
+        spare = POOL_RPM - OPS_PER_S * 60
+        lines += ["", f"Why recovery misses: Sluice held the operations of the outage in their workers and "
+                  f"{held_ok} of the {started} that started during it succeeded once the circuit closed "
+                  f"({fmt(s.get('circuit_closed_after_s'), 1)} s after the provider recovered). That backlog then "
+                  f"competes with new operations for the provider's {POOL_RPM} RPM, of which new operations alone "
+                  f"take {OPS_PER_S * 60:.0f}: {spare:.0f} RPM are left to drain it, so new operations meet "
+                  f"provider_rpm and workload_rpm refusals meanwhile (worst bin after the outage: "
+                  + (f"{worst[1]:.0%} of the operations starting at {worst[0]:.0f} s succeeded" if worst else "n/a")
+                  + "). Direct clients fail those operations instead and recover at once."]
     return "\n".join(lines)
 
 
