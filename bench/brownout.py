@@ -116,7 +116,7 @@ async def _drive(platform, services, pool_id, chat, batch, seed, chat_rate, batc
         seconds, micros = services.redis.time()
         now_ms = seconds * 1000 + micros / 1000
         factor = float(capacity.get("factor", 1.0))
-        # What admission runs at (admit.lua): the provider's stated limit
+        # What admission runs at (budgets/admission/admit.lua): the provider's stated limit
         # while it states one, else the factor inferred from 429s/latency.
         provider_factor = capacity.get("prov_factor")
         effective = (float(provider_factor) if provider_factor and now_ms < float(capacity.get("prov_until_ms", 0))
