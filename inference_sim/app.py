@@ -25,7 +25,7 @@ from inference_sim import errors
 from inference_sim.config import SimConfig
 from inference_sim.engine import Sequence
 from inference_sim.errors import OpenAIError
-from inference_sim.limits import Rejection, WindowEntry, real_retry_after
+from inference_sim.limits import Rejection, WindowEntry, go_duration, real_retry_after
 from inference_sim.pool import SimulatedPool
 from inference_sim.protocol import ChatRequest, ChunkWriter, completion_body, new_completion_id, parse_chat_request
 from inference_sim.text import completion_text, token_pieces
@@ -83,13 +83,22 @@ class ChatHandler:
     def _ratelimit_headers(self) -> dict[str, str]:
         config = self.pool.config
         used_requests, used_tokens = self.pool.limiter.usage()
+        reset_requests, reset_tokens = self.pool.limiter.reset_after(config.rpm, config.tpm)
+        clock = self.pool.clock
+        # Limits are stated per minute of the caller's (real) clock, as a
+        # provider's are: a simulator running N times faster allows N times
+        # its simulated-minute limit per real minute. Remaining counts are
+        # what its window holds now; resets are real time too.
+        per_real_minute = 60.0 / clock.to_real(60.0)
         headers = {}
         if config.rpm:
-            headers["x-ratelimit-limit-requests"] = str(config.rpm)
+            headers["x-ratelimit-limit-requests"] = str(round(config.rpm * per_real_minute))
             headers["x-ratelimit-remaining-requests"] = str(max(0, config.rpm - used_requests))
+            headers["x-ratelimit-reset-requests"] = go_duration(clock.to_real(reset_requests))
         if config.tpm:
-            headers["x-ratelimit-limit-tokens"] = str(config.tpm)
+            headers["x-ratelimit-limit-tokens"] = str(round(config.tpm * per_real_minute))
             headers["x-ratelimit-remaining-tokens"] = str(max(0, config.tpm - used_tokens))
+            headers["x-ratelimit-reset-tokens"] = go_duration(clock.to_real(reset_tokens))
         return headers
 
     def _check_failures(self, chat: ChatRequest) -> None:

@@ -79,6 +79,16 @@ class SlidingWindowLimiter:
         self._tokens += tokens
         return entry
 
+    def reset_after(self, rpm: int, tpm: int) -> tuple[float, float]:
+        """Simulated seconds until the window has room for one more request
+        and for one more token (0 where it has room now): what the
+        ``x-ratelimit-reset-*`` headers say."""
+        now = self._clock.now()
+        self._expire(now)
+        requests = self._wait_for_requests(now, rpm) if rpm and self._requests >= rpm else 0.0
+        tokens = self._wait_for_tokens(now, tpm, 1) if tpm and self._tokens >= tpm else 0.0
+        return requests, tokens
+
     def settle(self, entry: WindowEntry, actual_tokens: int) -> None:
         """Replace the arrival-time estimate with what the request really used."""
         if entry.counted and not entry.expired:
@@ -120,3 +130,16 @@ def real_retry_after(clock: SimClock, sim_seconds: float) -> tuple[int, int]:
     """(retry-after in whole real seconds, retry-after-ms), both rounded up, at least 1."""
     real = clock.to_real(sim_seconds)
     return max(1, math.ceil(real)), max(1, math.ceil(real * 1000))
+
+
+def go_duration(real_seconds: float) -> str:
+    """A duration as OpenAI's ``x-ratelimit-reset-*`` headers write it (Go's
+    time.Duration format, to the millisecond): ``0s``, ``20ms``, ``1.5s``, ``6m0s``."""
+    ms = max(0, math.ceil(real_seconds * 1000))
+    if ms == 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest_ms = divmod(ms, 60_000)
+    seconds = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{minutes}m{seconds}" if minutes else seconds

@@ -105,6 +105,18 @@ class LiveCollector:
                                              labels=["pool_id", "budget"])
         retry_tokens = GaugeMetricFamily("sluice_pool_retry_tokens", "Retries the pool's budget holds now.",
                                          labels=["pool_id"])
+        lane_limit = GaugeMetricFamily("sluice_lane_concurrency_limit",
+                                       "The adaptive limit of a lane's concurrent pool calls, per pool and lane.",
+                                       labels=["pool_id", "lane"])
+        lane_limit_in_use = GaugeMetricFamily("sluice_lane_concurrency_in_use",
+                                              "A limited lane's slots held in a pool call now.",
+                                              labels=["pool_id", "lane"])
+        provider_remaining = GaugeMetricFamily("sluice_pool_provider_remaining",
+                                               "What the provider's x-ratelimit-remaining-* headers last said, less "
+                                               "what was sent since (NaN: it never said).", labels=["pool_id", "unit"])
+        circuit = GaugeMetricFamily("sluice_pool_circuit_state",
+                                    "1 for the pool's circuit breaker state (closed, open, half-open).",
+                                    labels=["pool_id", "state"])
         client = get_redis()
         for workload_id, workload_slug, tenant_slug in Workload.objects.values_list("id", "slug", "tenant__slug"):
             workload_info.add_metric([str(workload_id), workload_slug, tenant_slug], 1)
@@ -113,6 +125,15 @@ class LiveCollector:
             pool_info.add_metric([pid, slug], 1)
             live = pool_live_metrics(pool_id=pool_id)
             capacity.add_metric([pid], live["effective_capacity_factor"])
+            for lane, numbers in live["lane_limits"].items():
+                lane_limit.add_metric([pid, lane], numbers["limit"])
+                lane_limit_in_use.add_metric([pid, lane], numbers["in_use"])
+            for unit in ("tokens", "requests"):
+                # NaN: the provider never stated it (a gap on a graph, not a false 0).
+                remaining = live["provider"][f"remaining_{unit}"]
+                provider_remaining.add_metric([pid, unit], float("nan") if remaining is None else remaining)
+            for state in ("closed", "open", "half-open"):
+                circuit.add_metric([pid, state], 1 if live["circuit"]["state"] == state else 0)
             pool_in_flight.add_metric([pid], live["in_flight"])
             for lane, numbers in live["lanes"].items():
                 lane_in_flight.add_metric([pid, lane], numbers["in_flight"])
@@ -126,7 +147,8 @@ class LiveCollector:
             retry_refusals.add_metric([pid, "session"], float(budget.get("refused_session", 0)))
             retry_tokens.add_metric([pid], float(budget.get("tokens", 0)))
         yield from (pool_info, workload_info, capacity, pool_in_flight, lane_in_flight, lambda_w, arrival_rate,
-                    time_in_system, first_attempts, retries, retry_refusals, retry_tokens)
+                    time_in_system, first_attempts, retries, retry_refusals, retry_tokens, lane_limit,
+                    lane_limit_in_use, provider_remaining, circuit)
         try:
             depths = queue_depths()
         except Exception as exc:  # noqa: BLE001 - the broker may live elsewhere and be down

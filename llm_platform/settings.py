@@ -316,6 +316,37 @@ SLUICE_CAPACITY_LATENCY_FLOOR_MS = env_float("SLUICE_CAPACITY_LATENCY_FLOOR_MS",
 # How long the factor at the last throttle caps fast recovery (ms).
 SLUICE_CAPACITY_HINT_MEMORY_MS = env_int("SLUICE_CAPACITY_HINT_MEMORY_MS", 60_000)
 
+# --- adaptive long-lane concurrency (gateway/core/concurrency.py, gateway/core/lane_limit.lua)
+# How many interactive-long (and, separately, batch) requests may be in a call
+# to one pool at once is learned by AIMD from the short requests' latency per
+# token; these shape the rule, not the level it finds.
+# A pool's lanes start here (and fall or grow from it).
+SLUICE_LANE_LIMIT_INITIAL = env_float("SLUICE_LANE_LIMIT_INITIAL", 4.0)
+# Never below / above these many concurrent calls per lane and pool.
+SLUICE_LANE_LIMIT_MIN = env_float("SLUICE_LANE_LIMIT_MIN", 1.0)
+SLUICE_LANE_LIMIT_MAX = env_float("SLUICE_LANE_LIMIT_MAX", 256.0)
+# Short latency per token this many times its idle baseline is congestion.
+SLUICE_LANE_LIMIT_CONGESTION_RATIO = env_float("SLUICE_LANE_LIMIT_CONGESTION_RATIO", 2.0)
+# On congestion or an upstream 429 the limit becomes min(limit - 1, limit x this).
+SLUICE_LANE_LIMIT_DECREASE = env_float("SLUICE_LANE_LIMIT_DECREASE", 0.75)
+# At most one decrease per this many ms (a burst of slow answers is one signal).
+SLUICE_LANE_LIMIT_COOLDOWN_MS = env_int("SLUICE_LANE_LIMIT_COOLDOWN_MS", 1000)
+# Short samples before the baseline may call anything congestion.
+SLUICE_LANE_LIMIT_WARMUP_SAMPLES = env_int("SLUICE_LANE_LIMIT_WARMUP_SAMPLES", 10)
+# The idle baseline (the lowest latency per token seen) drifts up this much
+# per sample, so a pool that got slower for good is relearned.
+SLUICE_LANE_LIMIT_BASELINE_DRIFT = env_float("SLUICE_LANE_LIMIT_BASELINE_DRIFT", 0.002)
+# Weight of each fresh sample in the recent short latency (an EWMA).
+SLUICE_LANE_LIMIT_EWMA_WEIGHT = env_float("SLUICE_LANE_LIMIT_EWMA_WEIGHT", 0.5)
+# The level at which congestion last appeared is not probed again for this long (ms).
+SLUICE_LANE_LIMIT_MEMORY_MS = env_int("SLUICE_LANE_LIMIT_MEMORY_MS", 60_000)
+
+# --- the pool's circuit breaker (gateway/core/circuit.py, gateway/core/circuit.lua) --------
+# Calls in a row that fail (5xx, no answer) before the circuit opens.
+SLUICE_CIRCUIT_FAILURES = env_int("SLUICE_CIRCUIT_FAILURES", 5)
+# Seconds the circuit stays open before one trial call (half-open) may go.
+SLUICE_CIRCUIT_OPEN_S = env_float("SLUICE_CIRCUIT_OPEN_S", 1.0)
+
 # --- the worker's retry policy (gateway/worker/retry.py) ---------------------------
 # Attempts per call, the first included; the SDK's own retries are off.
 SLUICE_RETRY_MAX_ATTEMPTS = env_int("SLUICE_RETRY_MAX_ATTEMPTS", 2)

@@ -85,3 +85,21 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
             return ctx.workload_id, False, rejected.reason
 
     return _hammer(threads=threads, attempts=attempts, barrier_at=barrier_at, attempt=attempt)
+
+
+def slots_take_many(args: tuple) -> list[tuple[str, bool]]:
+    """``threads`` threads, each trying ``attempts`` times to take one of a
+    lane's pool-call slots (gateway/core/slot_acquire.lua) under a fresh
+    holder id. Returns (holder, taken) per attempt."""
+    pool_id, lane, threads, attempts, barrier_at = args
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
+    import django
+
+    django.setup()
+    from gateway.core.concurrency import slot_acquire_call
+
+    def attempt(n: int) -> tuple[str, bool]:
+        holder = uuid.uuid4().hex
+        return holder, slot_acquire_call(pool_id=pool_id, lane=lane, holder=holder, lease_ms=600_000).run().taken
+
+    return _hammer(threads=threads, attempts=attempts, barrier_at=barrier_at, attempt=attempt)

@@ -12,7 +12,8 @@
 -- KEYS: 1 cfg hash, 2 workload-id set, 3 bucket hash, 4 pool leases zset,
 --       5 workload leases zset, 6 this request's lease hash, 7 counters hash,
 --       8 capacity hash (adaptive factor of the pool, shed scale per workload,
---         and the prober's down mark: down_until_ms, probe_next_ms; probe.lua)
+--         the prober's down mark: down_until_ms, probe_next_ms; probe.lua;
+--         and the provider's stated limits: prov_*, provider_limits.lua)
 --       9 protected-sum hash, 10 protected fill zset (protected_sum.lua)
 -- Cost: O(log n) in the pool's workloads (every read names its fields; the
 -- protected sum S is an aggregate), except the wait hint of a refused loan
@@ -69,13 +70,19 @@ if lease_existing then
 end
 
 local st = hmget(KEYS[3], st_fields)
-local capacity = hmget(KEYS[8], {'factor', wid .. '.shed', 'down_until_ms', 'probe_next_ms', 'blocked_until_ms'})
+local capacity = hmget(KEYS[8], {'factor', wid .. '.shed', 'down_until_ms', 'probe_next_ms', 'blocked_until_ms',
+  'prov_factor', 'prov_until_ms', 'prov_reserve', 'prov_rem_tok', 'prov_rem_req', 'prov_limit_tok', 'prov_limit_req',
+  'prov_reset_tok_ms', 'prov_reset_req_ms'})
 
 -- Capacity that moves: the pool's buckets run at the adaptive factor of their
 -- configured rate, and when that no longer covers every reservation the
 -- sheddable workloads' protected buckets shrink first (capacity.lua).
+-- The pool's factor is the provider's own stated limit over the configured
+-- one while it states one (provider_limits.lua), else capacity.lua's.
+local pool_factor = capacity['factor'] or 1
+if capacity['prov_factor'] and now < (capacity['prov_until_ms'] or 0) then pool_factor = capacity['prov_factor'] end
 local function scale(name)
-  if string.sub(name, 1, 2) == 'P.' then return capacity['factor'] or 1 end
+  if string.sub(name, 1, 2) == 'P.' then return pool_factor end
   local wid_part, kind = string.match(name, '^([^.]+)%.(%a)%.')
   if kind == 'Q' then return capacity[wid_part .. '.shed'] or 1 end
   return 1
@@ -218,6 +225,31 @@ for _, d in ipairs({'in', 'out'}) do
     levels[pname] = p
     local w = wait_for(pname, p, k)
     if w > 0 then fail(d == 'in' and 'pool_input_tpm' or 'pool_output_tpm', w) end
+  end
+end
+
+-- What the provider said remains (provider_limits.lua), less what workers
+-- sent since (provider_take.lua takes it when a call goes out), refilling at
+-- its stated per-minute limit once its reset has passed: a call it would
+-- refuse is refused here instead, with the provider's reset as the wait.
+-- Loans and sheddable classes leave the last prov_reserve of the provider's
+-- limit to protected work (I2 holds inside the provider's window too).
+local provider_room = {}
+local provider_sheddable = borrowed == 1 or (cfg[wid .. '.prio'] or 0) > 0
+for _, d in ipairs({'tok', 'req'}) do
+  local room = capacity['prov_rem_' .. d]
+  if room ~= nil then
+    local k = (d == 'tok') and (k_in + k_out) or 1
+    if provider_sheddable then k = k + (capacity['prov_reserve'] or 0) * (capacity['prov_limit_' .. d] or 0) end
+    local reset_at = capacity['prov_reset_' .. d .. '_ms'] or 0
+    local limit = capacity['prov_limit_' .. d] or 0
+    if now > reset_at and limit > 0 then room = math.min(limit, room + (now - reset_at) * limit / 60000) end
+    provider_room[d] = room
+    if room < k and (limit == 0 or k <= limit) then
+      local w = reset_at - now
+      if w <= 0 then w = (limit > 0) and (k - room) * 60000 / limit or 1000 end
+      fail('provider_' .. (d == 'tok' and 'tpm' or 'rpm'), w)
+    end
   end
 end
 

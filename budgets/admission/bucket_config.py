@@ -20,7 +20,10 @@ def _bucket(fields: dict[str, float], name: str, per_minute: float, burst_second
 
 def pool_bucket_fields(pool: InferencePool, reservations: list[Reservation]) -> dict[str, float]:
     burst = pool.burst_seconds
-    fields: dict[str, float] = {"P.conc": pool.max_concurrency}
+    # The provider's limits as configured: the provider's own headers are
+    # read against them (provider_limits.lua).
+    fields: dict[str, float] = {"P.conc": pool.max_concurrency, "P.provider_tpm": pool.provider_tpm,
+                                "P.provider_rpm": pool.provider_rpm}
     _bucket(fields, "P.tok", pool.headroom * pool.provider_tpm, burst)
     _bucket(fields, "P.req", pool.headroom * pool.provider_rpm, burst)
     if pool.provider_input_tpm:

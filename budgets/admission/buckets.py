@@ -28,6 +28,8 @@ REASON_MESSAGES = {
     "pool_input_tpm": "The pool's input tokens-per-minute budget is used up.",
     "pool_output_tpm": "The pool's output tokens-per-minute budget is used up.",
     "pool_saturated": "The pool is at its in-flight request limit.",
+    "provider_tpm": "The provider reported its tokens-per-minute limit used up; retry after its reset.",
+    "provider_rpm": "The provider reported its requests-per-minute limit used up; retry after its reset.",
     "workload_concurrency": "This workload is at its in-flight request limit.",
     "spend_budget": "This month's spend budget is used up; it renews at the start of next month.",
     "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",

@@ -105,7 +105,11 @@ if changed then
   -- first, then batch, then scheduled.
   local pool_rate = tonumber(redis.call('HGET', KEYS[1], 'P.tok.rate'))
   if pool_rate ~= nil then
-    local remaining = pool_rate * factor
+    -- While the provider states its limits (provider_limits.lua), its
+    -- limit over the configured one is the pool's factor (as in admit.lua).
+    local pool_factor = factor
+    if cap['prov_factor'] and now < (cap['prov_until_ms'] or 0) then pool_factor = cap['prov_factor'] end
+    local remaining = pool_rate * pool_factor
     local wids = redis.call('SMEMBERS', KEYS[2])
     local by_prio = {}
     for _, w in ipairs(wids) do

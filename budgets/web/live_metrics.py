@@ -30,6 +30,15 @@ class PoolLiveMetrics:
     window_s: int = 0
     lanes: dict[str, dict] = field(default_factory=dict)  # the same numbers per lane, where the gateway gives them
     pool_status: PoolStatus = NOT_PROBED  # whether the pool answers its probes
+    capacity_reason: str = ""  # why the effective factor is what it is
+    # What the provider's x-ratelimit-* headers last said (None: never said).
+    provider_remaining_tokens: float | None = None
+    provider_remaining_requests: float | None = None
+    # The adaptive concurrency limit per limited lane: {lane: {"limit", "in_use"}}.
+    lane_limits: dict[str, dict] = field(default_factory=dict)
+    lane_limit_reason: str = ""  # the last decrease's reason
+    circuit_state: str = "closed"
+    circuit_why: str = ""
 
 
 LiveMetricsProvider = Callable[..., dict]  # provider(pool_id=...) -> the gateway's numbers
@@ -59,6 +68,13 @@ def pool_live_metrics(*, pool_id: int) -> PoolLiveMetrics:
             window_s=int(raw.get("window_s") or 0),
             lanes={str(k): dict(v) for k, v in (raw.get("lanes") or {}).items()},
             pool_status=PoolStatus(**raw["pool_status"]) if raw.get("pool_status") else NOT_PROBED,
+            capacity_reason=str(raw.get("capacity_reason") or ""),
+            provider_remaining_tokens=(raw.get("provider") or {}).get("remaining_tokens"),
+            provider_remaining_requests=(raw.get("provider") or {}).get("remaining_requests"),
+            lane_limits={str(k): dict(v) for k, v in (raw.get("lane_limits") or {}).items()},
+            lane_limit_reason=str(raw.get("lane_limit_reason") or ""),
+            circuit_state=str((raw.get("circuit") or {}).get("state") or "closed"),
+            circuit_why=str((raw.get("circuit") or {}).get("why") or ""),
         )
     except Exception:  # noqa: BLE001 - a dashboard must not fail with the thing it watches
         unavailable_note(f"live metrics of pool {pool_id}")

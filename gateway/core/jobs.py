@@ -38,7 +38,8 @@ PACE = LuaScript(__package__, "pace.lua")
 # Reasons a later retry can fix; anything else is final. A pool that does
 # not answer comes back: its jobs wait for it like for budget.
 DELAYABLE = {"workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
-             "pool_saturated", "workload_concurrency", "pool_backoff", "pool_unavailable"}
+             "pool_saturated", "workload_concurrency", "pool_backoff", "pool_unavailable", "provider_tpm",
+             "provider_rpm"}
 
 
 @dataclass(frozen=True)

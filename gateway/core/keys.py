@@ -112,6 +112,24 @@ def lane_in_flight(pool_id: int, lane: str) -> str:
     return f"{pool_tag(pool_id)}:lane:{lane}:inflight"
 
 
+def lane_slots(pool_id: int, lane: str) -> str:
+    """Sorted set: request ids holding one of the lane's pool-call slots on
+    the pool, scored by when the slot's lease ends (ms; gateway/core/concurrency.py)."""
+    return f"{pool_tag(pool_id)}:lane:{lane}:slots"
+
+
+def lane_limits(pool_id: int) -> str:
+    """Hash: the adaptive concurrency limit of each limited lane on the pool
+    (``<lane>.limit``) and the short-latency signal that moves it
+    (``base``, ``fast``, ``samples``, ``cooldown_until_ms``, ``decreases``)."""
+    return f"{pool_tag(pool_id)}:lane-limits"
+
+
+def pool_circuit(pool_id: int) -> str:
+    """Hash: the pool's circuit breaker (gateway/core/circuit.lua lists the fields)."""
+    return f"{pool_tag(pool_id)}:circuit"
+
+
 def pool_retry(pool_id: int) -> str:
     """Hash: the pool's retry token bucket and retry counters."""
     return f"{pool_tag(pool_id)}:retry"

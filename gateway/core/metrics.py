@@ -16,6 +16,8 @@ from budgets.admission.capacity import capacity_state
 from budgets.admission.pool_status import pool_status
 from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
 from gateway.core import keys
+from gateway.core.circuit import circuit_state
+from gateway.core.concurrency import lane_limits_read
 from gateway.core.lanes import LANE_NAMES, queue_for_lane
 
 SLOT_S = 10
@@ -115,13 +117,24 @@ def pool_live_metrics(*, pool_id: int) -> dict:
     arrival_rate = total_arrivals / WINDOW_S
     mean_w = (total_w / total_departures / 1000) if total_departures else 0.0
     state = capacity_state(pool_id=pool_id)
+    lane_limits = lane_limits_read(pool_id=pool_id, client=client)
+    circuit = circuit_state(pool_id=pool_id, client=client)
     return {
         "pool_id": pool_id,
         # Whether the pool answers its probes (gateway/worker/prober.py); while
         # "available" is false its workloads get 503 pool_unavailable.
         "pool_status": pool_status(pool_id=pool_id, client=client).as_dict(),
         "window_s": WINDOW_S,
-        "effective_capacity_factor": round(state.factor, 4),
+        "effective_capacity_factor": round(state.effective_factor(now_ms=now_ms), 4),
+        "capacity_reason": state.reason(now_ms=now_ms),
+        "provider": {"remaining_tokens": state.provider_remaining_tokens,
+                     "remaining_requests": state.provider_remaining_requests,
+                     "limit_tokens": state.provider_limit_tokens, "limit_requests": state.provider_limit_requests},
+        # The adaptive long-lane limits (gateway/core/concurrency.py).
+        "lane_limits": {lane: {"limit": round(limit, 3), "in_use": lane_limits.in_use[lane]}
+                        for lane, limit in lane_limits.limits.items()},
+        "lane_limit_reason": lane_limits.last_decrease_why,
+        "circuit": {"state": circuit.state, "why": circuit.why, "opened": circuit.opened},
         "blocked_until_ms": state.blocked_until_ms,
         "in_flight": client.zcount(budget_keys.pool_leases(pool_id), now_ms, "+inf"),
         "lane_in_flight": total_in_flight,

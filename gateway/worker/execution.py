@@ -38,6 +38,7 @@ from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUN
 from gateway.core.settlement import request_settle
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
+from gateway.worker.lane_slot import lane_signal, lane_slot
 from gateway.worker.pool_client import pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 from gateway.worker.streaming import pool_stream
@@ -105,7 +106,7 @@ def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
 def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     """One call to the pool with the SDK (its retries are off). Returns the
     outcome and whether another attempt could help."""
-    client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env)
+    client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env, pool_id=record.pool_id)
     payload = dict(record.payload)
     sim = payload.pop("sim", None)
     started = time.monotonic()
@@ -181,7 +182,9 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     upstream_ms = 0
     throttled = 0
     while True:
-        outcome, retryable = _single_call(record)
+        with lane_slot(record) as slot:
+            outcome, retryable = _single_call(record)
+        lane_signal(record, outcome, hold=slot)
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms

@@ -4,14 +4,20 @@ the admission step never saw)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Callable
 
 import httpx
 from django.conf import settings
 from openai import OpenAI
 
-_clients: dict[tuple[str, str], OpenAI] = {}
+from budgets.admission.provider_limits import provider_limits_record
+
+logger = logging.getLogger(__name__)
+
+_clients: dict[tuple[str, str, int], OpenAI] = {}
 _lock = threading.Lock()
 _sent = threading.local()
 
@@ -34,9 +40,23 @@ def pool_api_key(*, api_key_env: str) -> str:
     return os.environ.get(api_key_env, "") if api_key_env else ""
 
 
-def pool_client(*, base_url: str, api_key_env: str) -> OpenAI:
+def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
+    """An httpx response hook: every answer of the pool, errors included,
+    tells the pool's admission what the provider's x-ratelimit-* headers say
+    (budgets/admission/provider_limits.py). It runs when the headers arrive;
+    a failure to record them never fails the call."""
+    def read(response: httpx.Response) -> None:
+        try:
+            provider_limits_record(pool_id=pool_id, headers=response.headers)
+        except Exception:  # noqa: BLE001 - the answer matters more than the bookkeeping
+            logger.warning("pool %s: could not record its rate-limit headers", pool_id, exc_info=True)
+    return read
+
+
+def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
+    """The SDK client of one pool (``pool_id`` 0: none, no headers recorded)."""
     api_key = pool_api_key(api_key_env=api_key_env)
-    cache_key = (base_url, api_key_env)
+    cache_key = (base_url, api_key_env, pool_id)
     client = _clients.get(cache_key)
     if client is None:
         with _lock:
@@ -48,7 +68,8 @@ def pool_client(*, base_url: str, api_key_env: str) -> OpenAI:
                     max_retries=0,
                     timeout=httpx.Timeout(settings.SLUICE_UPSTREAM_TIMEOUT_S, connect=5.0),
                     http_client=httpx.Client(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                             event_hooks={"request": [_count_sent]}),
+                                             event_hooks={"request": [_count_sent],
+                                                          "response": [_limits_reader(pool_id)] if pool_id else []}),
                 )
                 _clients[cache_key] = client
     return client

@@ -56,3 +56,48 @@ def test_metrics_endpoint_is_for_platform_admins_only(make_caller):
     assert response.status_code == 200
     assert {"arrival_rate_per_s", "mean_time_in_system_s", "littles_l", "in_flight", "lanes"} <= set(response.json())
     assert client.get("/api/pools/999999/metrics").status_code == 404
+
+
+def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(platform, make_caller, redis_client,
+                                                                              settings):
+    from budgets.admission.provider_limits import provider_limits_record
+    from gateway.core import keys
+    from gateway.core.circuit import circuit_record
+    from gateway.core.concurrency import slot_acquire_call
+    from tests.test_observability import scrape, value
+
+    # given a learned long-lane limit with one call in it, a provider stating half
+    # the configured limit, and a circuit opened by a failed call
+    pool = make_caller.pool(provider_tpm=1_000_000)
+    make_caller(pool=pool)
+    redis_client.hset(keys.lane_limits(pool.id), mapping={"interactive-long.limit": 3.5,
+                                                          "last_decrease_why": "the pool answered 429"})
+    assert slot_acquire_call(pool_id=pool.id, lane="interactive-long", holder="r1").run().taken
+    provider_limits_record(pool_id=pool.id, headers={"x-ratelimit-limit-tokens": "500000",
+                                                      "x-ratelimit-remaining-tokens": "1234",
+                                                      "x-ratelimit-remaining-requests": "77"})
+    settings.SLUICE_CIRCUIT_FAILURES = 1
+    circuit_record(pool_id=pool.id, holder="r2", ok=False, detail="HTTP 503")
+
+    # when
+    metrics = pool_live_metrics(pool_id=pool.id)
+    samples = scrape(platform)
+
+    # then the pool page's numbers...
+    assert metrics["lane_limits"] == {"interactive-long": {"limit": 3.5, "in_use": 1},
+                                      "batch": {"limit": settings.SLUICE_LANE_LIMIT_INITIAL, "in_use": 0}}
+    assert metrics["lane_limit_reason"] == "the pool answered 429"
+    assert (metrics["provider"]["remaining_tokens"], metrics["provider"]["remaining_requests"]) == (1234.0, 77.0)
+    assert metrics["effective_capacity_factor"] == 0.5
+    assert metrics["capacity_reason"] == ("the provider states a limit of 500,000 tokens per minute in its "
+                                          "x-ratelimit headers: 50% of the configured limits")
+    assert metrics["circuit"] == {"state": "open", "why": "1 calls in a row failed, the last: HTTP 503", "opened": 1}
+    # ...and /metrics
+    pid = pool.id
+    assert value(samples, "sluice_lane_concurrency_limit", pool_id=pid, lane="interactive-long") == 3.5
+    assert value(samples, "sluice_lane_concurrency_in_use", pool_id=pid, lane="interactive-long") == 1
+    assert value(samples, "sluice_pool_provider_remaining", pool_id=pid, unit="tokens") == 1234
+    assert value(samples, "sluice_pool_provider_remaining", pool_id=pid, unit="requests") == 77
+    assert value(samples, "sluice_pool_capacity_factor", pool_id=pid) == 0.5
+    assert value(samples, "sluice_pool_circuit_state", pool_id=pid, state="open") == 1
+    assert value(samples, "sluice_pool_circuit_state", pool_id=pid, state="closed") == 0

@@ -325,8 +325,13 @@ def test_rpm_limit_returns_429_with_retry_headers(slow_sim):
     retry_ms = int(response.headers["retry-after-ms"])
     assert 0 < retry_ms <= math.ceil(60_000 / time_scale)
     assert int(response.headers["retry-after"]) == math.ceil(retry_ms / 1000)
-    assert response.headers["x-ratelimit-limit-requests"] == "3"
+    # stated per real minute: the simulator runs time_scale times faster
+    assert response.headers["x-ratelimit-limit-requests"] == str(round(3 * time_scale))
     assert response.headers["x-ratelimit-remaining-requests"] == "0"
+    # The window is full: its reset is when the oldest request slides out,
+    # at most the Retry-After just given (both in real time).
+    reset_ms = duration_ms(response.headers["x-ratelimit-reset-requests"])
+    assert 0 < reset_ms <= retry_ms
 
     with pytest.raises(openai.RateLimitError) as caught:
         sim.openai.chat.completions.create(model="sim-small", messages=USER)
@@ -346,7 +351,11 @@ def test_tpm_limit_checks_worst_case_and_counts_actual_usage(slow_sim):
 
     first = sim.chat(sim={"output_tokens": 5}, max_tokens=max_tokens)
     assert first.status_code == 200
-    assert first.headers["x-ratelimit-limit-tokens"] == str(tpm)
+    assert first.headers["x-ratelimit-limit-tokens"] == str(round(tpm * sim.stats()["config"]["time_scale"]))
+    # When it answered, the window still held its worst case (the whole
+    # limit): the next token fits once it slides out, within the 60 s
+    # window (30 real seconds at this time scale).
+    assert 0 < duration_ms(first.headers["x-ratelimit-reset-tokens"]) <= 30_000
     # After it finished the window holds what it used, not its worst case.
     assert sim.stats()["window"]["tokens"] == prompt_tokens + 5
 
@@ -604,3 +613,22 @@ def test_cli_rejects_bad_configuration():
         )
         assert result.returncode == 2, args
         assert "error" in result.stderr
+
+
+def duration_ms(text: str) -> int:
+    """Milliseconds of a Go-style duration as the headers write it."""
+    minutes, _, rest = text.rpartition("m") if text.endswith("s") and "m" in text[:-2] else ("", "", text)
+    if rest.endswith("ms"):
+        return int(rest[:-2]) + int(minutes or 0) * 60_000
+    return round(float(rest[:-1]) * 1000) + int(minutes or 0) * 60_000
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0, "0s"), (0.0004, "1ms"), (0.02, "20ms"), (0.999, "999ms"), (1, "1s"), (1.5, "1.5s"), (59.25, "59.25s"),
+    (360, "6m0s"), (61.5, "1m1.5s"),
+])
+def test_reset_durations_are_written_as_openai_writes_them(seconds, text):
+    from inference_sim.limits import go_duration
+
+    assert go_duration(seconds) == text
+    assert duration_ms(text) == math.ceil(seconds * 1000)

@@ -1,0 +1,149 @@
+"""Limits from the provider: the ``x-ratelimit-*`` headers every answer of
+an OpenAI- or Azure-style pool carries (limit, remaining and reset, for
+requests and for tokens), read before the provider has to refuse anything.
+
+``provider_limits_parse`` turns the headers into numbers (anything
+malformed is ignored: a header never fails a request), and
+``provider_limits_record`` keeps them in the pool's capacity hash
+(``provider_limits.lua``). Admission (``admit.lua``) then
+
+* admits nothing the provider said no longer remains, answering its own
+  429 ``provider_tpm`` / ``provider_rpm`` with a Retry-After equal to the
+  provider's reset; a worker takes its call's share of that room as the
+  call goes out, or waits for it (``provider_take.lua``), and
+* runs the pool's buckets at the provider's current limit over the
+  configured one (``prov_factor``), so a provider that halves its limits
+  sheds Sluice's sheddable classes at once (capacity.lua), not after 429s."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from budgets.admission import keys
+from budgets.admission.capacity import capacity_signal
+from budgets.admission.redis_client import LuaScript, ScriptCall
+
+logger = logging.getLogger(__name__)
+
+PROVIDER_LIMITS = LuaScript(__package__, "provider_limits.lua")
+PROVIDER_TAKE = LuaScript(__package__, "provider_take.lua")
+
+# How long the provider's stated limit steers the pool's rate after its last
+# answer with headers: a minute, the window the limits are stated over.
+PROVIDER_FACTOR_HOLD_MS = 60_000
+# Loans and sheddable classes (batch, scheduled) leave this share of the
+# provider's stated limit to protected work: what remains in the provider's
+# window is first-come, and without it a batch flood would take the room an
+# interactive workload's reservation (I2) needs.
+PROVIDER_RESERVE_SHARE = 0.1
+
+_UNITS_MS = {"h": 3_600_000.0, "m": 60_000.0, "s": 1000.0, "ms": 1.0, "us": 0.001, "µs": 0.001, "ns": 0.000001}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
+_BARE_SECONDS = re.compile(r"\d+(?:\.\d+)?")
+_MAX_MS = 24 * 3_600_000  # a reset further away than a day is not a rate limit's
+
+
+def duration_ms(text: str | None) -> float | None:
+    """Milliseconds of a reset as providers write it: Go durations (``6m0s``,
+    ``1.5s``, ``20ms``, ``1h2m3s``) or bare seconds (``0.5``). None when it
+    is missing or not one of those."""
+    if text is None:
+        return None
+    text = text.strip()
+    if not text or len(text) > 40:
+        return None
+    if _BARE_SECONDS.fullmatch(text):
+        ms = float(text) * 1000
+        return ms if ms <= _MAX_MS else None
+    total, at = 0.0, 0
+    for part in _DURATION_PART.finditer(text):
+        if part.start() != at:
+            return None
+        total += float(part.group(1)) * _UNITS_MS[part.group(2)]
+        at = part.end()
+    if at != len(text) or at == 0 or total > _MAX_MS:
+        return None
+    return total
+
+
+def _count(text: str | None) -> int | None:
+    if text is None:
+        return None
+    text = text.strip()
+    if not text.isdigit() or len(text) > 15:
+        return None
+    return int(text)
+
+
+@dataclass(frozen=True)
+class ProviderLimits:
+    """One answer's headers; None where the answer said nothing usable."""
+
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_ms: float | None = None
+    reset_tokens_ms: float | None = None
+
+    @property
+    def empty(self) -> bool:
+        return all(value is None for value in (self.limit_requests, self.limit_tokens, self.remaining_requests,
+                                                self.remaining_tokens))
+
+
+def provider_limits_parse(headers: Mapping[str, str]) -> ProviderLimits:
+    """The x-ratelimit-* headers of one answer (names case-insensitive, as
+    httpx's headers are)."""
+    def get(name: str) -> str | None:
+        value = headers.get(name)
+        return value if isinstance(value, str) else None
+
+    return ProviderLimits(
+        limit_requests=_count(get("x-ratelimit-limit-requests")),
+        limit_tokens=_count(get("x-ratelimit-limit-tokens")),
+        remaining_requests=_count(get("x-ratelimit-remaining-requests")),
+        remaining_tokens=_count(get("x-ratelimit-remaining-tokens")),
+        reset_requests_ms=duration_ms(get("x-ratelimit-reset-requests")),
+        reset_tokens_ms=duration_ms(get("x-ratelimit-reset-tokens")),
+    )
+
+
+def _arg(value: float | None) -> str:
+    return "" if value is None else str(value)
+
+
+def provider_limits_record_call(*, pool_id: int, limits: ProviderLimits) -> ScriptCall[tuple[bool, float | None]]:
+    return ScriptCall(
+        script=PROVIDER_LIMITS,
+        keys=[keys.pool_capacity(pool_id), keys.pool_config(pool_id)],
+        args=[_arg(limits.limit_requests), _arg(limits.limit_tokens), _arg(limits.remaining_requests),
+              _arg(limits.remaining_tokens), _arg(limits.reset_requests_ms), _arg(limits.reset_tokens_ms),
+              PROVIDER_FACTOR_HOLD_MS, PROVIDER_RESERVE_SHARE],
+        parse=lambda raw: (int(raw[0]) == 1, float(raw[1]) if raw[1] else None),
+    )
+
+
+def provider_limits_record(*, pool_id: int, headers: Mapping[str, str]) -> ProviderLimits:
+    """Keep what one answer's headers say about the provider's limits; when
+    its stated limit moved, the shed scales follow at once."""
+    limits = provider_limits_parse(headers)
+    if limits.empty:
+        return limits
+    changed, _ = provider_limits_record_call(pool_id=pool_id, limits=limits).run()
+    if changed:
+        capacity_signal(pool_id=pool_id, event="recompute")
+    return limits
+
+
+def provider_take_call(*, pool_id: int, tokens: int, sheddable: bool = False) -> ScriptCall[float]:
+    """Take a call's share of the provider's stated room as it goes out;
+    the result is how long to wait first (0.0: taken, go). A sheddable call
+    (a loan, batch or scheduled work) leaves PROVIDER_RESERVE_SHARE of the
+    limit to protected work."""
+    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)],
+                      args=[max(0, int(tokens)), 1 if sheddable else 0],
+                      parse=lambda raw: float(raw))

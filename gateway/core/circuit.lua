@@ -1,0 +1,68 @@
+-- A pool's circuit breaker, fed by the workers' own calls:
+-- closed -> open -> half-open -> closed.
+--
+--   closed: every call goes. ARGV[4] failures in a row (5xx, no answer)
+--           open it.
+--   open: no call goes until open_until_ms (the caller waits, bounded by its
+--         own deadline, gateway/worker/lane_slot.py); then it is half-open.
+--   half-open: exactly one call at a time goes, as the trial (its lease ends
+--         after ARGV[6] ms, so a trial whose worker died does not block the
+--         pool); the trial's success closes the circuit at once, so the
+--         whole backlog goes as soon as the provider accepts again (no
+--         additive climb from a floor); its failure opens it again.
+--
+-- KEYS: 1 circuit hash (state, failures, open_until_ms, trial_until_ms,
+--       trial_holder, opened, last_change_ms, why)
+-- ARGV: 1 event ('gate' | 'ok' | 'fail'), 2 holder (request id),
+--       3 what happened (text, 'fail'), 4 failures in a row that open it,
+--       5 how long it stays open before a trial (ms), 6 a trial's lease (ms)
+-- Returns {'go' | 'wait', wait ms (text), state after}
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+
+local event, holder = ARGV[1], ARGV[2]
+local threshold, open_ms, trial_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local c = {}
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do c[flat[i]] = flat[i + 1] end
+local state = c['state'] or 'closed'
+local open_until = tonumber(c['open_until_ms']) or 0
+local trial_until = tonumber(c['trial_until_ms']) or 0
+
+local function open(why)
+  redis.call('HSET', KEYS[1], 'state', 'open', 'open_until_ms', tostring(now + open_ms), 'trial_until_ms', '0',
+             'trial_holder', '', 'last_change_ms', tostring(now), 'why', why)
+  redis.call('HINCRBY', KEYS[1], 'opened', 1)
+  return 'open'
+end
+
+if event == 'gate' then
+  if state == 'closed' then return {'go', '0', state} end
+  if now < open_until then return {'wait', tostring(open_until - now), 'open'} end
+  -- Half-open: one trial at a time.
+  if c['trial_holder'] == holder or now >= trial_until then
+    redis.call('HSET', KEYS[1], 'state', 'half-open', 'trial_holder', holder,
+               'trial_until_ms', tostring(now + trial_ms))
+    return {'go', '0', 'half-open'}
+  end
+  return {'wait', tostring(math.min(trial_until - now, open_ms)), 'half-open'}
+elseif event == 'ok' then
+  if state ~= 'closed' then
+    redis.call('HSET', KEYS[1], 'state', 'closed', 'trial_holder', '', 'trial_until_ms', '0',
+               'last_change_ms', tostring(now), 'why', 'the pool answered again')
+  end
+  redis.call('HSET', KEYS[1], 'failures', '0')
+  return {'go', '0', 'closed'}
+elseif event == 'fail' then
+  local failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)
+  if state == 'half-open' and c['trial_holder'] == holder then
+    return {'go', '0', open('the trial call failed: ' .. ARGV[3])}
+  end
+  if state == 'closed' and failures >= threshold then
+    return {'go', '0', open(failures .. ' calls in a row failed, the last: ' .. ARGV[3])}
+  end
+  return {'go', '0', state}
+end
+return {'go', '0', state}

@@ -1,0 +1,152 @@
+"""What gates one pool call in the worker: one of the lane's slots on the
+pool for the length of the call (the adaptive long-lane limit,
+gateway/core/concurrency.py), and the provider's reset when its last answer
+said it has no room (budgets/admission/provider_limits.py); and, after the
+call, what it tells the lane limit.
+
+A request that finds its lane's slots all taken waits, polling Redis with a
+short backoff, until a slot frees or its deadline passes. Past its deadline
+it calls the pool anyway (fail open): the limit may delay a long request, it
+must never fail one that FIFO would have completed. A stopping worker stops
+waiting the same way (its call is then cut off or finished by the shutdown
+grace, gateway/worker/shutdown.py)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from budgets.admission.provider_limits import provider_take_call
+from budgets.admission.redis_client import redis_now_ms
+from gateway.core.circuit import circuit_gate, circuit_record
+from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
+                                      lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
+from gateway.core.lanes import BATCH, SCHEDULED
+from gateway.core.records import Outcome, RequestRecord
+from gateway.worker.shutdown import pause
+
+logger = logging.getLogger(__name__)
+
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.05
+
+
+def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
+              rng: random.Random | None = None) -> bool:
+    """Take a slot, waiting for one up to ``deadline_ms`` (Redis clock).
+    True: a slot is held (release it); False: none was (the deadline passed
+    or the worker is stopping), and the call goes ahead without one."""
+    rng = rng or random.Random()
+    delay = POLL_FIRST_S
+    call = slot_acquire_call(pool_id=pool_id, lane=lane, holder=holder)
+    while True:
+        grant = call.run()
+        if grant.taken:
+            return True
+        if deadline_ms and grant.now_ms >= deadline_ms:
+            logger.info("request %s: no %s slot before its deadline (%d held, limit %.2f); calling anyway",
+                        holder, lane, grant.held, grant.limit)
+            return False
+        # Full jitter: waiters polling in step would all race for one freed slot.
+        if not pause(rng.uniform(0, delay)):
+            return False
+        delay = min(POLL_MAX_S, delay * 2)
+
+
+@dataclass
+class SlotHold:
+    """One pool call's slot: whether it got one, and how many of the lane's
+    slots were in use when it ended (its own included; 0 without a slot)."""
+
+    held: bool = False
+    in_use: int = 0
+
+
+@contextmanager
+def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
+    """Hold one of the record's lane slots on its pool during a pool call
+    (nothing for lanes that are not limited)."""
+    hold = SlotHold()
+    if lane_limited(record.lane):
+        hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
+                              deadline_ms=record.deadline_ms)
+    try:
+        circuit_wait(record)
+        provider_room_wait(record)
+        yield hold
+    finally:
+        if hold.held:
+            hold.in_use = 1 + slot_release(pool_id=record.pool_id, lane=record.lane, holder=record.request_id)
+
+
+CIRCUIT_POLL_MAX_S = 0.1
+# Work that gives way to protected work in the provider's window.
+SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
+
+
+def circuit_wait(record: RequestRecord) -> None:
+    """Wait while the pool's circuit is open (gateway/core/circuit.py), or
+    half-open with another call as its trial; never past the request's
+    deadline (then it goes anyway, and fails or succeeds as the pool says)."""
+    while True:
+        verdict = circuit_gate(pool_id=record.pool_id, holder=record.request_id)
+        if verdict.go:
+            return
+        if record.deadline_ms and redis_now_ms() >= record.deadline_ms:
+            return
+        if not pause(min(CIRCUIT_POLL_MAX_S, max(0.005, verdict.wait_ms / 1000))):
+            return
+
+
+def _pool_failed(outcome: Outcome) -> bool:
+    """The pool failed the call (a 5xx, no answer, a timeout); a 429 or a
+    refusal of the request itself is an answer."""
+    if outcome.upstream_status:
+        return outcome.upstream_status >= 500
+    return outcome.status == "upstream_error"
+
+
+def provider_room_wait(record: RequestRecord) -> None:
+    """Take the call's share of the room the provider said it has
+    (budgets/admission/provider_take.lua), waiting for it if there is none,
+    never past the request's deadline: a call sent into a full window is
+    refused, and the refusal counts against us at the provider."""
+    call = provider_take_call(pool_id=record.pool_id,
+                              tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                              sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
+    while True:
+        wait_ms = call.run()
+        if wait_ms <= 0:
+            return
+        if record.deadline_ms:
+            left_ms = record.deadline_ms - redis_now_ms()
+            if left_ms <= 0:
+                return  # past its deadline it goes anyway: the limit delays, never fails
+            wait_ms = min(wait_ms, left_ms)
+        if not pause(max(0.005, wait_ms / 1000)):
+            return
+
+
+def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:
+    """What one pool answer tells the lane limits: a short call's latency per
+    token, a limited lane's success, or a 429; and every answer (or its
+    absence) to the pool's circuit breaker."""
+    if _pool_failed(outcome):
+        code = str((outcome.body or {}).get("error", {}).get("code", ""))
+        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=False,
+                       detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code)
+    else:
+        # Any answer, a 429 included, says the pool is there.
+        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=True)
+    if outcome.upstream_status == 429:
+        lane_limit_throttle(pool_id=record.pool_id)
+    elif outcome.status != "ok":
+        return
+    elif record.lane == SIGNAL_LANE:
+        lane_limit_short_sample(pool_id=record.pool_id, ms_per_token=outcome.upstream_ms / (outcome.output_tokens + 1),
+                                admitted_ms=record.admitted_ms)
+    elif lane_limited(record.lane):
+        lane_limit_long_done(pool_id=record.pool_id, lane=record.lane, in_use=hold.in_use)

@@ -1,0 +1,194 @@
+"""Limits from the provider (budgets/admission/provider_limits.py): the
+x-ratelimit-* headers parsed in every format providers write them (garbage
+ignored, never an error), and admission honouring what they say, against a
+real Redis and, end to end, the simulated provider behind the real gateway."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from budgets.admission import keys
+from budgets.admission.buckets import admit
+from budgets.admission.capacity import capacity_state
+from budgets.admission.provider_limits import (ProviderLimits, duration_ms, provider_limits_parse,
+                                               provider_limits_record, provider_take_call)
+from budgets.errors import Rejected
+from tests.hammer import _hammer
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.parametrize(("text", "ms"), [
+    ("6m0s", 360_000.0), ("20ms", 20.0), ("1s", 1000.0), ("1.5s", 1500.0), ("0s", 0.0), ("1h2m3s", 3_723_000.0),
+    ("59.25s", 59_250.0), ("2m30.5s", 150_500.0), ("500us", 0.5), ("0.5", 500.0), ("12", 12_000.0), (" 7s ", 7000.0),
+])
+def test_reset_durations_in_every_format_providers_write(text, ms):
+    assert duration_ms(text) == pytest.approx(ms)
+
+
+@pytest.mark.parametrize("text", [
+    None, "", "soon", "5x", "s", "ms", "-1s", "1s2", "1.2.3s", "nan", "inf", "-3", "1e3", "25h", "9" * 50, "1 s",
+])
+def test_garbage_durations_are_ignored(text):
+    assert duration_ms(text) is None
+
+
+def test_headers_parse_and_garbage_counts_are_dropped():
+    headers = httpx.Headers({
+        "X-RateLimit-Limit-Requests": "3000", "x-ratelimit-limit-tokens": "lots",
+        "x-ratelimit-remaining-requests": "-4", "x-ratelimit-remaining-tokens": "48000",
+        "x-ratelimit-reset-requests": "tomorrow", "x-ratelimit-reset-tokens": "6m0s",
+    })
+    assert provider_limits_parse(headers) == ProviderLimits(
+        limit_requests=3000, limit_tokens=None, remaining_requests=None, remaining_tokens=48000,
+        reset_requests_ms=None, reset_tokens_ms=360_000.0)
+    assert provider_limits_parse({}).empty
+    assert provider_limits_parse({"x-ratelimit-remaining-tokens": "n/a"}).empty
+
+
+def _admit(caller, tokens: int):
+    try:
+        return admit(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id=uuid.uuid4().hex,
+                     input_tokens=0, output_tokens=tokens, lease_ttl_ms=60_000)
+    except Rejected as rejected:
+        return rejected
+
+
+def test_admission_refuses_what_the_provider_says_no_longer_remains_until_its_reset(make_caller):
+    # given a pool whose own buckets have plenty, and a provider that says 500 tokens remain until 7 s from now
+    caller = make_caller(reserved_tpm=600_000)
+    provider_limits_record(pool_id=caller.pool.id, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "500",
+        "x-ratelimit-reset-tokens": "7s"})
+
+    # when
+    too_big = _admit(caller, 600)
+    fits = _admit(caller, 400)
+
+    # then the larger is Sluice's own 429, waiting for the provider's reset; the smaller fits
+    assert isinstance(too_big, Rejected)
+    assert (too_big.status, too_big.reason) == (429, "provider_tpm")
+    assert 6_000 < too_big.retry_after_ms <= 7_000
+    assert not isinstance(fits, Rejected)
+
+
+def test_a_worker_takes_its_share_of_the_room_as_it_sends_or_waits_for_the_reset(make_caller, redis_client):
+    # given the provider said 500 tokens remain until 7 s from now
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "500",
+        "x-ratelimit-reset-tokens": "7s", "x-ratelimit-remaining-requests": "10"})
+
+    # when two calls go out, 400 tokens then 200
+    first = provider_take_call(pool_id=pool_id, tokens=400).run()
+    second = provider_take_call(pool_id=pool_id, tokens=200).run()
+
+    # then the first takes its share; the second waits for the reset and takes nothing
+    assert first == 0.0
+    assert 6_000 < second <= 7_000
+    capacity = redis_client.hgetall(keys.pool_capacity(pool_id))
+    assert (float(capacity["prov_rem_tok"]), float(capacity["prov_rem_req"])) == (100.0, 9.0)
+
+
+def test_a_provider_that_states_nothing_never_holds_a_call(make_caller):
+    caller = make_caller()
+    assert provider_take_call(pool_id=caller.pool.id, tokens=10**9).run() == 0.0
+
+
+def test_hundred_threads_share_the_stated_room_exactly(make_caller):
+    # given room for 5 requests until a reset an hour away
+    caller = make_caller()
+    provider_limits_record(pool_id=caller.pool.id, headers={
+        "x-ratelimit-limit-requests": "10000", "x-ratelimit-remaining-requests": "5",
+        "x-ratelimit-reset-requests": "1h0m0s"})
+
+    # when 100 workers try to send at once
+    results = _hammer(threads=100, attempts=1, barrier_at=time.time() + 0.2,
+                      attempt=lambda n: (n, provider_take_call(pool_id=caller.pool.id, tokens=1).run()))
+
+    # then exactly 5 go
+    assert sum(1 for _, wait in results if wait == 0.0) == 5
+
+
+def test_no_requests_remaining_is_a_provider_rpm_refusal_until_the_reset(make_caller):
+    caller = make_caller()
+    provider_limits_record(pool_id=caller.pool.id, headers={
+        "x-ratelimit-limit-requests": "10000", "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "2s"})
+    rejected = _admit(caller, 10)
+    assert isinstance(rejected, Rejected)
+    assert rejected.reason == "provider_rpm"
+    assert 1_000 < rejected.retry_after_ms <= 2_000
+
+
+def test_headers_without_usable_numbers_change_nothing(make_caller, redis_client):
+    caller = make_caller()
+    provider_limits_record(pool_id=caller.pool.id, headers={"x-ratelimit-remaining-tokens": "none",
+                                                            "x-ratelimit-reset-tokens": "never"})
+    assert redis_client.hgetall(keys.pool_capacity(caller.pool.id)).get("prov_rem_tok") is None
+    assert not isinstance(_admit(caller, 10), Rejected)
+
+
+def test_a_provider_that_halves_its_limit_sheds_batch_before_chat_at_once(make_caller):
+    # given 1,000,000 TPM configured (800,000 after headroom), chat and batch 300,000 reserved each
+    pool = make_caller.pool(provider_tpm=1_000_000)
+    chat = make_caller(pool=pool, reserved_tpm=300_000)
+    batch = make_caller(pool=pool, workload_class="batch", reserved_tpm=300_000)
+    assert capacity_state(pool_id=pool.id).shed == {chat.workload.id: 1.0, batch.workload.id: 1.0}
+
+    # when one answer says the provider's limit is now 500,000 (no 429 yet)
+    provider_limits_record(pool_id=pool.id, headers={"x-ratelimit-limit-tokens": "500000",
+                                                      "x-ratelimit-remaining-tokens": "400000"})
+
+    # then the pool runs at 400,000: chat keeps all of its reservation, batch the 100,000 left
+    shed = capacity_state(pool_id=pool.id).shed
+    assert shed[chat.workload.id] == 1.0
+    assert shed[batch.workload.id] == pytest.approx(1 / 3)
+
+
+def test_through_the_gateway_the_provider_never_sees_a_call_it_would_refuse(platform, make_caller):
+    # given the simulated provider allows 2 requests per simulated minute (10 per
+    # real minute at time scale 5), and a pool whose own buckets hold more
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1", provider_rpm=40, headroom=0.5, burst_seconds=60.0)
+    caller = make_caller(pool=pool, rpm=20)
+    platform.sim_reset()
+    platform.sim_capacity(rpm=2)
+    try:
+        # when three requests go through Sluice
+        responses = [httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=30,
+                                headers={"Authorization": f"Bearer {caller.api_key}"},
+                                json={"model": "sim-small", "max_tokens": 5,
+                                      "messages": [{"role": "user", "content": "hi"}]}) for _ in range(3)]
+        stats = platform.sim_stats()
+    finally:
+        platform.sim_reset()
+    # then the third is Sluice's own 429, after the provider's reset, and the provider refused nothing
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    third = responses[2]
+    assert third.json()["error"]["code"] == "provider_rpm"
+    # the simulator's window is 60 simulated s = 12 real s at time scale 5
+    assert 1_000 < int(third.headers["retry-after-ms"]) <= 12_000
+    assert stats["rejected_429"] == 0
+    assert stats["completed"] == 2
+
+
+def test_loans_and_sheddable_work_leave_the_last_tenth_of_the_providers_limit_to_protected_work(make_caller):
+    # given the provider says 900 of its 10,000 tokens remain for an hour (reserve: 1,000)
+    pool = make_caller.pool()
+    chat = make_caller(pool=pool, reserved_tpm=100_000)
+    batch = make_caller(pool=pool, workload_class="batch", reserved_tpm=100_000)
+    provider_limits_record(pool_id=pool.id, headers={
+        "x-ratelimit-limit-tokens": "10000", "x-ratelimit-remaining-tokens": "900",
+        "x-ratelimit-reset-tokens": "1h0m0s"})
+
+    # then batch is refused at the door and held at the send, chat is not
+    refused = _admit(batch, 100)
+    assert isinstance(refused, Rejected) and refused.reason == "provider_tpm"
+    assert not isinstance(_admit(chat, 100), Rejected)
+    assert provider_take_call(pool_id=pool.id, tokens=100, sheddable=True).run() > 3_000_000
+    assert provider_take_call(pool_id=pool.id, tokens=100).run() == 0.0
