@@ -5,7 +5,6 @@ worker killed mid-call loses no work and charges nothing twice."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 
