@@ -41,7 +41,9 @@ SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_t
 class UsageFilters:
     """Which ledger rows count. ``tenant_ids`` is the caller's scope (None =
     every tenant, for admins and finance); the other fields are the filters a
-    user chose. ``start`` and ``end`` are UTC days, both included."""
+    user chose. ``start`` and ``end`` are UTC days, both included; when
+    ``start_at`` and ``end_at`` are set they are the exact half-open UTC range
+    [start_at, end_at) (start and end are then the days it touches)."""
 
     start: date
     end: date
@@ -52,6 +54,14 @@ class UsageFilters:
     workload_ids: frozenset[int] | None = None
     model: str | None = None
     pool_id: int | None = None
+    start_at: datetime | None = None
+    end_at: datetime | None = None
+
+    def bounds(self) -> tuple[datetime, datetime]:
+        """The half-open UTC range [start, end) the filters cover."""
+        if self.start_at is not None and self.end_at is not None:
+            return self.start_at, self.end_at
+        return day_bounds(self.start)[0], day_bounds(self.end)[1]
 
     def q(self) -> Q:
         q = Q()
@@ -74,8 +84,7 @@ class UsageFilters:
 
 def ledger_rows(*, filters: UsageFilters) -> QuerySet[UsageRecord]:
     """The raw ledger rows matching the filters (the CSV export)."""
-    start, _ = day_bounds(filters.start)
-    _, end = day_bounds(filters.end)
+    start, end = filters.bounds()
     return UsageRecord.objects.filter(filters.q(), created_at__gte=start, created_at__lt=end)
 
 
@@ -157,21 +166,49 @@ def _normalise(key: dict) -> tuple:
     return tuple((name, value.date() if isinstance(value, datetime) else value) for name, value in key.items())
 
 
+def _whole_days(filters: UsageFilters) -> tuple[date, date] | None:
+    """The whole UTC days inside the filters' range (first, last), or None."""
+    start, end = filters.bounds()
+    first = start.astimezone(dt_timezone.utc).date()
+    if day_bounds(first)[0] < start:
+        first += timedelta(days=1)
+    last = end.astimezone(dt_timezone.utc).date() - timedelta(days=1)
+    return (first, last) if first <= last else None
+
+
+def _summary_parts(*, filters: UsageFilters, group_by: tuple[str, ...], final: date | None) -> list:
+    """The grouped sums that together cover the filters' range exactly: whole
+    UTC days from the rollups (through ``final``) and the live ledger after
+    them; the partial days at either edge from the ledger rows in the range."""
+    parts = []
+    start, end = filters.bounds()
+    days = _whole_days(filters)
+    day_filters = {**filters.__dict__, "start_at": None, "end_at": None}
+    if days is None:  # under a day or within two partial days: the ledger only
+        edges = [(start, end)]
+    else:
+        first, last = days
+        edges = [(start, day_bounds(first)[0]), (day_bounds(last)[1], end)]
+        rollup_end = min(last, final) if final else None
+        if rollup_end is not None and rollup_end >= first:
+            exprs = _group_expressions(group_by, ledger=False)
+            rollup = DailyUsage.objects.filter(filters.q(), day__gte=first, day__lte=rollup_end)
+            parts.append(rollup.order_by().values(**exprs).annotate(**_sum_expressions(ledger=False)))
+        live_start = max(first, final + timedelta(days=1)) if final else first
+        if live_start <= last:
+            edges.append((day_bounds(live_start)[0], day_bounds(last)[1]))
+    for edge_start, edge_end in edges:
+        if edge_start < edge_end:
+            exprs = _group_expressions(group_by, ledger=True)
+            live = ledger_rows(filters=UsageFilters(**{**day_filters, "start_at": edge_start, "end_at": edge_end}))
+            parts.append(live.order_by().values(**exprs).annotate(**_sum_expressions(ledger=True)))
+    return parts
+
+
 def usage_summary(*, filters: UsageFilters, group_by: tuple[str, ...] = ("tenant",)) -> UsageSummary:
     final = rollup_final_through()
     merged: dict[tuple, UsageRow] = {}
-    parts = []
-    rollup_end = min(filters.end, final) if final else None
-    if rollup_end is not None and rollup_end >= filters.start:
-        exprs = _group_expressions(group_by, ledger=False)
-        rollup = DailyUsage.objects.filter(filters.q(), day__gte=filters.start, day__lte=rollup_end)
-        parts.append(rollup.order_by().values(**exprs).annotate(**_sum_expressions(ledger=False)))
-    live_start = max(filters.start, final + timedelta(days=1)) if final else filters.start
-    if live_start <= filters.end:
-        exprs = _group_expressions(group_by, ledger=True)
-        live = ledger_rows(filters=UsageFilters(**{**filters.__dict__, "start": live_start}))
-        parts.append(live.order_by().values(**exprs).annotate(**_sum_expressions(ledger=True)))
-    for part in parts:
+    for part in _summary_parts(filters=filters, group_by=group_by, final=final):
         for values in part:
             key = {name: values[f"by_{name}"] for name in group_by}
             normal = _normalise(key)
@@ -345,3 +382,18 @@ def spend_by_workload(*, workload_ids: list[int], start: datetime, end: datetime
             .annotate(n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")), spent=Sum("cost")))
     return {r["workload_id"]: WorkloadSpend(r["workload_id"], r["n"], r["tokens"] or 0, r["spent"] or Decimal(0))
             for r in rows}
+
+
+def spend_by_time(*, filters: UsageFilters, bucket: str) -> dict[datetime, Decimal]:
+    """Cost per UTC minute, hour, day or month (keyed by the bucket's start)
+    in the filters' range. Days and months are summed like ``usage_summary``
+    (rollups for whole days); minutes and hours from the ledger rows in the
+    range (a range that picks them spans a few days: budgets/web/ranges.py)."""
+    if bucket in ("day", "month"):
+        summary = usage_summary(filters=filters, group_by=(bucket,))
+        return {datetime(r.key[bucket].year, r.key[bucket].month, r.key[bucket].day, tzinfo=dt_timezone.utc): r.cost
+                for r in summary.rows}
+    trunc = {"minute": TruncMinute, "hour": TruncHour}[bucket]
+    rows = (ledger_rows(filters=filters).order_by().annotate(at=trunc("created_at", tzinfo=dt_timezone.utc))
+            .values("at").annotate(spent=Sum("cost")))
+    return {row["at"]: row["spent"] or Decimal(0) for row in rows}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import date, timedelta
+from datetime import date, datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 from django import forms
@@ -14,6 +14,7 @@ from tenants.keys import KEY_EXPIRY_DAYS
 from budgets.models import InferencePool, UsageRecord
 from budgets.selectors.request_log import REJECTED
 from budgets.selectors.usage import usage_day_problem
+from budgets.web.ranges import INPUT_FORMATS
 
 NEW = "new"
 
@@ -92,12 +93,16 @@ class ApiKeyForm(forms.Form):
 
 
 PERIODS = {
-    "this_month": "This month",
-    "last_month": "Last month",
+    "last_hour": "Last hour",
+    "last_24_hours": "Last 24 h",
     "last_7_days": "Last 7 days",
     "last_30_days": "Last 30 days",
+    "this_month": "This month",
+    "last_month": "Last month",
     "this_year": "This year",
 }
+# The presets that are a span back from now rather than whole UTC days.
+PERIOD_SPANS = {"last_hour": timedelta(hours=1), "last_24_hours": timedelta(hours=24)}
 GROUP_CHOICES = [
     ("tenant", "Tenant"), ("cost_center", "Cost center"), ("workload", "Workload"), ("model", "Model"),
     ("day", "Day"), ("month", "Month"), ("pool", "Pool"),
@@ -105,6 +110,7 @@ GROUP_CHOICES = [
 
 
 def period_range(period: str, today: date) -> tuple[date, date]:
+    """The UTC days (both included) of a day-based preset."""
     if period == "last_month":
         end = today.replace(day=1) - timedelta(days=1)
         return end.replace(day=1), end
@@ -124,12 +130,38 @@ def _usage_day(day: date | None) -> date | None:
     return day
 
 
+def _midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=dt_timezone.utc)
+
+
+class UtcDateOrTimeField(forms.CharField):
+    """A UTC day (YYYY-MM-DD) or day and time (YYYY-MM-DDTHH:MM); cleans to
+    ``(datetime, day_only)``."""
+
+    widget = forms.TextInput(attrs={"placeholder": "YYYY-MM-DD or YYYY-MM-DDTHH:MM", "size": 18})
+
+    def to_python(self, value):
+        raw = (super().to_python(value) or "").strip()
+        if not raw:
+            return None
+        for fmt in INPUT_FORMATS:
+            try:
+                at = datetime.strptime(raw, fmt).replace(tzinfo=dt_timezone.utc)
+            except ValueError:
+                continue
+            _usage_day(at.date())
+            return at, fmt == "%Y-%m-%d"
+        raise forms.ValidationError("Enter a UTC date (YYYY-MM-DD) or date and time (YYYY-MM-DDTHH:MM).")
+
+
 class SpendFilterForm(forms.Form):
-    """The finance page's filters, also used by its CSV export (GET)."""
+    """The finance page's filters, also used by its CSV export (GET). Cleans
+    ``start_at``/``end_at`` (the half-open UTC range), ``start``/``end`` (the
+    UTC days it touches) and ``whole_days``."""
 
     period = forms.ChoiceField(choices=[("", "Custom")] + list(PERIODS.items()), required=False)
-    start = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}), label="From")
-    end = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}), label="To")
+    start = UtcDateOrTimeField(required=False, label="From (UTC)")
+    end = UtcDateOrTimeField(required=False, label="To (UTC)", help_text="A date includes that whole day.")
     tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), required=False, to_field_name="slug")
     cost_center = forms.ChoiceField(required=False, label="Cost center")
     workload = forms.ModelChoiceField(queryset=Workload.objects.none(), required=False, to_field_name="slug")
@@ -138,8 +170,9 @@ class SpendFilterForm(forms.Form):
 
     MAX_DAYS = 400
 
-    def __init__(self, *args, tenants, models: list[str], **kwargs):
+    def __init__(self, *args, tenants, models: list[str], now: datetime | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.now = now or timezone.now()
         self.fields["tenant"].queryset = tenants
         self.fields["workload"].queryset = Workload.objects.filter(tenant__in=tenants).order_by("slug")
         centers = sorted({c for c in tenants.values_list("cost_center", flat=True) if c})
@@ -148,27 +181,32 @@ class SpendFilterForm(forms.Form):
         self.fields["tenant"].empty_label = "All"
         self.fields["workload"].empty_label = "All"
 
-    def clean_start(self) -> date | None:
-        return _usage_day(self.cleaned_data.get("start"))
-
-    def clean_end(self) -> date | None:
-        return _usage_day(self.cleaned_data.get("end"))
-
     def clean(self):
         data = super().clean()
         if self.errors:
             return data
-        today = timezone.now().date()
+        now = self.now.astimezone(dt_timezone.utc)
+        today = now.date()
         start, end = data.get("start"), data.get("end")
-        if not (start or end):  # explicit dates win over the period preset
-            start, end = period_range(data.get("period") or "this_month", today)
-        start = start or (end or today).replace(day=1)
-        end = end or today
-        if end < start:
-            self.add_error("end", "The end date is before the start date.")
-        elif (end - start).days > self.MAX_DAYS:
+        period = data.get("period") or "this_month"
+        if not (start or end) and period in PERIOD_SPANS:
+            start_at, end_at = now - PERIOD_SPANS[period], now
+        elif not (start or end):  # explicit dates win over the period preset
+            first, last = period_range(period, today)
+            start_at, end_at = _midnight(first), _midnight(last) + timedelta(days=1)
+        else:
+            if end is None:
+                end_at = _midnight(today) + timedelta(days=1)
+            else:
+                end_at = end[0] + timedelta(days=1) if end[1] else end[0]  # a day as "to" includes it
+            start_at = start[0] if start else _midnight((end_at - timedelta(microseconds=1)).date().replace(day=1))
+        if end_at <= start_at:
+            self.add_error("end", "The end is not after the start.")
+        elif end_at - start_at > timedelta(days=self.MAX_DAYS + 1):
             self.add_error("start", f"Choose at most {self.MAX_DAYS} days.")
-        data["start"], data["end"] = start, end
+        data["start_at"], data["end_at"] = start_at, end_at
+        data["start"], data["end"] = start_at.date(), (end_at - timedelta(microseconds=1)).date()
+        data["whole_days"] = start_at == _midnight(start_at.date()) and end_at == _midnight(end_at.date())
         data["group_by"] = data.get("group_by") or "tenant"
         return data
 

@@ -3,6 +3,8 @@ the ledger export with the same filters (read-only, admins and auditors)."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 from django.http import HttpResponseBadRequest
 from django.shortcuts import render
 from django.utils import timezone
@@ -15,19 +17,26 @@ from budgets.web.dashboards import spend_statuses_all
 from budgets.web.forms import PERIODS, SpendFilterForm
 from budgets.ledger.export import ledger_csv_response
 from budgets.ledger.pricing import price_table_currency
-from budgets.selectors.usage import UsageFilters, ledger_rows, usage_models, usage_summary
+from budgets.selectors.usage import UsageFilters, ledger_rows, spend_by_time, usage_models, usage_summary
+from budgets.web.ranges import TimeRange, bucket_label
 from budgets.web.views import presenters
 
 
-def _filters(request) -> tuple[SpendFilterForm, UsageFilters | None]:
+# Past this span a day-bucketed chart would be too dense: months instead.
+MONTH_BUCKETS_AFTER = timedelta(days=92)
+
+
+def _filters(request, *, now: datetime) -> tuple[SpendFilterForm, UsageFilters | None]:
+    """The page's and the export's one filter (so the CSV's rows are the
+    page's totals, for every range)."""
     tenants = tenants_for_user(user=request.user)
     form = SpendFilterForm(request.GET or {"period": "this_month", "group_by": "tenant"}, tenants=tenants,
-                           models=usage_models())
+                           models=usage_models(), now=now)
     if not form.is_valid():
         return form, None
     data = form.cleaned_data
     return form, UsageFilters(
-        start=data["start"], end=data["end"],
+        start=data["start"], end=data["end"], start_at=data["start_at"], end_at=data["end_at"],
         tenant_id=data["tenant"].id if data.get("tenant") else None,
         cost_center=data.get("cost_center") or None,
         workload_id=data["workload"].id if data.get("workload") else None,
@@ -35,21 +44,40 @@ def _filters(request) -> tuple[SpendFilterForm, UsageFilters | None]:
     )
 
 
+def _months(start: datetime, end: datetime) -> list[datetime]:
+    at, out = start.replace(day=1, hour=0, minute=0, second=0, microsecond=0), []
+    while at < end:
+        out.append(at)
+        at = (at + timedelta(days=32)).replace(day=1)
+    return out
+
+
+def _spend_chart(*, filters: UsageFilters, currency: str):
+    """Spend per UTC minute, hour, day or month: the resolution the range
+    picks (budgets/web/ranges.py), months past MONTH_BUCKETS_AFTER."""
+    time_range = TimeRange(start=filters.start_at, end=filters.end_at, preset="custom", label="")
+    bucket = "month" if time_range.bucket == "day" and time_range.span > MONTH_BUCKETS_AFTER else time_range.bucket
+    starts = _months(time_range.start, time_range.end) if bucket == "month" else time_range.buckets()
+    spent = spend_by_time(filters=filters, bucket=bucket)
+    labels = [f"{at:%Y-%m}" if bucket == "month" else bucket_label(at, bucket) for at in starts]
+    chart = bar_chart(labels=labels, values=[float(spent.get(at, 0)) for at in starts],
+                      title=f"Spend ({currency}) per UTC {bucket}", color="#16a34a",
+                      width=presenters.FULL_WIDTH, height=220)
+    return chart, bucket, len(starts)
+
+
 @auditor_required
 def finance(request):
-    form, filters = _filters(request)
+    form, filters = _filters(request, now=timezone.now())
     context = {"form": form, "periods": PERIODS, "currency": price_table_currency()}
     if filters is not None:
         group_by = form.cleaned_data["group_by"]
         summary = usage_summary(filters=filters, group_by=(group_by,))
-        days = (filters.end - filters.start).days + 1
-        by_time = usage_summary(filters=filters, group_by=("day",) if days <= 92 else ("month",))
+        chart, bucket, buckets = _spend_chart(filters=filters, currency=context["currency"])
         context.update({
             "filters": filters, "summary": summary, "group_by": group_by,
-            "spend_chart": bar_chart(labels=[r.label for r in by_time.rows], values=[float(r.cost) for r in by_time.rows],
-                                     title=f"Spend ({context['currency']}) per " + ("UTC day" if days <= 92 else "month"),
-                                     color="#16a34a",
-                                     width=presenters.FULL_WIDTH, height=220),
+            "whole_days": form.cleaned_data["whole_days"],
+            "spend_chart": chart, "bucket": bucket, "bucket_count": buckets,
             "spend_rows": [{"status": s, "bar": presenters.spend_bar(s)}
                            for s in spend_statuses_all(tenant_ids=None, now=timezone.now())],
             "query": request.GET.urlencode(),
@@ -60,8 +88,10 @@ def finance(request):
 @auditor_required
 def finance_export(request):
     """The ledger rows behind the page's totals, as a streamed CSV."""
-    _form, filters = _filters(request)
+    form, filters = _filters(request, now=timezone.now())
     if filters is None:
         return HttpResponseBadRequest("Invalid filters.")
+    span = (f"{filters.start:%Y%m%d}-{filters.end:%Y%m%d}" if form.cleaned_data["whole_days"]
+            else f"{filters.start_at:%Y%m%dT%H%M}-{filters.end_at:%Y%m%dT%H%M}")
     return ledger_csv_response(request=request, queryset=ledger_rows(filters=filters),
-                               filename=f"sluice-ledger-{filters.start:%Y%m%d}-{filters.end:%Y%m%d}.csv")
+                               filename=f"sluice-ledger-{span}.csv")
