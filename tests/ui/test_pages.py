@@ -227,6 +227,16 @@ def test_finance_totals_equal_the_exported_rows(login, world):
     assert len(rows) == total_requests == 6 * 3 * 2
     assert sum(Decimal(r["cost"]) for r in rows) == total_cost
     assert sum(int(r["actual_input_tokens"]) + int(r["actual_output_tokens"]) for r in rows) == total_actual
+    # a sub-day range (UTC minutes, half-open) across yesterday and today: the same equality
+    start_at, end_at = now - timedelta(days=1, minutes=10), now
+    query = f"start={start_at:%Y-%m-%dT%H:%M}&end={end_at:%Y-%m-%dT%H:%M}&group_by=tenant"
+    page = text(client.get(f"/finance/?{query}"))
+    export = client.get(f"/finance/ledger.csv?{query}")
+    rows = list(csv.DictReader(io.StringIO(b"".join(export.streaming_content).decode())))
+    assert len(rows) == int(re.search(r'id="total-requests" data-value="(\d+)"', page).group(1)) == 2 * 3 * 2
+    assert sum(Decimal(r["cost"]) for r in rows) == Decimal(re.search(r'id="total-cost" data-value="([\d.]+)"', page).group(1))
+    assert sum(int(r["actual_input_tokens"]) + int(r["actual_output_tokens"]) for r in rows) == int(
+        re.search(r'id="total-actual" data-value="(\d+)"', page).group(1))
 
 
 def test_finance_filters_by_tenant_and_cost_center(login, world):
