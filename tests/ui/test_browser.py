@@ -220,6 +220,16 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     assert page_requests == len(rows) >= 2
     assert sum(Decimal(r["cost"]) for r in rows) == page_cost > 0
     assert sum(int(r["actual_input_tokens"]) + int(r["actual_output_tokens"]) for r in rows) == page_tokens
+    # the last hour (this story's requests were all just made): minute buckets, and the same equality
+    finance.click('a[data-period="last_hour"]')
+    finance.wait_for_url("**period=last_hour**")
+    assert finance.get_attribute("#spend-chart", "data-bucket") == "minute"
+    assert int(finance.get_attribute("#total-requests", "data-value")) == page_requests
+    with finance.expect_download() as download_info:
+        finance.click("#export-csv")
+    with open(download_info.value.path(), newline="") as handle:
+        hour_rows = list(csv.DictReader(handle))
+    assert sorted(r["request_id"] for r in hour_rows) == sorted(r["request_id"] for r in rows)
 
     # a member of another tenant can reach none of it
     outsider = sign_in(browser, base, world.member_b.username)
