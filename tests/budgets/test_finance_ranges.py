@@ -138,7 +138,9 @@ def test_hour_buckets_sum_the_ledger_rows_in_each_utc_hour(world):
 
 
 @pytest.mark.parametrize("query, bucket, count", [
-    ("start=2026-11-01&end=2026-11-07", "hour", 7 * 24),
+    ("start=2026-11-01&end=2026-11-07", "day", 7),  # whole days: per day, from the rollups
+    ("start=2026-11-01T00:30&end=2026-11-08T00:30", "hour", 7 * 24 + 1),
+    ("start=2026-11-01T00:00&end=2026-11-02T00:00", "day", 1),
     ("start=2026-10-01&end=2026-10-30", "day", 30),
     ("start=2026-01-01&end=2026-12-31", "month", 12),
     ("start=2026-11-10T10:00&end=2026-11-10T10:05", "minute", 5),

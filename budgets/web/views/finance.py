@@ -18,7 +18,7 @@ from budgets.web.forms import PERIODS, SpendFilterForm
 from budgets.ledger.export import ledger_csv_response
 from budgets.ledger.pricing import price_table_currency
 from budgets.selectors.usage import UsageFilters, ledger_rows, spend_by_time, usage_models, usage_summary
-from budgets.web.ranges import TimeRange, bucket_label
+from budgets.web.ranges import BUCKETS, TimeRange, bucket_floor, bucket_label
 from budgets.web.views import presenters
 
 
@@ -44,20 +44,26 @@ def _filters(request, *, now: datetime) -> tuple[SpendFilterForm, UsageFilters |
     )
 
 
-def _months(start: datetime, end: datetime) -> list[datetime]:
-    at, out = start.replace(day=1, hour=0, minute=0, second=0, microsecond=0), []
+def _bucket_starts(*, start: datetime, end: datetime, bucket: str) -> list[datetime]:
+    """Every UTC minute, hour, day or month that starts before ``end`` and
+    ends after ``start``, oldest first."""
+    at, out = bucket_floor(start, "day" if bucket == "month" else bucket), []
+    at = at.replace(day=1) if bucket == "month" else at
     while at < end:
         out.append(at)
-        at = (at + timedelta(days=32)).replace(day=1)
+        at = (at + timedelta(days=32)).replace(day=1) if bucket == "month" else at + BUCKETS[bucket]
     return out
 
 
-def _spend_chart(*, filters: UsageFilters, currency: str):
+def _spend_chart(*, filters: UsageFilters, currency: str, whole_days: bool):
     """Spend per UTC minute, hour, day or month: the resolution the range
-    picks (budgets/web/ranges.py), months past MONTH_BUCKETS_AFTER."""
+    picks (budgets/web/ranges.py), months past MONTH_BUCKETS_AFTER. A range
+    of whole UTC days is charted per day at the finest, from the rollups like
+    its totals (no ledger scan of every tenant's week for hour bars)."""
     time_range = TimeRange(start=filters.start_at, end=filters.end_at, preset="custom", label="")
-    bucket = "month" if time_range.bucket == "day" and time_range.span > MONTH_BUCKETS_AFTER else time_range.bucket
-    starts = _months(time_range.start, time_range.end) if bucket == "month" else time_range.buckets()
+    bucket = "day" if whole_days and time_range.bucket != "day" else time_range.bucket
+    bucket = "month" if bucket == "day" and time_range.span > MONTH_BUCKETS_AFTER else bucket
+    starts = _bucket_starts(start=time_range.start, end=time_range.end, bucket=bucket)
     spent = spend_by_time(filters=filters, bucket=bucket)
     labels = [f"{at:%Y-%m}" if bucket == "month" else bucket_label(at, bucket) for at in starts]
     chart = bar_chart(labels=labels, values=[float(spent.get(at, 0)) for at in starts],
@@ -73,7 +79,8 @@ def finance(request):
     if filters is not None:
         group_by = form.cleaned_data["group_by"]
         summary = usage_summary(filters=filters, group_by=(group_by,))
-        chart, bucket, buckets = _spend_chart(filters=filters, currency=context["currency"])
+        chart, bucket, buckets = _spend_chart(filters=filters, currency=context["currency"],
+                                             whole_days=form.cleaned_data["whole_days"])
         context.update({
             "filters": filters, "summary": summary, "group_by": group_by,
             "whole_days": form.cleaned_data["whole_days"],
