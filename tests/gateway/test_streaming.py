@@ -17,29 +17,16 @@ import openai
 import pytest
 
 import llm_tokens
-from budgets.admission import keys
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from inference_sim.text import completion_text
+
+from tests.gateway.sdk_calls import counters, sdk
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELLO = [{"role": "user", "content": "Stream a greeting to the gateway, please."}]
 PROMPT_TOKENS = llm_tokens.count_chat_tokens(HELLO)
-
-
-@pytest.fixture
-def caller(platform, make_caller):
-    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
-    return make_caller(pool=pool)
-
-
-def sdk(platform, api_key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{platform.base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
-
-
-def counters(redis_client, pool_id: int) -> dict[str, int]:
-    return {k: int(v) for k, v in redis_client.hgetall(keys.pool_counters(pool_id)).items()}
 
 
 def ledger_row(request_id: str, timeout_s: float = 10.0) -> UsageRecord:

@@ -1,0 +1,12 @@
+"""Fixtures of the gateway tests; a module that defines its own ``caller`` uses that one."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def caller(platform, make_caller):
+    """A workload (and its key) on a pool that is the platform's simulator."""
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    return make_caller(pool=pool)
