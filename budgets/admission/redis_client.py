@@ -207,6 +207,26 @@ async def plan_run_async(plan: Plan[T], client: aioredis.Redis | None = None) ->
             error = exc
 
 
+def parked_release(*, key: str, now_ms: float, send: Callable[[str], None], what: str, limit: int = 100,
+                   client: SyncRedis | None = None) -> int:
+    """Hand every member of the sorted set ``key`` due by ``now_ms`` to
+    ``send`` (retries parked with their due time as score). ZREM is the
+    claim, so several releasers send each once; a member whose ``send``
+    raised is parked again for 1 s. Returns how many were sent."""
+    client = client or get_redis()
+    released = 0
+    for member in client.zrangebyscore(key, "-inf", now_ms, start=0, num=limit):
+        if not client.zrem(key, member):
+            continue
+        try:
+            send(member)
+            released += 1
+        except Exception:
+            logger.exception("enqueueing %s %s failed; retrying in 1 s", what, member)
+            client.zadd(key, {member: now_ms + 1000})
+    return released
+
+
 def raw_reply(raw: Any) -> Any:
     """``parse`` for scripts whose reply callers read as it is."""
     return raw

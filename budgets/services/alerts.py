@@ -33,7 +33,7 @@ from django.utils import timezone
 import httpx
 
 from budgets.admission import keys
-from budgets.admission.redis_client import get_redis, redis_now_ms
+from budgets.admission.redis_client import get_redis, parked_release, redis_now_ms
 from budgets.models import AlertDelivery, AlertEvent, AlertSettings, Notification
 from tenants.models import Tenant
 from tenants.outbound import (SIGNATURE_HEADER, CallbackRefused, callback_signature, callback_target_resolve,
@@ -154,20 +154,11 @@ def alert_retry_schedule(*, notification_id: int, channel: str, attempt: int, de
 def alert_retries_release(*, limit: int = 100) -> int:
     """Beat's step: enqueue every due attempt (ZREM is the claim, so two
     beats send each once); returns how many."""
-    client = get_redis()
-    now_ms = redis_now_ms(client)
-    released = 0
-    for member in client.zrangebyscore(keys.ALERT_RETRIES, "-inf", now_ms, start=0, num=limit):
-        if not client.zrem(keys.ALERT_RETRIES, member):
-            continue
+    def send(member: str) -> None:
         notification_id, channel, attempt = member.split(":")
-        try:
-            _send(int(notification_id), channel, int(attempt))
-            released += 1
-        except Exception:
-            logger.exception("enqueueing alert %s failed; retrying in 1 s", member)
-            client.zadd(keys.ALERT_RETRIES, {member: now_ms + 1000})
-    return released
+        _send(int(notification_id), channel, int(attempt))
+
+    return parked_release(key=keys.ALERT_RETRIES, now_ms=redis_now_ms(), send=send, what="alert", limit=limit)
 
 
 def _email(notification: Notification, recipients: list[str]) -> None:

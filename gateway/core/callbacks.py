@@ -10,7 +10,7 @@ import logging
 from celery import current_app
 from django.db import transaction
 
-from budgets.admission.redis_client import get_redis, redis_now_ms
+from budgets.admission.redis_client import get_redis, parked_release, redis_now_ms
 from gateway.core import keys
 from gateway.core.lanes import HOUSEKEEPING
 from tenants.outbound import (MAX_URL_LENGTH, SIGNATURE_HEADER, CallbackRefused, CallbackTarget, address_refusal, callback_signature, callback_signature_verify,
@@ -70,16 +70,8 @@ def callback_retry_schedule(*, job_id: str, attempt: int, delay_s: float) -> flo
 def callback_retries_release(*, now_ms: float, limit: int = 100) -> int:
     """The pacer's step for callbacks: enqueue every due attempt (ZREM is the
     claim, so several pacers send each once); returns how many."""
-    client = get_redis()
-    released = 0
-    for member in client.zrangebyscore(keys.CALLBACK_RETRIES, "-inf", now_ms, start=0, num=limit):
-        if not client.zrem(keys.CALLBACK_RETRIES, member):
-            continue
+    def send(member: str) -> None:
         job_id, _, attempt = member.rpartition(":")
-        try:
-            _send(job_id, int(attempt))
-            released += 1
-        except Exception:
-            logger.exception("enqueueing callback %s failed; retrying in 1 s", member)
-            client.zadd(keys.CALLBACK_RETRIES, {member: now_ms + 1000})
-    return released
+        _send(job_id, int(attempt))
+
+    return parked_release(key=keys.CALLBACK_RETRIES, now_ms=now_ms, send=send, what="callback", limit=limit)
