@@ -342,7 +342,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         logger.info("request %s delivery %s: %s", request_id, generation, claim.verdict)
         return claim.verdict
     with HEARTBEATS.kept(request_id=request_id, generation=claim.generation):
-        # Read only when claim.lua saw it stored (one round trip fewer on a
+        # Read only when gateway/core/claim.lua saw it stored (one round trip fewer on a
         # first delivery); one stored after the claim wins at _answer_keep.
         stored = client.get(keys.request_response(request_id)) if claim.answered else None
         if stored is not None:

@@ -87,12 +87,19 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
     return client
 
 
+def _json_bytes(body: dict) -> bytes:
+    # As the SDK encodes a body (openai._utils._json.openapi_dumps, httpx's
+    # defaults): UTF-8, compact; what it cannot encode (a lone surrogate, a
+    # NaN) raises here, before anything is sent, as it did in the SDK.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
 def pool_chat_post(client: OpenAI, *, body: dict) -> httpx.Response:
     """POST ``body`` to the pool's chat/completions with ``client``'s httpx
     client; the answer (status < 400, read), or the SDK's exception."""
     http: httpx.Client = client._client
     request = http.build_request(
-        "POST", f"{client.base_url}chat/completions", content=json.dumps(body).encode(),
+        "POST", f"{client.base_url}chat/completions", content=_json_bytes(body),
         headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
                  "Accept": "application/json"},
         timeout=client.timeout)
