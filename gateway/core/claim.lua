@@ -24,8 +24,10 @@
 --       4 owner ttl (ms), 5 the delivery's generation (worker), 6 heartbeat
 --       ttl (ms), 7 heartbeat holder (the asking process, as 'kind@host:pid'),
 --       8 redelivery wait (ms)
--- Returns {verdict, generation, changed, now_ms}; changed = 1 when this call
--- moved the state: the caller then owns what the verdict asks for.
+-- Returns {verdict, generation, changed, now_ms, answered}; changed = 1 when
+-- this call moved the state: the caller then owns what the verdict asks for;
+-- answered = 1 when the pool's answer (KEYS[3]) was stored at that moment
+-- (the worker reads it only then: no GET on a first delivery).
 --   worker: 'worker' (call the pool), 'redelivered' (a later delivery: use
 --           the stored answer or call), 'expired' (refund, record),
 --           'lost' (settle as worker_lost), 'gaveup' | 'running' |
@@ -51,7 +53,7 @@ end
 local answered = redis.call('EXISTS', KEYS[3]) == 1
 
 local function reply(verdict, generation, changed)
-  return {verdict, generation, changed, string.format('%d', now)}
+  return {verdict, generation, changed, string.format('%d', now), answered and 1 or 0}
 end
 local function set(value) redis.call('SET', KEYS[1], value, 'PX', ARGV[4]) end
 local function start(generation, verdict)

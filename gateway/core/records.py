@@ -179,10 +179,12 @@ class Claim:
     generation: int  # the delivery the verdict is about
     changed: bool  # this call moved the state: the caller acts on the verdict
     now_ms: float  # Redis's clock when it was decided
+    answered: bool = False  # the pool's answer was stored when it was decided
 
 
 def _claim(raw) -> Claim:
-    return Claim(verdict=raw[0], generation=int(raw[1]), changed=int(raw[2]) == 1, now_ms=float(raw[3]))
+    return Claim(verdict=raw[0], generation=int(raw[1]), changed=int(raw[2]) == 1, now_ms=float(raw[3]),
+                 answered=int(raw[4]) == 1)
 
 
 _process_tokens: dict[int, str] = {}

@@ -22,10 +22,18 @@ Valid and unknown keys are remembered in two separate bounded LRU caches: a
 flood of random keys only churns the unknown ones, never evicting the keys
 real callers use. Unknown keys also count against the caller's address
 (gateway/core/throttle.py); past SLUICE_API_KEY_FAILURES_PER_ADDRESS in a
-window the address is answered 429 without a database lookup."""
+window the address is answered 429 without a database lookup.
+
+A cache miss is single-flight per key and process: when the cached context
+of a busy key expires, the first caller looks it up and every caller of the
+same key arriving meanwhile waits for that one check (no attempt taken from
+its address: it causes no lookup) instead of N lookups and 2N throttle
+round trips at once. Should the first caller be throttled or its lookup
+fail, each waiter goes its own way as before."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import threading
@@ -168,6 +176,20 @@ async def _tick_run(now: float) -> None:
                 _tick.last_used[key_id] = max(at, _tick.last_used.get(key_id, 0.0))
 
 
+# digest -> the first caller's check in flight in this process (one event
+# loop per web process): its lookup's result (_load_context's), or _FAILED
+# when it made none (throttled) or the lookup failed.
+_inflight: dict[str, asyncio.Future] = {}
+_FAILED = object()
+
+
+def _inflight_done(digest: str, shared: asyncio.Future, result: object) -> None:
+    if _inflight.get(digest) is shared:
+        del _inflight[digest]
+    if not shared.done():
+        shared.set_result(result)
+
+
 def _noted(cached: CachedKey) -> KeyCheck:
     _tick.last_used[cached.key_id] = time.time()
     return KeyCheck(cached.context)
@@ -185,24 +207,46 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     cached = _valid.get(digest, now)
     if cached is not None:
         return _noted(cached)
+    loop = asyncio.get_running_loop()
+    pending = _inflight.get(digest)
+    if pending is not None and pending.get_loop() is loop:
+        # Another caller of this key is checking it: its answer is this one's.
+        shared = await asyncio.shield(pending)
+        if shared is None:
+            return KeyCheck(None)
+        if shared is not _FAILED:
+            return _noted(shared[0])
+        return (await _key_load(raw_key, digest=digest, address=address, now=now))[0]
+    pending = _inflight[digest] = loop.create_future()
+    result: object = _FAILED
+    try:
+        check, result = await _key_load(raw_key, digest=digest, address=address, now=now)
+        return check
+    finally:
+        _inflight_done(digest, pending, result)
+
+
+async def _key_load(raw_key: str, *, digest: str, address: str, now: float) -> tuple[KeyCheck, object]:
+    """The check of a key not in the valid cache, and what callers waiting on
+    it take from it: the lookup's result, or _FAILED (throttled: none made)."""
     # Not known to be good: it costs the address an attempt, given back if
     # the key turns out valid. Redis away raises BudgetUnavailable (a 503,
     # like the admission that would follow): never an unthrottled lookup.
     budget = api_key_address_budget()
     taken = await budget.take_call(address).run_async()
     if not taken.allowed:
-        return KeyCheck(None, retry_after_ms=taken.retry_after_ms)
+        return KeyCheck(None, retry_after_ms=taken.retry_after_ms), _FAILED
     if _unknown.get(digest, now):
-        return KeyCheck(None)
+        return KeyCheck(None), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
         _unknown.put(digest, True, time.monotonic() + cache_s)
-        return KeyCheck(None)
+        return KeyCheck(None), None
     cached, expires_in = loaded
     await budget.refund_call(address).run_async()
     _valid.put(digest, cached, time.monotonic() + (cache_s if expires_in is None else min(cache_s, expires_in)))
-    return _noted(cached)
+    return _noted(cached), loaded
 
 
 def bearer_key(authorization: str | None) -> str | None:

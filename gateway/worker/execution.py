@@ -39,7 +39,7 @@ from gateway.core.settlement import request_settle
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import lane_signal, lane_slot
-from gateway.worker.pool_client import pool_client, pool_requests_sent
+from gateway.worker.pool_client import pool_chat_post, pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
 from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
@@ -115,11 +115,12 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
             # Relayed chunk by chunk; from the first chunk on, never retried.
             return pool_stream(client, record, payload=payload, extra_body={"sim": sim} if sim is not None else None,
                                started=started), False
-        # The raw response: the pool's JSON is relayed as it came, and the
-        # SDK's model parsing (a fifth of a worker's CPU) is skipped. The call
-        # may be cut off when the worker stops (gateway/worker/shutdown.py).
-        raw = pool_call_within_grace(lambda: client.chat.completions.with_raw_response.create(
-            **payload, extra_body={"sim": sim} if sim is not None else None))
+        # The raw response: the pool's JSON is relayed as it came, without
+        # the SDK's request building and model parsing (pool_chat_post, the
+        # SDK's exceptions). The call may be cut off when the worker stops
+        # (gateway/worker/shutdown.py).
+        raw = pool_call_within_grace(lambda: pool_chat_post(
+            client, body={**payload, "sim": sim} if sim is not None else payload))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:
@@ -341,7 +342,9 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         logger.info("request %s delivery %s: %s", request_id, generation, claim.verdict)
         return claim.verdict
     with HEARTBEATS.kept(request_id=request_id, generation=claim.generation):
-        stored = client.get(keys.request_response(request_id))
+        # Read only when gateway/core/claim.lua saw it stored (one round trip fewer on a
+        # first delivery); one stored after the claim wins at _answer_keep.
+        stored = client.get(keys.request_response(request_id)) if claim.answered else None
         if stored is not None:
             outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
         elif request_id in answered:

@@ -1,17 +1,29 @@
 """The pool, reached with the official openai SDK. Its own retries are off:
 the gateway decides about retries (a retry the SDK makes on its own is load
-the admission step never saw)."""
+the admission step never saw).
+
+A non-streamed call goes through ``pool_chat_post``: the SDK client's own
+httpx client (its connection pool, timeout and event hooks) without the
+SDK's request building, which cost about as much worker CPU as everything
+else in the call (bench/pool_client_overhead.py, bench/PROFILE.md). Its
+failures are the SDK's exceptions, made by the SDK: an error status raises
+what ``client.chat.completions.create`` would (RateLimitError,
+InternalServerError, ...: ``_make_status_error_from_response``), a timeout
+APITimeoutError, any other transport failure APIConnectionError. Streams
+stay on the SDK (gateway/worker/streaming.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Callable
 
 import httpx
 from django.conf import settings
-from openai import OpenAI
+from openai import APIConnectionError, APITimeoutError, OpenAI
 
 from budgets.admission.provider_limits import provider_limits_record
 
@@ -73,3 +85,30 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
                 )
                 _clients[cache_key] = client
     return client
+
+
+def _json_bytes(body: dict) -> bytes:
+    # As the SDK encodes a body (openai._utils._json.openapi_dumps, httpx's
+    # defaults): UTF-8, compact; what it cannot encode (a lone surrogate, a
+    # NaN) raises here, before anything is sent, as it did in the SDK.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def pool_chat_post(client: OpenAI, *, body: dict) -> httpx.Response:
+    """POST ``body`` to the pool's chat/completions with ``client``'s httpx
+    client; the answer (status < 400, read), or the SDK's exception."""
+    http: httpx.Client = client._client
+    request = http.build_request(
+        "POST", f"{client.base_url}chat/completions", content=_json_bytes(body),
+        headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
+                 "Accept": "application/json"},
+        timeout=client.timeout)
+    try:
+        response = http.send(request)
+    except httpx.TimeoutException as exc:
+        raise APITimeoutError(request=request) from exc
+    except (httpx.RequestError, ssl.SSLError) as exc:
+        raise APIConnectionError(request=request) from exc
+    if response.status_code >= 400:
+        raise client._make_status_error_from_response(response)
+    return response

@@ -5,6 +5,7 @@ address is REMOTE_ADDR unless a trusted proxy vouches for another."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import threading
 
@@ -166,3 +167,50 @@ def test_the_gateway_answers_429_after_too_many_unknown_keys_from_one_address(pl
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(refused.headers["retry-after"]) <= 60
     assert 0 < int(refused.headers["retry-after-ms"]) <= 60_000
+
+
+def _counted_lookups(monkeypatch) -> list[str]:
+    """Every _load_context call, counted (the real lookup still runs)."""
+    load, calls = auth._load_context, []
+
+    def counted(raw_key):
+        calls.append(raw_key)
+        return load(raw_key)
+
+    monkeypatch.setattr(auth, "_load_context", counted)
+    return calls
+
+
+def _together(raw_key: str, address: str, n: int) -> list:
+    async def run():
+        return await asyncio.gather(*(key_check(raw_key, address=address) for _ in range(n)))
+    return async_to_sync(run)()
+
+
+def test_concurrent_callers_of_one_uncached_key_share_one_lookup(settings, make_caller, small_caches, monkeypatch):
+    monkeypatch.setattr(auth._tick, "next_poll", float("inf"))  # the cache alone
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
+    caller = make_caller()
+    lookups = _counted_lookups(monkeypatch)
+    # when 20 callers of one valid key arrive together in one web process with a cold cache
+    results = _together(caller.api_key, "198.51.100.20", 20)
+    # then all 20 are let in after a single database lookup
+    assert [r.context.workload_id for r in results] == [caller.workload.id] * 20
+    assert lookups == [caller.api_key]
+    assert auth._inflight == {}
+
+
+def test_concurrent_callers_of_one_unknown_key_share_one_lookup_and_one_attempt(settings, make_caller, small_caches,
+                                                                                monkeypatch):
+    monkeypatch.setattr(auth._tick, "next_poll", float("inf"))
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
+    make_caller()
+    lookups = _counted_lookups(monkeypatch)
+    key = random_key()
+    # when 20 callers of one unknown key arrive together
+    results = _together(key, "198.51.100.21", 20)
+    # then one lookup answered them all (401, not 429: waiting on a lookup costs the address nothing)
+    assert [(r.context, r.retry_after_ms) for r in results] == [(None, None)] * 20
+    assert lookups == [key]
+    # and the address has 2 attempts left of 3: 2 more unknown keys pass to a lookup, the next is refused
+    assert [check(random_key(), address="198.51.100.21").retry_after_ms is None for _ in range(3)] == [True, True, False]
