@@ -38,6 +38,7 @@ ATTEMPTS = 3
 BACKOFF_S = 2.0  # simulated: 2 s, then 4 s
 SIM_ARGS = ["--slots", "32", "--rpm", str(POOL_RPM), "--tpm", str(POOL_TPM)]
 BIN_S = 5.0
+QUEUE_TIMEOUT_S = 30.0  # the workload's: how long one attempt may be held
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _run(services: Services, system: str, seed: int, timeline: Timeline) -> dict
             pool = scaled_pool(scale=SCALE, slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1",
                                provider_tpm=POOL_TPM, provider_rpm=POOL_RPM, headroom=0.9, burst_seconds=5.0)
             app = scaled_workload(scale=SCALE, pool=pool, slug=f"{NAME}-app", workload_class="interactive",
-                                  reserved_tpm=100_000, ceiling_tpm=150_000, rpm=530, queue_timeout_s=30.0,
+                                  reserved_tpm=100_000, ceiling_tpm=150_000, rpm=530, queue_timeout_s=QUEUE_TIMEOUT_S,
                                   prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=64)
             config_push(pool)
             platform.start_sluice(lanes={"interactive": 32, "interactive-long": 2, "batch": 4, "scheduled": 1},
@@ -189,13 +190,25 @@ def _analyse_run(run: dict, timeline: Timeline) -> dict:
             if status != 200:
                 codes[code or f"http_{status}"] = codes.get(code or f"http_{status}", 0) + 1
     during = [op for op in ops if outage_start <= op.start * f < outage_end]
+    # Failed operations by when they started, and what refused their last attempt.
+    failed_by_phase: dict[str, dict] = {}
+    for phase, lo, hi in (("before", 0.0, outage_start), ("outage", outage_start, outage_end),
+                          ("after", outage_end, float("inf"))):
+        of_phase = [op for op in ops if lo <= op.start * f < hi]
+        last: dict[str, int] = {}
+        for op in of_phase:
+            if not op.ok and op.attempts:
+                code = op.attempts[-1][2] or f"http_{op.attempts[-1][1]}"
+                last[code] = last.get(code, 0) + 1
+        failed_by_phase[phase] = {"ops": len(of_phase), "failed": sum(not op.ok for op in of_phase),
+                                  "last_refusal": last}
     return {
         "ops": n, "attempts": attempts, "attempts_per_op": attempts / n if n else None,
         "pool_requests": pool_requests, "pool_attempts_per_op": pool_requests / n if n else None,
         "failed_ops": failed, "failed_fraction": failed / n if n else None,
         "ops_during_outage": len(during),
         "attempts_per_op_during_outage": (sum(len(op.attempts) for op in during) / len(during)) if during else None,
-        "time_to_recover_s": recover, "error_codes": codes,
+        "time_to_recover_s": recover, "error_codes": codes, "failed_by_phase": failed_by_phase,
         "capacity_factor": [(round(s["t"] * f, 2), s["capacity_factor"]) for s in samples if "capacity_factor" in s],
         "circuit": [(round(s["t"] * f, 2), s["circuit"]) for s in samples if "circuit" in s],
         "circuit_closed_after_s": next((s["t"] * f - outage_end for s in samples
@@ -283,6 +296,28 @@ def summarize(data: dict) -> str:
                   f"provider_rpm and workload_rpm refusals meanwhile (worst bin after the outage: "
                   + (f"{worst[1]:.0%} of the operations starting at {worst[0]:.0f} s succeeded" if worst else "n/a")
                   + "). Direct clients fail those operations instead and recover at once."]
+    phases = s.get("failed_by_phase")
+    if phases and (failed_ratio is None or failed_ratio > 0.5 or recover_gap is None or recover_gap > 5):
+        total_sim = data["total_sim_s"]
+        spare_calls = (POOL_RPM / 60 - data["ops_per_s"]) * (total_sim - end)
+        outage_ops = phases["outage"]["ops"]
+        allowed = 0.5 * d["failed_ops"]
+        lines += ["", "Failed operations through Sluice by when they started (what refused the last attempt): "
+                  + "; ".join(f"{name} {p['failed']} of {p['ops']} {p['last_refusal'] or ''}".rstrip()
+                              for name, p in phases.items()) + ".",
+                  "",
+                  f"Why both targets together are out of reach in this scenario, in numbers: the provider's "
+                  f"sliding window takes {POOL_RPM} calls a minute and new operations need "
+                  f"{data['ops_per_s'] * 60:.0f} of them, so from its recovery to the end of arrivals "
+                  f"({total_sim - end:.0f} s) about {spare_calls:.0f} calls are spare for the {outage_ops} operations "
+                  f"of the outage. Recovering as fast as direct means new operations keep their "
+                  f"{data['ops_per_s'] * 60:.0f} calls a minute; failing ≤ 0.5× direct means ≤ {allowed:.0f} failed "
+                  f"operations, so ≥ {outage_ops - allowed - spare_calls:.0f} operations of the outage would have "
+                  f"to be served after arrivals stop, {total_sim - end:.0f}-{total_sim - start:.0f} s after they started, "
+                  f"while each attempt is held at most the workload's {QUEUE_TIMEOUT_S:.0f} s queue timeout. Within "
+                  f"that deadline the choice is only which "
+                  f"operations fail: Sluice serves the held ones (fewer failures than direct) and the new ones "
+                  f"meet a full provider window for about a minute after it (the slow recovery)."]
     return "\n".join(lines)
 
 
