@@ -20,11 +20,14 @@ from django.conf import settings
 from redis.crc import key_slot
 
 from budgets.admission.buckets import admit_call, settle_call
+from budgets.admission.capacity import capacity_signal_call
 from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reconcile_call, spend_settle_call
 from budgets.admission.redis_client import get_redis
 from budgets.ledger.rejections import rejection_count_call
 from gateway.core.metrics import departure_call
 from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call
+from gateway.worker.lane_slot import SlotHold, lane_signal_calls
+from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
 from llm_platform.processes import ROOT
 from tests.redis_servers import LocalRedisCluster, PlainRedis
 
@@ -64,6 +67,13 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
     ]
     for call in calls:
         assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)
+    # What a worker reports of one pool answer runs as one composed script
+    # (script_calls_run): all of its calls' keys share the pool's slot.
+    answer = Outcome(status="ok", upstream_ms=10, output_tokens=3, upstream_status=200)
+    signals = [*lane_signal_calls(record, answer, hold=SlotHold()),
+               capacity_signal_call(pool_id=3, event="ok", latency_per_token_ms=1.0),
+               retry_budget_earn_call(pool_id=3, policy=RetryPolicy.from_settings())]
+    assert len(_one_slot([key for call in signals for key in call.keys])) == 1
     assert {key_slot(k.encode()) for call in calls[2:5] for k in call.keys} == {key_slot(b"{tenant:1}")}
 
 

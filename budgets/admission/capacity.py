@@ -58,6 +58,12 @@ class CapacityState:
 
 def capacity_signal(*, pool_id: int, event: str, latency_per_token_ms: float = 0.0, retry_after_ms: int = 0) -> float:
     """Report what the pool did; returns the pool's effective factor after it."""
+    return capacity_signal_call(pool_id=pool_id, event=event, latency_per_token_ms=latency_per_token_ms,
+                                retry_after_ms=retry_after_ms).run()
+
+
+def capacity_signal_call(*, pool_id: int, event: str, latency_per_token_ms: float = 0.0,
+                         retry_after_ms: int = 0) -> ScriptCall[float]:
     # Halve on a throttle (TCP-style), recover a share of the configured rate
     # per second; 429s inside the cooldown are one signal (all were sent
     # before the first decrease could take effect). llm_platform/settings.py
@@ -71,7 +77,7 @@ def capacity_signal(*, pool_id: int, event: str, latency_per_token_ms: float = 0
               settings.SLUICE_CAPACITY_COOLDOWN_MS, settings.SLUICE_CAPACITY_LATENCY_RATIO,
               settings.SLUICE_CAPACITY_HINT_MEMORY_MS, settings.SLUICE_CAPACITY_LATENCY_FLOOR_MS],
         parse=lambda raw: float(raw[0]),
-    ).run()
+    )
 
 
 def capacity_state(*, pool_id: int) -> CapacityState:

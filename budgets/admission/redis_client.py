@@ -132,6 +132,12 @@ class LuaScript:
         prelude = files.joinpath(library).read_text() + "\n" if library else ""
         self.source = prelude + files.joinpath(filename).read_text()
 
+    @classmethod
+    def of_source(cls, name: str, source: str) -> LuaScript:
+        script = cls.__new__(cls)
+        script.name, script.source = name, source
+        return script
+
     def __repr__(self) -> str:
         return f"LuaScript({self.name})"
 
@@ -162,6 +168,58 @@ class ScriptCall(Generic[T]):
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
+
+
+# Several script calls in one round trip: each script's text becomes a local
+# function of one composed script (its KEYS and ARGV are the function's
+# parameters, so the text runs unchanged), called in order on its own slice
+# of the composed call's KEYS and ARGV. Atomic together, as one script is;
+# every key must share a hash slot on a cluster (the callers' keys share
+# their pool's tag). Composed once per sequence of scripts.
+_COMPOSE_TAIL = """
+local n = tonumber(ARGV[1])
+local ki, ai = 1, 2 + 2 * n
+local out = {}
+for i = 1, n do
+  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local k, a = {}, {}
+  for j = 1, nk do k[j] = KEYS[ki]; ki = ki + 1 end
+  for j = 1, na do a[j] = ARGV[ai]; ai = ai + 1 end
+  local r = STEPS[i](k, a)
+  if r == nil then r = false end
+  out[i] = r
+end
+return out
+"""
+_composed: dict[tuple[str, ...], LuaScript] = {}
+
+
+def _composed_script(scripts: tuple[LuaScript, ...]) -> LuaScript:
+    names = tuple(script.name for script in scripts)
+    composed = _composed.get(names)
+    if composed is None:
+        parts = [f"local function step_{i}(KEYS, ARGV)\n{script.source}\nend\n" for i, script in enumerate(scripts)]
+        steps = ", ".join(f"step_{i}" for i in range(len(scripts)))
+        composed = LuaScript.of_source("+".join(names),
+                                       "".join(parts) + f"local STEPS = {{{steps}}}\n" + _COMPOSE_TAIL)
+        _composed[names] = composed
+    return composed
+
+
+def script_calls_run(calls: list[ScriptCall], client: SyncRedis | None = None) -> list[Any]:
+    """Run ``calls`` in order as one script (one round trip); each result
+    parsed as its own call would parse it."""
+    if len(calls) == 1:
+        return [calls[0].run(client)]
+    if not calls:
+        return []
+    counts: list[Any] = [len(calls)]
+    for call in calls:
+        counts += [len(call.keys), len(call.args)]
+    composed = ScriptCall(script=_composed_script(tuple(call.script for call in calls)),
+                          keys=[key for call in calls for key in call.keys],
+                          args=counts + [arg for call in calls for arg in call.args], parse=list)
+    return [call.parse(raw) for call, raw in zip(calls, composed.run(client))]
 
 
 # A flow of script calls written once: a generator that yields each step and

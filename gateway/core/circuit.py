@@ -54,7 +54,11 @@ def circuit_gate(*, pool_id: int, holder: str) -> CircuitVerdict:
 
 def circuit_record(*, pool_id: int, holder: str, ok: bool, detail: str = "") -> str:
     """One call's outcome; returns the state after it."""
-    return _call(pool_id=pool_id, event="ok" if ok else "fail", holder=holder, detail=detail).run().state
+    return circuit_record_call(pool_id=pool_id, holder=holder, ok=ok, detail=detail).run().state
+
+
+def circuit_record_call(*, pool_id: int, holder: str, ok: bool, detail: str = "") -> ScriptCall[CircuitVerdict]:
+    return _call(pool_id=pool_id, event="ok" if ok else "fail", holder=holder, detail=detail)
 
 
 def circuit_state(*, pool_id: int, client=None) -> CircuitState:

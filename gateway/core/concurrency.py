@@ -83,7 +83,8 @@ def slot_release(*, pool_id: int, lane: str, holder: str, client=None) -> int:
     return int(pipe.execute()[1])
 
 
-def _limit_call(*, pool_id: int, event: str, value: str | float, extra: str | float) -> ScriptCall[tuple[str, dict]]:
+def lane_limit_call(*, pool_id: int, event: str, value: str | float,
+                    extra: str | float) -> ScriptCall[tuple[str, dict]]:
     return ScriptCall(
         script=LANE_LIMIT,
         keys=[keys.lane_limits(pool_id)],
@@ -99,18 +100,18 @@ def _limit_call(*, pool_id: int, event: str, value: str | float, extra: str | fl
 
 def lane_limit_short_sample(*, pool_id: int, ms_per_token: float, admitted_ms: float) -> tuple[str, dict]:
     """A short call answered: its latency per output token feeds the signal."""
-    return _limit_call(pool_id=pool_id, event="short", value=ms_per_token, extra=admitted_ms).run()
+    return lane_limit_call(pool_id=pool_id, event="short", value=ms_per_token, extra=admitted_ms).run()
 
 
 def lane_limit_long_done(*, pool_id: int, lane: str, in_use: int) -> tuple[str, dict]:
     """A limited lane's call succeeded with ``in_use`` of its slots held
     (its own included): a full lane without congestion may grow."""
-    return _limit_call(pool_id=pool_id, event="long", value=lane, extra=in_use).run()
+    return lane_limit_call(pool_id=pool_id, event="long", value=lane, extra=in_use).run()
 
 
 def lane_limit_throttle(*, pool_id: int) -> tuple[str, dict]:
     """The pool answered 429: every limited lane backs off."""
-    return _limit_call(pool_id=pool_id, event="throttle", value=0, extra=0).run()
+    return lane_limit_call(pool_id=pool_id, event="throttle", value=0, extra=0).run()
 
 
 def lane_limits_read(*, pool_id: int, client=None) -> LaneLimits:

@@ -23,8 +23,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
-from budgets.admission.capacity import capacity_signal
-from budgets.admission.redis_client import get_redis, redis_now_ms
+from budgets.admission.capacity import capacity_signal_call
+from budgets.admission.redis_client import get_redis, redis_now_ms, script_calls_run
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
@@ -38,9 +38,9 @@ from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUN
 from gateway.core.settlement import request_settle
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
-from gateway.worker.lane_slot import lane_signal, lane_slot
+from gateway.worker.lane_slot import lane_signal_calls, lane_slot
 from gateway.worker.pool_client import pool_chat_post, pool_client, pool_requests_sent
-from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn, retry_budget_spend
+from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
 
@@ -178,23 +178,29 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     feed every answer to the pool's adaptive capacity."""
     rng = rng or random.Random()
     policy = policy or RetryPolicy.from_settings()
-    retry_budget_earn(pool_id=record.pool_id, policy=policy)
     attempts = 0
     upstream_ms = 0
     throttled = 0
     while True:
         with lane_slot(record) as slot:
             outcome, retryable = _single_call(record)
-        lane_signal(record, outcome, hold=slot)
+        # What the answer tells the circuit, the lane limits and the pool's
+        # capacity (and, on the first attempt, the pool's retry budget): one
+        # round trip, one script.
+        signals = lane_signal_calls(record, outcome, hold=slot)
+        if attempts == 0:
+            signals.append(retry_budget_earn_call(pool_id=record.pool_id, policy=policy))
+        if outcome.status == "ok":
+            per_token = outcome.upstream_ms / (outcome.output_tokens + 1)
+            signals.append(capacity_signal_call(pool_id=record.pool_id, event="ok", latency_per_token_ms=per_token))
+        elif outcome.upstream_status == 429:
+            throttled += 1
+            signals.append(capacity_signal_call(pool_id=record.pool_id, event="throttle",
+                                                retry_after_ms=outcome.retry_after_ms or 0))
+        script_calls_run(signals)
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
-        if outcome.status == "ok":
-            per_token = outcome.upstream_ms / (outcome.output_tokens + 1)
-            capacity_signal(pool_id=record.pool_id, event="ok", latency_per_token_ms=per_token)
-        elif outcome.upstream_status == 429:
-            throttled += 1
-            capacity_signal(pool_id=record.pool_id, event="throttle", retry_after_ms=outcome.retry_after_ms or 0)
         if not retryable or attempts >= policy.max_attempts:
             break
         delay_ms = policy.delay_ms(attempts, upstream_retry_after_ms=outcome.retry_after_ms, rng=rng)

@@ -20,10 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from budgets.admission.provider_limits import provider_take_call
-from budgets.admission.redis_client import redis_now_ms
-from gateway.core.circuit import circuit_gate, circuit_record
-from gateway.core.concurrency import (SIGNAL_LANE, lane_limit_long_done, lane_limit_short_sample,
-                                      lane_limit_throttle, lane_limited, slot_acquire_call, slot_release)
+from budgets.admission.redis_client import ScriptCall, redis_now_ms, script_calls_run
+from gateway.core.circuit import circuit_gate, circuit_record_call
+from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
 from gateway.core.lanes import BATCH, SCHEDULED
 from gateway.core.records import Outcome, RequestRecord
 from gateway.worker.shutdown import pause
@@ -131,22 +130,31 @@ def provider_room_wait(record: RequestRecord) -> None:
 
 
 def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:
+    """What one pool answer tells the lane limits and the circuit, in one round trip."""
+    script_calls_run(lane_signal_calls(record, outcome, hold=hold))
+
+
+def lane_signal_calls(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> list[ScriptCall]:
     """What one pool answer tells the lane limits: a short call's latency per
     token, a limited lane's success, or a 429; and every answer (or its
-    absence) to the pool's circuit breaker."""
+    absence) to the pool's circuit breaker. The calls, for the caller to run
+    together with its own (budgets.admission.redis_client.script_calls_run)."""
     if _pool_failed(outcome):
         code = str((outcome.body or {}).get("error", {}).get("code", ""))
-        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=False,
-                       detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code)
+        calls: list[ScriptCall] = [circuit_record_call(
+            pool_id=record.pool_id, holder=record.request_id, ok=False,
+            detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code)]
     else:
         # Any answer, a 429 included, says the pool is there.
-        circuit_record(pool_id=record.pool_id, holder=record.request_id, ok=True)
+        calls = [circuit_record_call(pool_id=record.pool_id, holder=record.request_id, ok=True)]
     if outcome.upstream_status == 429:
-        lane_limit_throttle(pool_id=record.pool_id)
+        calls.append(lane_limit_call(pool_id=record.pool_id, event="throttle", value=0, extra=0))
     elif outcome.status != "ok":
-        return
+        pass
     elif record.lane == SIGNAL_LANE:
-        lane_limit_short_sample(pool_id=record.pool_id, ms_per_token=outcome.upstream_ms / (outcome.output_tokens + 1),
-                                admitted_ms=record.admitted_ms)
+        calls.append(lane_limit_call(pool_id=record.pool_id, event="short",
+                                     value=outcome.upstream_ms / (outcome.output_tokens + 1),
+                                     extra=record.admitted_ms))
     elif lane_limited(record.lane):
-        lane_limit_long_done(pool_id=record.pool_id, lane=record.lane, in_use=hold.in_use)
+        calls.append(lane_limit_call(pool_id=record.pool_id, event="long", value=record.lane, extra=hold.in_use))
+    return calls

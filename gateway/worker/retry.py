@@ -63,7 +63,11 @@ def _budget_call(*, op: str, pool_id: int, session_key: str, policy: RetryPolicy
 
 def retry_budget_earn(*, pool_id: int, policy: RetryPolicy) -> None:
     """A first attempt earns the pool a fraction of a retry."""
-    _budget_call(op="earn", pool_id=pool_id, session_key="", policy=policy).run()
+    retry_budget_earn_call(pool_id=pool_id, policy=policy).run()
+
+
+def retry_budget_earn_call(*, pool_id: int, policy: RetryPolicy) -> ScriptCall[str]:
+    return _budget_call(op="earn", pool_id=pool_id, session_key="", policy=policy)
 
 
 def retry_budget_spend(*, pool_id: int, workload_id: int, session_id: str | None, policy: RetryPolicy) -> str:

@@ -1,0 +1,99 @@
+"""Several script calls in one round trip (budgets.admission.redis_client.
+script_calls_run): the worker reports a pool answer to the circuit, the lane
+limits, the pool's capacity and its retry budget as one composed script. The
+composed run must leave Redis exactly as the calls run one by one, and
+return what each would have returned."""
+
+from __future__ import annotations
+
+import pytest
+
+from budgets.admission import keys as budget_keys
+from budgets.admission.capacity import capacity_signal_call
+from budgets.admission.redis_client import LuaScript, ScriptCall, script_calls_run
+from gateway.core import keys
+from gateway.core.circuit import circuit_record_call
+from gateway.core.concurrency import lane_limit_call
+from gateway.core.records import Outcome, RequestRecord
+from gateway.worker.lane_slot import SlotHold, lane_signal_calls
+from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+TIMES = ("_ms", "_at", "opened")  # fields holding Redis's clock: differ between two runs
+
+
+def _answer_calls(pool_id: int) -> list[ScriptCall]:
+    """A 429 answer on the pool: the circuit hears the pool is there, the
+    lane limits and the capacity back off, the retry budget is earned."""
+    return [
+        circuit_record_call(pool_id=pool_id, holder="req_a", ok=True),
+        lane_limit_call(pool_id=pool_id, event="throttle", value=0, extra=0),
+        capacity_signal_call(pool_id=pool_id, event="throttle", retry_after_ms=2_000),
+        retry_budget_earn_call(pool_id=pool_id, policy=RetryPolicy.from_settings()),
+    ]
+
+
+def _state(redis_client, pool_id: int) -> dict:
+    names = [keys.pool_circuit(pool_id), keys.lane_limits(pool_id), budget_keys.pool_capacity(pool_id),
+             keys.pool_retry(pool_id)]
+    out = {}
+    for name in names:
+        fields = redis_client.hgetall(name) if redis_client.type(name) == "hash" else redis_client.type(name)
+        if isinstance(fields, dict):  # a workload's own field (its id differs between the pools) by its role
+            fields = {("W" + k[k.index("."):] if k.split(".")[0].isdigit() else k): v for k, v in fields.items()
+                      if not k.endswith(TIMES)}
+        out[name.replace(f"pool:{pool_id}", "pool:N")] = fields
+    return out
+
+
+def test_one_composed_run_leaves_redis_as_the_calls_one_by_one(make_caller, redis_client):
+    # given two pools in the same starting state (the capacity script reads the pool's config)
+    one, other = make_caller().pool.id, make_caller().pool.id
+
+    # when the same answer is reported to one pool call by call, and to the other composed
+    separate = [call.run() for call in _answer_calls(one)]
+    together = script_calls_run(_answer_calls(other))
+
+    # then each call returned the same, and Redis holds the same state
+    assert together == separate
+    assert together[2] == 0.5  # the capacity halved on the throttle
+    assert together[1][0] == "decreased"
+    assert _state(redis_client, other) == _state(redis_client, one)
+    assert redis_client.hget(keys.lane_limits(other), "decreases") == "1"
+
+
+def test_a_step_that_returns_nothing_keeps_its_place(redis_client):
+    # given a script that returns nil between two that return values
+    nothing = LuaScript.of_source("test/nothing", "redis.call('SET', KEYS[1], ARGV[1])\nreturn nil")
+    echo = LuaScript.of_source("test/echo", "return {KEYS[1], ARGV[1], ARGV[2]}")
+    calls = [ScriptCall(script=echo, keys=["{t}:a"], args=["x", "y"], parse=list),
+             ScriptCall(script=nothing, keys=["{t}:b"], args=["set"], parse=lambda raw: raw),
+             ScriptCall(script=echo, keys=["{t}:c"], args=[1, 2], parse=list)]
+
+    # when
+    results = script_calls_run(calls)
+
+    # then every step ran on its own KEYS and ARGV, the nil one as None
+    assert results == [["{t}:a", "x", "y"], None, ["{t}:c", "1", "2"]]
+    assert redis_client.get("{t}:b") == "set"
+    redis_client.delete("{t}:b")
+
+
+@pytest.mark.parametrize("lane, answer, expected", [
+    ("interactive", Outcome(status="ok", upstream_ms=100, output_tokens=9, upstream_status=200),
+     ["circuit.lua", "lane_limit.lua"]),
+    ("interactive-long", Outcome(status="ok", upstream_ms=100, output_tokens=9, upstream_status=200),
+     ["circuit.lua", "lane_limit.lua"]),
+    ("batch", Outcome(status="upstream_error", upstream_status=429), ["circuit.lua", "lane_limit.lua"]),
+    ("interactive", Outcome(status="upstream_error", upstream_status=503), ["circuit.lua"]),
+])
+def test_the_worker_reports_an_answer_to_the_scripts_it_concerns(lane, answer, expected):
+    record = RequestRecord(
+        request_id="req_0123abcd", tenant_id=1, workload_id=2, pool_id=3, pool_base_url="http://pool/v1",
+        pool_api_key_env="", model="m", lane=lane, borrowed=False, estimated_input_tokens=1,
+        estimated_output_tokens=1, admitted_ms=0.0, deadline_ms=1.0, payload={},
+    )
+    calls = lane_signal_calls(record, answer, hold=SlotHold(held=True, in_use=1))
+    assert [call.script.name.rsplit("/", 1)[1] for call in calls] == expected
+    assert calls[0].args[0] == ("fail" if answer.upstream_status == 503 else "ok")
