@@ -37,7 +37,7 @@ from bench.common import OUT_DIR, PLOTS_DIR, fmt, log, md_table, ratio, run_stan
 from bench.http import HttpClient
 from bench.load import timed_post
 from bench.platform import Platform, Services
-from bench.seed import config_push, pool_create, workload_create
+from bench.seed import spine_setup
 
 NAME = "cost"
 CLIENTS = 8
@@ -196,17 +196,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
     profiler = Profiler(profile)
     profiles: dict[str, dict] = {}
     try:
-        platform.start_sim(["--zero-latency", "--seed", str(seed)])
-        pool = pool_create(slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1", provider_tpm=50_000_000,
-                           provider_rpm=2_000_000)
-        open_wl = workload_create(pool=pool, slug=f"{NAME}-open", workload_class="interactive",
-                                  reserved_tpm=20_000_000, ceiling_tpm=30_000_000, rpm=1_000_000,
-                                  prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=16)
-        tight_wl = workload_create(pool=pool, slug=f"{NAME}-tight", workload_class="interactive",
-                                   reserved_tpm=1_000, ceiling_tpm=1_000, rpm=20, prompt_tokens_cap=100,
-                                   max_tokens_cap=16, max_tokens_default=16)
-        config_push(pool)
-        platform.start_sluice()
+        spine = spine_setup(platform, name=NAME, seed=seed)
+        open_wl, tight_wl = spine.open, spine.tight
         roots = {c.name: c.popen.pid for c in platform.children if c.name != "sim"}
         if services.redis_process is not None:
             roots["redis"] = services.redis_process.popen.pid

@@ -24,7 +24,7 @@ from bench.common import PLOTS_DIR, fmt, log, md_table, pcts, run_standalone, wr
 from bench.http import HttpClient
 from bench.load import Call, calls_to_json, closed_loop, open_loop, timed_post
 from bench.platform import Platform, Services
-from bench.seed import config_push, pool_create, workload_create
+from bench.seed import spine_setup
 
 NAME = "overhead"
 RATE = 100.0
@@ -77,17 +77,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
     services.fresh_redis()
     platform = Platform(services, NAME)
     try:
-        platform.start_sim(["--zero-latency", "--seed", str(seed)])
-        pool = pool_create(slug=f"{NAME}-pool", base_url=f"{platform.sim_url}/v1", provider_tpm=50_000_000,
-                           provider_rpm=2_000_000)
-        open_wl = workload_create(pool=pool, slug=f"{NAME}-open", workload_class="interactive",
-                                  reserved_tpm=20_000_000, ceiling_tpm=30_000_000, rpm=1_000_000,
-                                  prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=16)
-        tight_wl = workload_create(pool=pool, slug=f"{NAME}-tight", workload_class="interactive",
-                                   reserved_tpm=1_000, ceiling_tpm=1_000, rpm=20, prompt_tokens_cap=100,
-                                   max_tokens_cap=16, max_tokens_default=16)
-        config_push(pool)
-        platform.start_sluice()
+        spine = spine_setup(platform, name=NAME, seed=seed)
+        open_wl, tight_wl = spine.open, spine.tight
         log(f"{NAME}: platform up (sim zero-latency, web x1, lanes {platform.lane_sizes})")
         open_auth = {"Authorization": f"Bearer {open_wl.api_key}"}
         tight_auth = {"Authorization": f"Bearer {tight_wl.api_key}"}

@@ -59,6 +59,32 @@ def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, 
                   ceiling_tpm=ceiling_tpm, rpm=rpm)
 
 
+@dataclass(frozen=True)
+class Spine:
+    """The path benches' platform: a zero-latency pool, a workload that is
+    never over budget and one that almost always is."""
+    pool: object
+    open: Seeded
+    tight: Seeded
+
+
+def spine_setup(platform, *, name: str, seed: int) -> Spine:
+    """Start a zero-latency simulator, seed the spine's pool and workloads,
+    and start Sluice on them (scenarios 5 and 9 measure the same path)."""
+    platform.start_sim(["--zero-latency", "--seed", str(seed)])
+    pool = pool_create(slug=f"{name}-pool", base_url=f"{platform.sim_url}/v1", provider_tpm=50_000_000,
+                       provider_rpm=2_000_000)
+    open_wl = workload_create(pool=pool, slug=f"{name}-open", workload_class="interactive",
+                              reserved_tpm=20_000_000, ceiling_tpm=30_000_000, rpm=1_000_000,
+                              prompt_tokens_cap=2_000, max_tokens_cap=256, max_tokens_default=16)
+    tight_wl = workload_create(pool=pool, slug=f"{name}-tight", workload_class="interactive",
+                               reserved_tpm=1_000, ceiling_tpm=1_000, rpm=20, prompt_tokens_cap=100,
+                               max_tokens_cap=16, max_tokens_default=16)
+    config_push(pool)
+    platform.start_sluice()
+    return Spine(pool=pool, open=open_wl, tight=tight_wl)
+
+
 def config_push(pool) -> None:
     from budgets.admission.pool_config import pool_config_push
 

@@ -130,6 +130,25 @@ def _apply(obj, values: dict, *, label: str, report: SeedReport) -> bool:
     return changed
 
 
+def _ensure(found, *, create, values: dict, label: str, reset: bool, report: SeedReport, save):
+    """A demo object: ``create()``d when missing; with --reset its demo
+    ``values`` put back (each overwritten value reported) and ``save``d;
+    otherwise left as it is."""
+    if found is None:
+        obj = create()
+        report.created.append(label)
+        return obj
+    if reset and _apply(found, values, label=label, report=report):
+        save(found)
+    return found
+
+
+def _created(obj, save):
+    """``obj`` once ``save``d (a create for _ensure that validates first)."""
+    save(obj)
+    return obj
+
+
 class Command(BaseCommand):
     help = ("Seed the demo pool, tenants, workloads, prices and logins where missing (never changing what exists); "
             "print a usable API key per demo workload.")
@@ -151,16 +170,15 @@ class Command(BaseCommand):
     # --- seeding --------------------------------------------------------------------------
 
     def _seed_pool(self, *, pool_url: str, reset: bool, report: SeedReport) -> InferencePool:
-        pool = InferencePool.objects.filter(slug=POOL["slug"]).first()
-        if pool is None:
-            pool = InferencePool(**POOL, base_url=pool_url)
+        values = {**POOL, "base_url": pool_url}
+
+        def save(pool: InferencePool) -> None:
             pool.full_clean()
             pool.save()
-            report.created.append(f"pool {pool.slug}")
-        elif reset and _apply(pool, {**POOL, "base_url": pool_url}, label=f"pool {pool.slug}", report=report):
-            pool.full_clean()
-            pool.save()
-        return pool
+
+        return _ensure(InferencePool.objects.filter(slug=POOL["slug"]).first(),
+                       create=lambda: _created(InferencePool(**values), save), values=values,
+                       label=f"pool {POOL['slug']}", reset=reset, report=report, save=save)
 
     def _follow_sim(self, *, pool_url: str, report: SeedReport) -> None:
         """Where the local simulator listens is plumbing, not configuration:
@@ -186,31 +204,25 @@ class Command(BaseCommand):
         workloads = []
         for tenant_slug, tenant_name, cost_center, specs in TENANTS:
             tenant_values = {"name": tenant_name, "cost_center": cost_center}
-            tenant = Tenant.objects.filter(slug=tenant_slug).first()
-            if tenant is None:
-                tenant = Tenant.objects.create(slug=tenant_slug, **tenant_values)
-                report.created.append(f"tenant {tenant_slug}")
-            elif reset and _apply(tenant, tenant_values, label=f"tenant {tenant_slug}", report=report):
-                tenant.save()
+            tenant = _ensure(Tenant.objects.filter(slug=tenant_slug).first(),
+                             create=lambda: Tenant.objects.create(slug=tenant_slug, **tenant_values),
+                             values=tenant_values, label=f"tenant {tenant_slug}", reset=reset, report=report,
+                             save=lambda tenant: tenant.save())
             for slug, wclass, reserved, ceiling, lend, rpm, prompt_cap, max_cap, default, timeout in specs:
                 values = {"tenant": tenant, "name": slug.replace("-", " ").title(), "workload_class": wclass,
                           "prompt_tokens_cap": prompt_cap, "max_tokens_cap": max_cap,
                           "max_tokens_default": default, "queue_timeout_s": timeout, "is_active": True}
-                workload = Workload.objects.filter(slug=slug).first()
-                if workload is None:
-                    workload = Workload.objects.create(slug=slug, **values)
-                    report.created.append(f"workload {slug}")
-                elif reset and _apply(workload, values, label=f"workload {slug}", report=report):
-                    workload.save()
-                reservation = Reservation.objects.filter(workload=workload).first()
+                workload = _ensure(Workload.objects.filter(slug=slug).first(),
+                                   create=lambda: Workload.objects.create(slug=slug, **values), values=values,
+                                   label=f"workload {slug}", reset=reset, report=report,
+                                   save=lambda workload: workload.save())
                 demo = {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling, "lend_fraction": lend,
                         "rpm": rpm}
-                if reservation is None:
-                    reservation = Reservation(workload=workload, **demo)
-                    reservation_save(reservation=reservation)
-                    report.created.append(f"reservation {slug}")
-                elif reset and _apply(reservation, demo, label=f"reservation {slug}", report=report):
-                    reservation_save(reservation=reservation)
+                _ensure(Reservation.objects.filter(workload=workload).first(),
+                        create=lambda: _created(Reservation(workload=workload, **demo),
+                                                lambda r: reservation_save(reservation=r)),
+                        values=demo, label=f"reservation {slug}", reset=reset, report=report,
+                        save=lambda reservation: reservation_save(reservation=reservation))
                 workloads.append(workload)
         return workloads
 
