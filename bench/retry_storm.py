@@ -299,25 +299,32 @@ def summarize(data: dict) -> str:
     phases = s.get("failed_by_phase")
     if phases and (failed_ratio is None or failed_ratio > 0.5 or recover_gap is None or recover_gap > 5):
         total_sim = data["total_sim_s"]
-        spare_calls = (POOL_RPM / 60 - data["ops_per_s"]) * (total_sim - end)
+        per_s = POOL_RPM / 60
+        spare_calls = (per_s - data["ops_per_s"]) * (total_sim - end)
+        # The longest a naive operation lives: each attempt held to the queue
+        # timeout, plus the backoffs between them.
+        lifetime = data["attempts"] * QUEUE_TIMEOUT_S + sum(data["backoff_s"] * 2 ** n
+                                                             for n in range(data["attempts"] - 1))
+        tail_calls = per_s * max(0.0, end + lifetime - total_sim)
         outage_ops = phases["outage"]["ops"]
-        allowed = 0.5 * d["failed_ops"]
+        floor = max(0.0, outage_ops - spare_calls - tail_calls)
         lines += ["", "Failed operations through Sluice by when they started (what refused the last attempt): "
                   + "; ".join(f"{name} {p['failed']} of {p['ops']} {p['last_refusal'] or ''}".rstrip()
                               for name, p in phases.items()) + ".",
                   "",
-                  f"Why both targets together are out of reach in this scenario, in numbers: the provider's "
-                  f"sliding window takes {POOL_RPM} calls a minute and new operations need "
-                  f"{data['ops_per_s'] * 60:.0f} of them, so from its recovery to the end of arrivals "
-                  f"({total_sim - end:.0f} s) about {spare_calls:.0f} calls are spare for the {outage_ops} operations "
-                  f"of the outage. Recovering as fast as direct means new operations keep their "
-                  f"{data['ops_per_s'] * 60:.0f} calls a minute; failing ≤ 0.5× direct means ≤ {allowed:.0f} failed "
-                  f"operations, so ≥ {outage_ops - allowed - spare_calls:.0f} operations of the outage would have "
-                  f"to be served after arrivals stop, {total_sim - end:.0f}-{total_sim - start:.0f} s after they started, "
-                  f"while each attempt is held at most the workload's {QUEUE_TIMEOUT_S:.0f} s queue timeout. Within "
-                  f"that deadline the choice is only which "
-                  f"operations fail: Sluice serves the held ones (fewer failures than direct) and the new ones "
-                  f"meet a full provider window for about a minute after it (the slow recovery)."]
+                  f"What the provider's capacity allows, in numbers: its sliding window takes {POOL_RPM} calls a "
+                  f"minute and new operations need {data['ops_per_s'] * 60:.0f}, so while arrivals last "
+                  f"({total_sim - end:.0f} s after the outage) about {spare_calls:.0f} calls are spare for the "
+                  f"{outage_ops} operations of the outage, and after arrivals stop another {tail_calls:.0f} before "
+                  f"the last of them gives up ({lifetime:.0f} s after it started: {data['attempts']} attempts of at "
+                  f"most the workload's {QUEUE_TIMEOUT_S:.0f} s queue timeout and the backoffs). Recovering as fast "
+                  f"as direct (new work first) therefore fails at least {floor:.0f} operations of the outage, "
+                  f"{ratio(floor, d['failed_ops']) or 0:.2f}x direct's failures, and only if every held operation "
+                  f"were kept alive for its whole life and the workload's RPM admitted its clients' retries. Sluice "
+                  f"holds each attempt up to the queue timeout and serves held and new work alike: the backlog "
+                  f"fills the provider's window at the circuit's close and new operations meet it full for about "
+                  f"a minute (the slow recovery), while the workload's RPM refuses retries made during the outage "
+                  f"(the workload_rpm failures)."]
     return "\n".join(lines)
 
 
