@@ -119,5 +119,14 @@ class Platform:
     def sim_stats(self) -> dict:
         return httpx.get(f"{self.sim_url}/admin/stats", timeout=5).json()
 
-    def sim_reset(self) -> None:
+    def sim_reset(self, *, quiet_s: float = 15.0) -> None:
+        """Zero the simulator's counters once what earlier tests left running
+        on it (a stream being cut, a retry in flight) has finished, so a test
+        that counts calls counts only its own; after ``quiet_s`` it resets anyway."""
+        deadline = time.monotonic() + quiet_s
+        while time.monotonic() < deadline:
+            stats = self.sim_stats()
+            if not stats.get("running") and not stats.get("queued"):
+                break
+            time.sleep(0.05)  # polling with a deadline
         httpx.post(f"{self.sim_url}/admin/reset", timeout=5).raise_for_status()
