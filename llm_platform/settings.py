@@ -142,7 +142,9 @@ DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=int(os.
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Workers write the ledger concurrently: WAL lets readers run beside one
     # writer, and the busy timeout queues writers instead of failing them.
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # Connections are kept like PostgreSQL's (DB_CONN_MAX_AGE): a new one per
+    # ledger row reran the PRAGMAs and Django's function registration on
+    # every request (3% of the lane worker's CPU, bench/PROFILE.md round 3).
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 20,
         "transaction_mode": "IMMEDIATE",
