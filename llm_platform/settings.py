@@ -170,6 +170,11 @@ if SLUICE_REDIS_CLUSTER and not os.environ.get("CELERY_BROKER_URL"):
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
     REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
 )
+CELERY_BROKER_IS_REDIS_URL = not os.environ.get("CELERY_BROKER_URL")
+# The web side writes a lane's Celery message in the same Redis pipeline as
+# the request's record (gateway/core/task_message.py) when the broker is
+# REDIS_URL itself; false: every message goes through Celery's send_task.
+SLUICE_DIRECT_PUBLISH = env_bool("SLUICE_DIRECT_PUBLISH", True)
 
 # A task must finish (or be killed) well before the broker would hand its
 # unacknowledged message to another worker: visibility_timeout > time limit.

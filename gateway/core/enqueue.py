@@ -1,8 +1,9 @@
 """Putting an admitted request on its lane, for the synchronous API (the web
 side, async) and for jobs (the API view and the pacer, sync): build the
 request's record, store it in Redis, enqueue its id on the lane's Celery
-queue by task name (the web side never imports the worker's task module),
-and refund if that fails (gateway/core/settlement.py). A request taken over
+queue by task name (the web side never imports the worker's task module;
+with the broker on the records' Redis, the message goes in the record's own
+pipeline: gateway/core/task_message.py), and refund if that fails (gateway/core/settlement.py). A request taken over
 from a lost worker goes back on its lane as its next delivery
 (``record_requeue``)."""
 
@@ -24,6 +25,7 @@ from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
 from gateway.core.records import RequestRecord, ttl_ms
 from gateway.core.settlement import request_refund
+from gateway.core.task_message import direct_publish, task_message
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,16 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
         pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
         arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
                          expires_ms=record.admitted_ms + lease_ms)
-        pipe.execute()
-        current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
-                              task_id=record.request_id)
+        queue = queue_for_lane(record.lane)
+        if direct_publish():
+            # After the record, on the same connection: Redis runs them in order.
+            pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
+                                           args=[record.request_id]))
+            pipe.execute()
+        else:
+            pipe.execute()
+            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue,
+                                  task_id=record.request_id)
     except Exception as exc:  # Redis or the broker
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:
@@ -82,9 +91,14 @@ def record_requeue(record: RequestRecord, *, generation: int) -> bool:
     (claim.lua moved it to ``queued:<generation>``). A failed send is only
     logged: the request then misses its start-by time and is settled as
     lost by whoever watches it next."""
+    queue, task_id = queue_for_lane(record.lane), f"{record.request_id}.{generation}"
     try:
-        current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], kwargs={"generation": generation},
-                              queue=queue_for_lane(record.lane), task_id=f"{record.request_id}.{generation}")
+        if direct_publish():
+            get_redis().lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=task_id, queue=queue,
+                                                  args=[record.request_id], kwargs={"generation": generation}))
+        else:
+            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], kwargs={"generation": generation},
+                                  queue=queue, task_id=task_id)
     except Exception:  # the broker
         logger.warning("could not requeue %s (delivery %s)", record.request_id, generation, exc_info=True)
         return False
