@@ -4,7 +4,9 @@ kombu's per-message publishing work (routing, signals, the producer pool,
 the message envelope built in three layers), which was a fifth of the web
 process's CPU per admitted request (bench/PROFILE.md, round 3).
 
-The message is exactly what ``send_task`` pushes on Celery's Redis broker:
+The message is exactly what ``send_task`` pushes on Celery's Redis broker
+from the web side (which never loads the worker's task module, so the
+message carries no time limits: the worker applies its configured ones):
 task protocol 2 (headers, a ``[args, kwargs, embed]`` body) in kombu's Redis
 envelope (base64 body, ``delivery_info`` naming the queue), LPUSHed on the
 queue's list. The lanes stay Celery queues consumed by Celery workers:
