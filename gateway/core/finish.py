@@ -19,13 +19,14 @@ from gateway.core.settlement import request_settle
 from gateway.core.streams import stream_end
 
 
-def finish_steps(*, record: RequestRecord, outcome: Outcome,
-                 pool_called: bool) -> list[tuple[str, Callable[[], object]]]:
+def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
+                 now_ms: float | None = None) -> list[tuple[str, Callable[[], object]]]:
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome, finish the job. Each step is idempotent on the request id, and
     built lazily so a failed request's settlement (request_fail in
-    gateway/worker/execution.py) can run each one on its own."""
-    total_ms = max(0, int(redis_now_ms() - record.admitted_ms))
+    gateway/worker/execution.py) can run each one on its own. ``now_ms``:
+    the Redis clock now, when the caller knows it (read here otherwise)."""
+    total_ms = max(0, int((redis_now_ms() if now_ms is None else now_ms) - record.admitted_ms))
     written = {"s": 0.0}
 
     def ledger() -> None:
@@ -62,9 +63,10 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome,
     return steps
 
 
-def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool) -> None:
+def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
+                   now_ms: float | None = None) -> None:
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome. Each step is idempotent on the request id, so a replay changes
     nothing."""
-    for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called):
+    for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called, now_ms=now_ms):
         step()

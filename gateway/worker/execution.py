@@ -321,7 +321,13 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
     if request_id in HEARTBEATS.running():
         return RUNNING  # a duplicate delivery, while this very process runs the request
     claim = claim_call(WORKER, record, generation=generation, holder=HEARTBEATS.holder).run(client)
+    claimed = time.monotonic()
     queue_wait_ms = max(0, int(claim.now_ms - record.admitted_ms))
+
+    def redis_now() -> float:
+        # The Redis clock read by the claim, moved on by this host's own
+        # monotonic clock: the request's total time without another round trip.
+        return claim.now_ms + (time.monotonic() - claimed) * 1000
     if claim.verdict == EXPIRED:
         # Deadline passed in the queue: never call the pool, refund everything.
         outcome = Outcome(
@@ -372,7 +378,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
                 raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
             outcome = _answer_keep(client, record, outcome)
-        request_finish(record=record, outcome=outcome, pool_called=True)
+        request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now())
     return outcome.status
 
 
