@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import uuid
 
+from asgiref.sync import sync_to_async
 from celery import current_app
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import get_redis
+from budgets.admission.redis_client import get_async_redis, get_redis
 from gateway.core import keys
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
@@ -24,7 +25,7 @@ from gateway.core.lanes import lane_for, queue_for_lane
 from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
 from gateway.core.records import RequestRecord, ttl_ms
-from gateway.core.settlement import request_refund
+from gateway.core.settlement import request_refund, request_refund_async
 from gateway.core.task_message import direct_publish, task_message
 
 logger = logging.getLogger(__name__)
@@ -57,29 +58,55 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
     )
 
 
+def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: bool) -> None:
+    """The record, the arrival's metrics and (``publish``) the lane's message,
+    queued on a pipeline: Redis runs them in order on one connection, so the
+    message is never there before its record."""
+    pipe.hset(keys.request_record(record.request_id), mapping=record.to_redis())
+    pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
+    arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                     expires_ms=record.admitted_ms + lease_ms)
+    if publish:
+        queue = queue_for_lane(record.lane)
+        pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
+                                       args=[record.request_id]))
+
+
 def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
     """Store the record and enqueue its id on its lane, or refund and raise a
     503: nothing may run without its record, nothing admitted may leak."""
     try:
         pipe = get_redis().pipeline(transaction=False)
-        pipe.hset(keys.request_record(record.request_id), mapping=record.to_redis())
-        pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
-        arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                         expires_ms=record.admitted_ms + lease_ms)
-        queue = queue_for_lane(record.lane)
-        if direct_publish():
-            # After the record, on the same connection: Redis runs them in order.
-            pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
-                                           args=[record.request_id]))
-            pipe.execute()
-        else:
-            pipe.execute()
-            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue,
+        _record_commands(pipe, record, lease_ms=lease_ms, publish=direct_publish())
+        pipe.execute()
+        if not direct_publish():
+            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
                                   task_id=record.request_id)
     except Exception as exc:  # Redis or the broker
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:
             request_refund(record)
+        except Exception:  # the lease expires by itself
+            logger.warning("could not refund %s", record.request_id, exc_info=True)
+        raise budget_unavailable() from exc
+    admission_observe(record=record)
+
+
+async def record_enqueue_async(record: RequestRecord, *, lease_ms: int) -> None:
+    """``record_enqueue`` for the async web side: with the lane's message in
+    the record's pipeline, one await on the async client and no thread hop;
+    through Celery's (blocking) send_task otherwise."""
+    if not direct_publish():
+        await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
+        return
+    try:
+        pipe = get_async_redis().pipeline(transaction=False)
+        _record_commands(pipe, record, lease_ms=lease_ms, publish=True)
+        await pipe.execute()
+    except Exception as exc:  # Redis
+        logger.warning("could not enqueue %s: %s", record.request_id, exc)
+        try:
+            await request_refund_async(record)
         except Exception:  # the lease expires by itself
             logger.warning("could not refund %s", record.request_id, exc_info=True)
         raise budget_unavailable() from exc

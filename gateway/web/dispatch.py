@@ -23,7 +23,7 @@ from gateway.core import keys
 from gateway.core.admission import lease_ttl_ms, request_admit_async
 from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.context import CallerContext
-from gateway.core.enqueue import new_request_id, record_build, record_enqueue
+from gateway.core.enqueue import new_request_id, record_build, record_enqueue_async
 from gateway.core.errors import queue_timeout, worker_lost
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
@@ -204,7 +204,7 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
     ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
     log_annotate(lane=record.lane)
-    await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
+    await record_enqueue_async(record, lease_ms=lease_ms)
 
     try:
         outcome = await _await_outcome(ctx, record, wait=_stream_first_wait(record) if record.stream else None)
