@@ -167,10 +167,9 @@ if SLUICE_REDIS_CLUSTER and not os.environ.get("CELERY_BROKER_URL"):
         "SLUICE_REDIS_CLUSTER=true needs CELERY_BROKER_URL: Celery's Redis broker cannot run on a cluster; "
         "point it at a plain Redis."
     )
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or (
-    REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
-)
-CELERY_BROKER_IS_REDIS_URL = not os.environ.get("CELERY_BROKER_URL")
+_BROKER_ON_REDIS_URL = REDIS_URL.replace("unix://", "redis+socket://") if REDIS_URL.startswith("unix://") else REDIS_URL
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or _BROKER_ON_REDIS_URL
+CELERY_BROKER_IS_REDIS_URL = CELERY_BROKER_URL == _BROKER_ON_REDIS_URL and not SLUICE_REDIS_CLUSTER
 # The web side writes a lane's Celery message in the same Redis pipeline as
 # the request's record (gateway/core/task_message.py) when the broker is
 # REDIS_URL itself; false: every message goes through Celery's send_task.
