@@ -25,6 +25,7 @@ from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E4
 from django.core.exceptions import RequestAborted  # noqa: E402
 from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 
+from budgets.ledger.rejections import rejection_tally_send  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
 
@@ -126,7 +127,22 @@ class ApiHandler(ASGIHandler):
 api_application = body_limit(ApiHandler())
 
 
+async def lifespan(receive, send) -> None:
+    """uvicorn's start and stop: at stop (after the last request was
+    answered), send the rejections this process counted and has not sent."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await rejection_tally_send()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def application(scope, receive, send):
+    if scope["type"] == "lifespan":
+        return await lifespan(receive, send)
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
     return await django_application(scope, receive, send)
