@@ -14,10 +14,11 @@ outcome is published, so the web process wakes at once and ends the stream
 with ``data: [DONE]`` or an error event in OpenAI's shape.
 
 A caller that goes away sets the cancel flag (``keys.request_stream_cancel``);
-the worker reads it in the same round trip as each XADD, closes the pool call
-(the pool stops generating) and settles on the tokens produced. Both keys
-carry the request's hash tag and expire with its other keys (TTL set on
-every write), so nothing leaks."""
+the worker reads it in the round trip of an XADD (the first chunk's, then
+one every 0.1 s: gateway/worker/streaming.py), closes the pool call (the
+pool stops generating) and settles on the tokens produced. Both keys carry
+the request's hash tag and expire with its other keys (TTL set with the
+flag's reads and by every other write), so nothing leaks."""
 
 from __future__ import annotations
 
