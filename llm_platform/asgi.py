@@ -13,6 +13,7 @@ its metrics (gateway/web/access_log.py); /metrics is served here too, for
 the same reason as /healthz: a scrape needs no session."""
 
 import asyncio
+import atexit
 import os
 import sys
 
@@ -26,7 +27,7 @@ from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E4
 from django.core.exceptions import RequestAborted  # noqa: E402
 from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 
-from budgets.ledger.rejections import rejection_tally_send  # noqa: E402
+from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
 
@@ -35,6 +36,10 @@ from gateway.web.edge import api_error_response, as_openai_error, body_limit  # 
 # long before the loop gets it back (Python's default, 5 ms, showed in the
 # streams' inter-chunk tail: bench/PROFILE.md, round 3).
 sys.setswitchinterval(settings.SLUICE_GIL_SWITCH_INTERVAL_S)
+
+# A web process that stops sends the rejections it counted and has not sent
+# yet (budgets/ledger/rejections.py), once uvicorn has let go of the loop.
+atexit.register(rejection_tally_send_at_exit)
 
 API_PREFIXES = ("/v1/",)
 API_PATHS = {"/v1", "/healthz", "/readyz", "/metrics"}
@@ -157,22 +162,7 @@ class ApiHandler(ASGIHandler):
 api_application = body_limit(ApiHandler())
 
 
-async def lifespan(receive, send) -> None:
-    """uvicorn's start and stop: at stop (after the last request was
-    answered), send the rejections this process counted and has not sent."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await rejection_tally_send()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
 async def application(scope, receive, send):
-    if scope["type"] == "lifespan":
-        return await lifespan(receive, send)
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
     return await django_application(scope, receive, send)

@@ -5,7 +5,7 @@ A storm of 429s must not become a storm of database writes (docs/architecture.md
 counters by workload and reason and keeps the first few rejections of each
 as detailed samples. The /v1 views note each refusal in the web process's
 memory (``rejection_note``) and send the tally once per tick
-(SLUICE_REJECTION_PUSH_S, and at shutdown): one call per pool minute for a
+(SLUICE_REJECTION_PUSH_S, and at exit): one call per pool minute for a
 whole storm, instead of a round trip per refusal (about a tenth of a
 refusal's CPU, bench/PROFILE.md). Other callers count one at a time
 (``rejection_count_call``, ``rejection_count``). A beat task (``budgets.flush_rejections``) moves closed minutes into
@@ -174,8 +174,8 @@ def rejection_note(**kwargs) -> None:
     answer), the ones after it at most once per
     SLUICE_REJECTION_PUSH_S, together: a storm of refusals costs Redis one
     script per tick and pool minute, not one per refusal. Needs a running
-    event loop (the /v1 views); ``rejection_tally_send`` at shutdown sends
-    what is left."""
+    event loop (the /v1 views); ``rejection_tally_send_at_exit`` sends what
+    is left when the process stops."""
     global _tally_sender
     _tally.note(**kwargs)
     loop = asyncio.get_running_loop()
@@ -194,18 +194,42 @@ async def _tally_send_after_tick() -> None:
             return  # Redis away: the counts wait for the next rejection or the shutdown
 
 
+def _tally_calls() -> list[tuple[tuple[int, int], dict[str, list], ScriptCall[int]]]:
+    """The tally taken out, as one script call per pool minute."""
+    return [(minute_key, fields, _minute_call(*minute_key, {f: (n, samples) for f, (n, samples) in fields.items()}))
+            for minute_key, fields in _tally.take().items()]
+
+
+def _tally_unsent(calls: list, position: int) -> bool:
+    logger.warning("could not send %d rejection minute(s) to Redis; kept for the next send", len(calls) - position,
+                   exc_info=True)
+    _tally.put_back({minute_key: fields for minute_key, fields, _ in calls[position:]})
+    return False
+
+
 async def rejection_tally_send() -> bool:
     """Send the tally to Redis (one script per pool minute); False when Redis
     refused it (the counts are kept for the next send). Never raises."""
-    taken = _tally.take()
-    for position, ((pool, minute), fields) in enumerate(taken.items()):
+    calls = _tally_calls()
+    for position, (_, _, call) in enumerate(calls):
         try:
-            await _minute_call(pool, minute, {f: (n, samples) for f, (n, samples) in fields.items()}).run_async()
+            await call.run_async()
         except Exception:  # noqa: BLE001 - losing a counter beats failing anything else
-            logger.warning("could not send %d rejection minute(s) to Redis; kept for the next send",
-                           len(taken) - position, exc_info=True)
-            _tally.put_back(dict(list(taken.items())[position:]))
-            return False
+            return _tally_unsent(calls, position)
+    return True
+
+
+def rejection_tally_send_at_exit() -> bool:
+    """``rejection_tally_send`` for a process that is stopping (atexit: the
+    event loop is gone, so the sync client). Not through uvicorn's lifespan
+    shutdown: awaiting there hands the loop to the requests it has just
+    cancelled, which would answer 500 instead of closing their connections."""
+    calls = _tally_calls()
+    for position, (_, _, call) in enumerate(calls):
+        try:
+            call.run()
+        except Exception:  # noqa: BLE001 - as rejection_tally_send
+            return _tally_unsent(calls, position)
     return True
 
 

@@ -282,3 +282,15 @@ def test_noted_rejections_reach_redis_within_a_tick_without_a_send_call(world, s
     asyncio.run(storm())
     flush()
     assert stat_totals() == Counter({(world.wl_b.id, "pool_tpm"): 30})
+
+
+def test_what_is_left_of_the_tally_is_sent_at_exit(world):
+    # given refusals noted by a process whose event loop is gone
+    for _ in range(3):
+        rejections._tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                               reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
+    # when it exits (llm_platform/asgi.py registers this with atexit)
+    assert rejections.rejection_tally_send_at_exit() is True
+    # then every count reached Redis and the database
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 3})
