@@ -13,7 +13,9 @@ its metrics (gateway/web/access_log.py); /metrics is served here too, for
 the same reason as /healthz: a scrape needs no session."""
 
 import asyncio
+import atexit
 import os
+import sys
 
 from django.core.asgi import get_asgi_application
 
@@ -25,11 +27,38 @@ from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E4
 from django.core.exceptions import RequestAborted  # noqa: E402
 from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 
+from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
 
+# The event loop's thread relays every stream of this process; a thread of
+# the executor (an enqueue, a database lookup) holds the GIL at most this
+# long before the loop gets it back (Python's default, 5 ms, showed in the
+# streams' inter-chunk tail: bench/PROFILE.md, round 3).
+sys.setswitchinterval(settings.SLUICE_GIL_SWITCH_INTERVAL_S)
+
+# A web process that stops sends the rejections it counted and has not sent
+# yet (budgets/ledger/rejections.py), once uvicorn has let go of the loop.
+atexit.register(rejection_tally_send_at_exit)
+
 API_PREFIXES = ("/v1/",)
 API_PATHS = {"/v1", "/healthz", "/readyz", "/metrics"}
+
+
+def _response_close(response) -> None:
+    """HttpResponse.close without the request_finished signal: its receivers
+    (close_old_connections, close_caches, reset_urlconf) touch only this
+    thread's database connections and caches, and the loop's thread has
+    none (every blocking call under /v1 runs with thread_sensitive=False);
+    the urlconf is set per request. Sending it was a few percent of a
+    refusal's CPU (bench/PROFILE.md, round 3)."""
+    for closer in response._resource_closers:
+        try:
+            closer()
+        except Exception:  # noqa: BLE001 - as HttpResponse.close
+            pass
+    response._resource_closers.clear()
+    response.closed = True
 
 
 class ApiHandler(ASGIHandler):
@@ -44,9 +73,9 @@ class ApiHandler(ASGIHandler):
         request, a third of the web process's samples on the refusal path
         (bench/PROFILE.md). Nothing under /v1 needs it: every blocking call
         there runs with thread_sensitive=False, so the response closes here,
-        on the loop (HttpResponse.close: its closers and request_finished,
+        on the loop: its closers, without request_finished (_response_close),
         whose receivers touch only this thread's database connections, and
-        the loop has none). request_started is not sent, for the same reason.
+        the loop has none. request_started is not sent, for the same reason.
         A client that disconnects still cancels its view, as in Django's."""
         try:
             body_file = await self.read_body(receive)
@@ -57,35 +86,42 @@ class ApiHandler(ASGIHandler):
         if request is None:
             body_file.close()
             await self.send_response(error_response, send)
-            error_response.close()
+            _response_close(error_response)
             return
-        respond = asyncio.ensure_future(self._respond(request, send))
-        disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait((respond, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (disconnect, respond):
-                if not task.done():
-                    task.cancel()
-                    try:
-                        await task
-                    except (asyncio.CancelledError, RequestAborted):
-                        pass
-            body_file.close()
-        if disconnect.done() and not disconnect.cancelled():
-            disconnect.exception()  # RequestAborted: the client left (its view was cancelled)
-        if not respond.cancelled() and respond.exception() is None:
-            respond.result().close()
-        elif not respond.cancelled():
-            raise respond.exception()
+        # The view runs in this task; one more task listens for the client
+        # leaving and cancels this one (cheaper than two tasks and an
+        # asyncio.wait per request: bench/PROFILE.md, round 3).
+        this_task = asyncio.current_task()
+        client_left = finished = False
 
-    async def _respond(self, request, send):
-        response = await self.get_response_async(request)
+        def on_disconnect(task: asyncio.Task) -> None:
+            nonlocal client_left
+            if finished or task.cancelled():
+                return
+            task.exception()  # RequestAborted: the client left
+            client_left = True
+            this_task.cancel()
+
+        disconnect = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        disconnect.add_done_callback(on_disconnect)
+        response = None
         try:
+            response = await self.get_response_async(request)
             await self.send_response(response, send)
         except asyncio.CancelledError:
-            pass  # the client went away while we answered
-        return response
+            if not client_left:
+                raise
+            # the client went away: its view, or our answer to it, was cancelled
+        finally:
+            finished = True
+            disconnect.remove_done_callback(on_disconnect)
+            if not disconnect.done():
+                disconnect.cancel()
+            elif not disconnect.cancelled():
+                disconnect.exception()  # retrieved: the client left as its answer ended
+            body_file.close()
+            if response is not None:
+                _response_close(response)
 
     def load_middleware(self, is_async: bool = False) -> None:
         self._view_middleware = []

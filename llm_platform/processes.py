@@ -34,6 +34,9 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
         # What uvicorn[standard]'s "auto" picks already, named so a missing
         # package fails the start instead of silently costing more CPU.
         "--loop", "uvloop", "--http", "httptools",
+        # No "server: uvicorn" header on every answer (bytes and a header
+        # check per refusal).
+        "--no-server-header",
         # On SIGTERM: stop accepting, let requests in flight finish for a few
         # seconds, then close them (uvicorn's default waits for ever; a caller
         # waiting on its lane could hold a stop for minutes). Their admitted

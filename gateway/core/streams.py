@@ -14,10 +14,11 @@ outcome is published, so the web process wakes at once and ends the stream
 with ``data: [DONE]`` or an error event in OpenAI's shape.
 
 A caller that goes away sets the cancel flag (``keys.request_stream_cancel``);
-the worker reads it in the same round trip as each XADD, closes the pool call
-(the pool stops generating) and settles on the tokens produced. Both keys
-carry the request's hash tag and expire with its other keys (TTL set on
-every write), so nothing leaks."""
+the worker reads it in the round trip of an XADD (the first chunk's, then
+one every 0.1 s: gateway/worker/streaming.py), closes the pool call (the
+pool stops generating) and settles on the tokens produced. Both keys carry
+the request's hash tag and expire with its other keys (TTL set with the
+flag's reads and by every other write), so nothing leaks."""
 
 from __future__ import annotations
 
@@ -36,15 +37,25 @@ END_FIELD = "end"
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-def stream_append(client: SyncRedis, *, request_id: str, chunk: str) -> bool:
-    """Append one chunk (an SSE event's JSON); True when the caller has gone
-    away (the cancel flag is set). One round trip: XADD, its TTL, the flag."""
+def stream_append(client: SyncRedis, *, request_id: str, chunk: str, watch: bool = True,
+                  answer_if_lost: str | None = None) -> bool:
+    """Append one chunk (an SSE event's JSON) in one round trip; True when
+    the caller has gone away. ``watch``: also read the cancel flag and renew
+    the stream's TTL (the worker does it with the first chunk and then every
+    CANCEL_CHECK_S, not per chunk); otherwise a bare XADD, which cannot
+    report a cancel. ``answer_if_lost``: with the first chunk, the request's
+    stored answer (SET NX, before the XADD: no reader sees a chunk before it)."""
     stream_key = keys.request_stream(request_id)
+    if not watch and answer_if_lost is None:
+        client.xadd(stream_key, {CHUNK_FIELD: chunk})
+        return False
     pipe = client.pipeline(transaction=False)
+    if answer_if_lost is not None:
+        pipe.set(keys.request_response(request_id), answer_if_lost, nx=True, px=ttl_ms())
     pipe.xadd(stream_key, {CHUNK_FIELD: chunk})
     pipe.pexpire(stream_key, ttl_ms())
     pipe.exists(keys.request_stream_cancel(request_id))
-    return bool(pipe.execute()[2])
+    return bool(pipe.execute()[-1])
 
 
 def stream_end(*, request_id: str, client: SyncRedis | None = None) -> None:

@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET
 
 from budgets.admission.redis_client import REDIS_UNAVAILABLE
 from budgets.errors import BudgetUnavailable, Rejected
-from budgets.ledger.rejections import rejection_count_call
+from budgets.ledger.rejections import rejection_note
 from budgets.models import InferencePool
 from gateway.core.chat import body_digest, chat_check, parse_json_body, validate_chat_request
 from gateway.core.context import CallerContext
@@ -84,10 +84,10 @@ async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
 async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
     if rejected.reason not in UNCOUNTED_REASONS:
         try:
-            await rejection_count_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
-                                       reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
-                                       estimated_tokens=rejected.estimated_tokens,
-                                       message=rejected.message).run_async()
+            # Counted in this process, sent to Redis once per tick (no round trip here).
+            rejection_note(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
+                           reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
+                           estimated_tokens=rejected.estimated_tokens, message=rejected.message)
         except Exception:  # noqa: BLE001 - losing a counter beats failing the caller's answer
             logger.warning("could not count a %s rejection of workload %s", rejected.reason, ctx.workload_id,
                            exc_info=True)

@@ -9,8 +9,10 @@ else in the call (bench/pool_client_overhead.py, bench/PROFILE.md). Its
 failures are the SDK's exceptions, made by the SDK: an error status raises
 what ``client.chat.completions.create`` would (RateLimitError,
 InternalServerError, ...: ``_make_status_error_from_response``), a timeout
-APITimeoutError, any other transport failure APIConnectionError. Streams
-stay on the SDK (gateway/worker/streaming.py)."""
+APITimeoutError, any other transport failure APIConnectionError. A stream
+opens the same way (``pool_chat_stream_open``: the answer's headers, its
+events read by gateway/worker/streaming.py), so a stream's time to first
+token no longer carries the SDK's request building either."""
 
 from __future__ import annotations
 
@@ -94,21 +96,42 @@ def _json_bytes(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-def pool_chat_post(client: OpenAI, *, body: dict) -> httpx.Response:
-    """POST ``body`` to the pool's chat/completions with ``client``'s httpx
-    client; the answer (status < 400, read), or the SDK's exception."""
-    http: httpx.Client = client._client
-    request = http.build_request(
+def _chat_request(client: OpenAI, *, body: dict, accept: str) -> httpx.Request:
+    return client._client.build_request(
         "POST", f"{client.base_url}chat/completions", content=_json_bytes(body),
-        headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
-                 "Accept": "application/json"},
+        headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json", "Accept": accept},
         timeout=client.timeout)
+
+
+def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx.Response:
+    """Send on ``client``'s httpx client; the answer (status < 400), or the
+    SDK's exception (an error answer read first: its body is the error's)."""
     try:
-        response = http.send(request)
+        response = client._client.send(request, stream=stream)
     except httpx.TimeoutException as exc:
         raise APITimeoutError(request=request) from exc
     except (httpx.RequestError, ssl.SSLError) as exc:
         raise APIConnectionError(request=request) from exc
     if response.status_code >= 400:
+        if stream:
+            try:
+                response.read()
+            except httpx.HTTPError:
+                pass  # the status says enough
+            finally:
+                response.close()
         raise client._make_status_error_from_response(response)
     return response
+
+
+def pool_chat_post(client: OpenAI, *, body: dict) -> httpx.Response:
+    """POST ``body`` to the pool's chat/completions with ``client``'s httpx
+    client; the answer (status < 400, read), or the SDK's exception."""
+    return _chat_send(client, _chat_request(client, body=body, accept="application/json"), stream=False)
+
+
+def pool_chat_stream_open(client: OpenAI, *, body: dict) -> httpx.Response:
+    """Open a streamed chat completion (``body`` asks for ``stream``): the
+    answer once its headers came (status < 400, its events still to read;
+    the caller closes it), or the SDK's exception, as ``pool_chat_post``."""
+    return _chat_send(client, _chat_request(client, body=body, accept="text/event-stream"), stream=True)

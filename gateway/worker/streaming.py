@@ -35,15 +35,19 @@ import openai
 
 import llm_tokens
 from budgets.admission.redis_client import get_redis
-from gateway.core import keys
 from gateway.core.errors import error_body
-from gateway.core.records import Outcome, RequestRecord, ttl_ms, worker_lost_outcome
+from gateway.core.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.streams import stream_append
+from gateway.worker.pool_client import pool_chat_stream_open
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
 
 logger = logging.getLogger(__name__)
 
 CANCELLED = "cancelled"
+# The cancel flag is read with the first chunk and then at most this often
+# (a caller that leaves is noticed within it plus one chunk, well within the
+# second the contract allows); the chunks between are one XADD each.
+CANCEL_CHECK_S = 0.1
 CLIENT_CLOSED = 499  # nginx's code: the caller closed the connection first
 STREAM_BROKEN = (httpx.HTTPError, openai.APIError)
 
@@ -98,10 +102,10 @@ def _read_chunk(relay: _Relay, data: str) -> bool:
     return True
 
 
-def _first_chunk_mark(client, record: RequestRecord) -> None:
-    """From here the caller has chunks: a lost worker's request is finished
-    on this answer, not delivered again."""
-    client.set(keys.request_response(record.request_id), worker_lost_outcome(record).to_json(), nx=True, px=ttl_ms())
+def _first_chunk_answer(record: RequestRecord) -> str:
+    """The stored answer from the first chunk on: the caller has chunks, so a
+    lost worker's request is finished on it, not delivered again."""
+    return worker_lost_outcome(record).to_json()
 
 
 def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_body: dict | None,
@@ -109,12 +113,15 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     """One streamed attempt. Errors before the pool's first byte raise (the
     caller, ``_single_call``, turns them into a retryable outcome or not);
     everything after is this function's outcome."""
-    opening = pool.chat.completions.with_streaming_response.create(**payload, extra_body=extra_body)
-    response = pool_call_within_grace(opening.__enter__)
+    body = {**payload, **extra_body} if extra_body else payload
+    # The SDK client's own httpx client, without the SDK's request building
+    # (gateway/worker/pool_client.py): errors are the SDK's exceptions.
+    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body))
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False
     first_chunk_ms: int | None = None
+    next_check = 0.0
     try:
         for line in response.iter_lines():
             if not line.startswith("data:"):
@@ -127,11 +134,18 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
                 if relay.error is not None:
                     break
                 continue
-            if relay.relayed == 0:
-                first_chunk_ms = int((time.monotonic() - started) * 1000)
-                _first_chunk_mark(client, record)
+            now = time.monotonic()
+            first = relay.relayed == 0
+            if first:
+                first_chunk_ms = int((now - started) * 1000)
             relay.relayed += 1
-            if stream_append(client, request_id=record.request_id, chunk=data):
+            watch = now >= next_check
+            if watch:
+                next_check = now + CANCEL_CHECK_S
+            # The first chunk also sets the stored answer a lost worker is
+            # finished on (_first_chunk_answer), before the chunk is visible.
+            if stream_append(client, request_id=record.request_id, chunk=data, watch=watch,
+                             answer_if_lost=_first_chunk_answer(record) if first else None):
                 cancelled = True
                 break
             if shutdown_grace_over():
@@ -142,7 +156,7 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
                        relay.relayed, exc)
     finally:
         # Closing the response closes the connection: the pool stops generating.
-        opening.__exit__(None, None, None)
+        response.close()
     upstream_ms = int((time.monotonic() - started) * 1000)
     input_tokens, output_tokens, source = relay.tokens()
     outcome = Outcome(status="ok", input_tokens=input_tokens, output_tokens=output_tokens, upstream_ms=upstream_ms,

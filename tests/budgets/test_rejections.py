@@ -112,7 +112,7 @@ def test_late_rejection_for_a_flushed_minute_is_counted_exactly(world, redis_cli
     from budgets.admission.redis_client import lua_script
 
     lua_script(redis_client, rejections.COUNT.source)(
-        keys=call_keys, args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
+        keys=call_keys, args=[minute, 5, 3600, f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", 1, 1, "{}"])
     flush()
     # then the database holds the minute's full count, not the late part alone
     assert RejectionStat.objects.get().count == 4
@@ -131,7 +131,7 @@ def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_clie
         lua_script(redis_client, rejections.COUNT.source)(
             keys=[keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
                   keys.rejection_pending_minutes(world.pool.id)],
-            args=[f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", minute, 5, 3600, "{}"])
+            args=[minute, 5, 3600, f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", 1, 1, "{}"])
         return created
 
     monkeypatch.setattr(RejectionStat.objects, "bulk_create", bulk_create_then_a_rejection_arrives)
@@ -198,3 +198,99 @@ def test_samples_of_deleted_workloads_are_dropped(world):
     Workload.objects.filter(pk=orphan.pk).delete()
     flush()
     assert list(RejectionStat.objects.values_list("workload_id", flat=True)) == [world.wl_a.id]
+
+
+# --- the web process's tally ---------------------------------------------------------
+
+
+def test_a_tally_of_a_storm_is_counted_exactly_in_one_round_trip(world, redis_client, settings):
+    # given 500 refusals of two reasons noted in memory within one minute
+    settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE = 5
+    tally = rejections.RejectionTally()
+    now_s = time.time()
+    for i in range(500):
+        tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                   reason="workload_tpm" if i % 5 else "pool_tpm", estimated_tokens=i, retry_after_ms=100,
+                   message=f"refusal {i}", now_s=now_s)
+    (minute_key, fields), = tally.minutes.items()
+    assert {f: n for f, (n, _) in fields.items()} == {
+        f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm": 400, f"{world.wl_a.id}|{world.tenant_a.id}|pool_tpm": 100}
+    # when it is sent: one script call for the pool's minute
+    rejections._tally.put_back(tally.take())
+    before = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert asyncio.run(rejections.rejection_tally_send()) is True
+    after = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert after - before <= 2  # the EVALSHA (and a NOSCRIPT retry on a fresh Redis)
+    assert not rejections._tally
+    # then the flush writes the exact counts and the first 5 samples of each reason, oldest first
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 400, (world.wl_a.id, "pool_tpm"): 100})
+    assert sorted(RejectionSample.objects.values_list("estimated_tokens", flat=True)) == [0, 1, 2, 3, 4, 5, 6, 10, 15, 20]
+
+
+def test_a_tally_adds_to_what_other_processes_counted_and_keeps_the_sample_limit(world, settings):
+    settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE = 5
+    now_s = time.time()
+    for _ in range(3):  # another process, one at a time
+        rejection_count(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                        reason="workload_tpm", estimated_tokens=1, retry_after_ms=1, now_s=now_s)
+    for _ in range(4):
+        rejections._tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                               reason="workload_tpm", estimated_tokens=2, retry_after_ms=1, now_s=now_s)
+    asyncio.run(rejections.rejection_tally_send())
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 7})
+    assert sorted(RejectionSample.objects.values_list("estimated_tokens", flat=True)) == [1, 1, 1, 2, 2]
+
+
+def test_a_tally_redis_refused_is_kept_for_the_next_send(world, monkeypatch):
+    import redis.asyncio as aioredis
+
+    rejections._tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                           reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
+
+    async def send_to_a_dead_redis():
+        dead = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+        monkeypatch.setattr(rejections.ScriptCall, "run_async",
+                            lambda self, client=None, _real=rejections.ScriptCall.run_async: _real(self, dead))
+        return await rejections.rejection_tally_send()
+
+    assert asyncio.run(send_to_a_dead_redis()) is False
+    monkeypatch.undo()
+    rejections._tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                           reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
+    assert asyncio.run(rejections.rejection_tally_send()) is True
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 2})
+
+
+def test_noted_rejections_reach_redis_within_a_tick_without_a_send_call(world, settings):
+    settings.SLUICE_REJECTION_PUSH_S = 0.2
+
+    async def storm():
+        for _ in range(3):
+            for _ in range(10):
+                rejections.rejection_note(pool_id=world.pool.id, workload_id=world.wl_b.id,
+                                          tenant_id=world.tenant_b.id, reason="pool_tpm", estimated_tokens=1,
+                                          retry_after_ms=None)
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 2
+        while rejections._tally and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await rejections._tally_sender
+
+    asyncio.run(storm())
+    flush()
+    assert stat_totals() == Counter({(world.wl_b.id, "pool_tpm"): 30})
+
+
+def test_what_is_left_of_the_tally_is_sent_at_exit(world):
+    # given refusals noted by a process whose event loop is gone
+    for _ in range(3):
+        rejections._tally.note(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                               reason="workload_tpm", estimated_tokens=1, retry_after_ms=1)
+    # when it exits (llm_platform/asgi.py registers this with atexit)
+    assert rejections.rejection_tally_send_at_exit() is True
+    # then every count reached Redis and the database
+    flush()
+    assert stat_totals() == Counter({(world.wl_a.id, "workload_tpm"): 3})
