@@ -15,7 +15,6 @@ the same reason as /healthz: a scrape needs no session."""
 import asyncio
 import atexit
 import os
-import sys
 
 from django.core.asgi import get_asgi_application
 
@@ -30,12 +29,6 @@ from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
-
-# The event loop's thread relays every stream of this process; a thread of
-# the executor (an enqueue, a database lookup) holds the GIL at most this
-# long before the loop gets it back (Python's default, 5 ms, showed in the
-# streams' inter-chunk tail: bench/PROFILE.md, round 3).
-sys.setswitchinterval(settings.SLUICE_GIL_SWITCH_INTERVAL_S)
 
 # A web process that stops sends the rejections it counted and has not sent
 # yet (budgets/ledger/rejections.py), once uvicorn has let go of the loop.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import logging.config
 import os
-import sys
 
 from celery import Celery
 from celery.signals import celeryd_init, setup_logging
@@ -125,11 +124,6 @@ from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
-    # A lane worker is dozens of threads, each relaying a call or a stream:
-    # a thread whose chunk just arrived waits for the GIL at most this long
-    # behind a busy one (Python's default is 5 ms, a stream's inter-chunk
-    # tail: bench/PROFILE.md, round 3).
-    sys.setswitchinterval(settings.SLUICE_GIL_SWITCH_INTERVAL_S)
     shutdown_watch_start()
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 

@@ -404,10 +404,6 @@ SLUICE_REJECTION_SAMPLES_PER_MINUTE = env_int("SLUICE_REJECTION_SAMPLES_PER_MINU
 # A web process sends the rejections it counted to Redis at most this often
 # (the first one after a quiet tick at once; budgets/ledger/rejections.py).
 SLUICE_REJECTION_PUSH_S = env_float("SLUICE_REJECTION_PUSH_S", 1.0)
-# How long a thread may hold the GIL while another waits for it, in the web
-# process (its event loop) and the lane workers (a thread per call or
-# stream); Python's default is 5 ms (llm_platform/asgi.py, celery.py).
-SLUICE_GIL_SWITCH_INTERVAL_S = env_float("SLUICE_GIL_SWITCH_INTERVAL_S", 0.001)
 SLUICE_REJECTION_SAMPLE_RETENTION_DAYS = env_int("SLUICE_REJECTION_SAMPLE_RETENTION_DAYS", 30)
 
 AUTH_PASSWORD_VALIDATORS = [

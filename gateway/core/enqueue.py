@@ -75,11 +75,12 @@ def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: boo
 def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
     """Store the record and enqueue its id on its lane, or refund and raise a
     503: nothing may run without its record, nothing admitted may leak."""
+    direct = direct_publish()
     try:
         pipe = get_redis().pipeline(transaction=False)
-        _record_commands(pipe, record, lease_ms=lease_ms, publish=direct_publish())
+        _record_commands(pipe, record, lease_ms=lease_ms, publish=direct)
         pipe.execute()
-        if not direct_publish():
+        if not direct:
             current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
                                   task_id=record.request_id)
     except Exception as exc:  # Redis or the broker
