@@ -30,6 +30,7 @@ Latencies are simulated seconds (wall clock x time scale). Run alone:
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
@@ -149,6 +150,31 @@ def _metrics(run: dict) -> dict:
     return out
 
 
+def _slow_short(run: dict, *, over_s: float) -> dict:
+    """Where the short requests slower than ``over_s`` (simulated) spent
+    their time, medians: in the worker (the gateway's total less the lane
+    wait: the pool call and the worker's own steps), in the lane, and the
+    simulator's own waiting queue in the sample nearest their start."""
+    f = SCALE.factor
+    slow = [c for c in run["calls"] if c["kind"] == "short" and c["status"] == 200 and c["start"] * f >= WARMUP_SIM_S
+            and c["latency"] * f > over_s and "x-sluice-total-ms" in c["headers"]]
+    if not slow:
+        return {"n": 0, "over_s": over_s}
+    samples = run["samples"]
+
+    def queued_at(t: float) -> float:
+        return min(samples, key=lambda s: abs(s["t"] - t)).get("sim_queued") or 0 if samples else 0
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    lane_wait = [int(c["headers"].get("x-sluice-queue-ms", 0)) / 1000 * f for c in slow]
+    pool = [int(c["headers"]["x-sluice-total-ms"]) / 1000 * f - w for c, w in zip(slow, lane_wait)]
+    return {"n": len(slow), "over_s": over_s, "latency_s": median([c["latency"] * f for c in slow]),
+            "pool_s": median(pool), "lane_wait_s": median(lane_wait),
+            "sim_queued": median([queued_at(c["start"]) for c in slow])}
+
+
 def _codes(calls: list[dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for c in calls:
@@ -172,6 +198,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
         if own:
             services.down()
     metrics = {system: _metrics(run) for system, run in runs.items()}
+    if "sluice" in runs and metrics.get("idle", {}).get("short", {}).get("p99"):
+        metrics["sluice"]["slow_short"] = _slow_short(runs["sluice"], over_s=1.5 * metrics["idle"]["short"]["p99"])
     data = {"scenario": NAME, "seed": seed, "quick": quick, "time_scale": SCALE.factor, "clients": CLIENTS,
             "sim_args": SIM_ARGS, "large_kv_sim_args": LARGE_KV_SIM_ARGS, "duration_sim_s": duration_sim,
             "warmup_sim_s": WARMUP_SIM_S, "metrics": metrics, "runs": runs,
@@ -185,6 +213,13 @@ def _long_failed_for_queueing(m: dict, system: str) -> int:
     refusals for being busy), where FIFO failed none."""
     errors = m[system]["long"]["errors"] or {}
     return sum(n for code, n in errors.items() if "timeout" in code or "saturated" in code or "queue" in code)
+
+
+def _slots_text(limit: dict | None) -> str:
+    """A learned limit as the slots it grants (its whole part), median (min–max)."""
+    if not limit:
+        return "—"
+    return f"{math.floor(limit['median'])} ({math.floor(limit['min'])}–{math.floor(limit['max'])})"
 
 
 def _verdict(value: float | None, ok) -> str:
@@ -203,7 +238,7 @@ def summarize(data: dict) -> str:
                      fmt(lg["p95"], 1), fmt(lg["p99"], 1), fmt(m[system]["throughput_rps"], 2),
                      fmt(m[system]["output_tokens_per_s"], 0), fmt(m[system].get("long_output_tokens_per_s"), 0),
                      f"{s['error_rate'] or 0:.1%}", f"{lg['error_rate'] or 0:.1%}",
-                     f"{fmt(limit['median'], 1)} ({fmt(limit['min'], 1)}–{fmt(limit['max'], 1)})" if limit else "—"])
+                     _slots_text(limit)])
     fifo = m["fifo"]
     p99_ratio = ratio(m["sluice"]["short"]["p99"], fifo["short"]["p99"])
     idle_ratio = ratio(m["sluice"]["short"]["p99"], m.get("idle", {}).get("short", {}).get("p99"))
@@ -219,11 +254,12 @@ def summarize(data: dict) -> str:
         f"`{' '.join(data['sim_args'])}` (the bigger pool: `{' '.join(data.get('large_kv_sim_args', []))}`). "
         "Sluice runs with its default settings: 16 interactive-long workers, lane limit starting at "
         "SLUICE_LANE_LIMIT_INITIAL and learned from there. Latencies in simulated seconds; throughput = completed "
-        "requests (and output tokens) per simulated second. Long limit = the interactive-long lane's learned "
-        "concurrency limit on the pool, median (min–max) of the samples after warm-up.",
+        "requests (and output tokens) per simulated second. Long slots = how many interactive-long calls the lane's "
+        "learned concurrency limit lets into the pool at once (the limit's whole part: a limit of 3.999 is 3 "
+        "slots), median (min–max) of the samples after warm-up.",
         "",
         md_table(["system", "short p50", "short p95", "short p99", "long p50", "long p95", "long p99", "req/s",
-                  "out tok/s", "long out tok/s", "short err", "long err", "long limit"], rows),
+                  "out tok/s", "long out tok/s", "short err", "long err", "long slots"], rows),
         "",
         md_table(["ratio", "value", "target"], [
             ["Sluice short p99 / FIFO short p99", f"**{fmt(p99_ratio, 2)}**",
@@ -237,8 +273,8 @@ def summarize(data: dict) -> str:
             ["Sluice throughput / FIFO (all output tokens)", fmt(tput_ratio, 2), ""],
             ["baseline short p99 / FIFO short p99", fmt(base_ratio, 2), ""],
             ["baseline throughput (tokens) / FIFO", fmt(base_tput, 2), ""],
-            ["learned long limit: the scenario's pool / the bigger pool (3x KV cache, 3x prefill speed)",
-             f"{fmt(small['median'], 1) if small else '—'} / {fmt(large['median'], 1) if large else '—'}",
+            ["learned long slots: the scenario's pool / the bigger pool (3x KV cache, 3x prefill speed)",
+             f"{_slots_text(small)} / {_slots_text(large)}",
              "a different level, found without a setting"],
         ]),
         "",
@@ -253,12 +289,20 @@ def summarize(data: dict) -> str:
     misses = []
     if p99_ratio is not None and p99_ratio > 0.25 or idle_ratio is not None and idle_ratio > 1.5:
         overhead = (m["sluice"]["short"]["p50"] or 0) - (m.get("idle", {}).get("short", {}).get("p50") or 0)
+        slow = m["sluice"].get("slow_short") or {}
+        where = ""
+        if slow.get("n"):
+            where = (f"; the {slow['n']} short requests above 1.5x the idle p99 ({fmt(slow['over_s'], 2)} s) spent a "
+                     f"median {fmt(slow['pool_s'], 2)} s of their {fmt(slow['latency_s'], 2)} s in the worker (its pool call and "
+                     f"its own steps; lane wait {fmt(slow['lane_wait_s'], 2)} s, the pool's waiting queue "
+                     f"{fmt(slow['sim_queued'], 0)} requests when they started): slowed while the pool served them, "
+                     "beside the long requests in its batch (their prefill, the longer decode step of a fuller "
+                     "batch), not waiting in Sluice or in the pool's queue")
         misses.append(
             f"short p99 {fmt(m['sluice']['short']['p99'], 2)} s against {fmt(fifo['short']['p99'], 2)} s FIFO and "
-            f"{fmt(m.get('idle', {}).get('short', {}).get('p99'), 2)} s on the idle pool: at the learned limit "
-            f"({fmt(small['median'] if small else None, 1)}) short requests still wait behind long ones in the pool's "
-            f"own queue at times (a limit is a whole number of long requests), and the gateway adds "
-            f"{fmt(overhead, 2)} s at the median (Sluice short p50 minus the idle pool's)")
+            f"{fmt(m.get('idle', {}).get('short', {}).get('p99'), 2)} s on the idle pool, at {_slots_text(small)} "
+            f"long slots{where}; the gateway adds {fmt(overhead, 2)} s at the median (Sluice short p50 minus the "
+            "idle pool's: its real overhead times the time scale)")
     if long_goodput is not None and long_goodput < 0.9:
         misses.append(f"long goodput {fmt(long_goodput, 2)} of FIFO's: the limit holds long requests back while "
                       "short ones are slow")

@@ -18,8 +18,10 @@
 --     the limit before it: it moves the baseline but never decreases again;
 --   * congestion (after ARGV[11] samples) or an upstream 429: every limited
 --     lane's limit becomes min(limit - 1, limit x ARGV[9]), never below
---     ARGV[6]; one decrease per ARGV[10] ms; the limit before it is
---     remembered (``hint``) for ARGV[14] ms;
+--     ARGV[6]; one decrease per ARGV[10] ms; the number of slots the limit
+--     allowed before it (its whole part) is remembered (``hint``) for
+--     ARGV[14] ms after the last decrease, the highest such level while the
+--     memory lasts;
 --   * a long lane's successful call that finds the lane's slots all in use
 --     (and no congestion): that lane's limit grows by 1/limit (one slot per
 --     limit's worth of calls), up to ARGV[7], and, while a congestion level
@@ -64,11 +66,22 @@ end
 
 local function decrease(why)
   if now - last_decrease < cooldown then return end
+  local remembered = now - last_decrease < memory
   for _, lane in ipairs(lanes) do
     local limit = num(lane .. '.limit', initial)
     local lowered = math.max(min_limit, math.min(limit - 1, math.floor(limit * beta)))
+    -- The level that hurt is the number of slots the limit allowed (its
+    -- whole part: slot_acquire.lua grants floor(limit)), not the fraction
+    -- it had grown to: a limit of 4.25 that congests the pool is 4 slots,
+    -- and regrowing to 4.249 would run 4 slots again. While a higher level
+    -- is still remembered it stays the ceiling, so a decrease below it
+    -- (noise, or the tail of the congestion just acted on) does not ratchet
+    -- the ceiling down one level per decrease.
+    local level = math.max(1, math.floor(limit))
+    local hint = remembered and num(lane .. '.hint', nil) or nil
+    if hint == nil or level > hint then hint = level end
     writes[#writes + 1] = lane .. '.limit'; writes[#writes + 1] = tostring(lowered)
-    writes[#writes + 1] = lane .. '.hint'; writes[#writes + 1] = tostring(limit)
+    writes[#writes + 1] = lane .. '.hint'; writes[#writes + 1] = tostring(hint)
     st[lane .. '.limit'] = tostring(lowered)
   end
   writes[#writes + 1] = 'last_decrease_ms'; writes[#writes + 1] = tostring(now)

@@ -5,6 +5,7 @@ step with exact values."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import threading
 import time
@@ -213,6 +214,33 @@ def test_the_level_that_hurt_is_not_probed_again_while_remembered(redis_client, 
     assert limits[0] == pytest.approx(3 + 1 / 3)
     assert limits[-1] == pytest.approx(3.999)
     assert all(limit < 4 for limit in limits)
+
+
+def test_the_slots_that_hurt_are_remembered_not_the_fraction_the_limit_had_grown_to(redis_client, aimd):
+    # given: the limit had grown to 4.25 (4 slots: slot_acquire grants the whole part) when the pool congested
+    _set_limit(redis_client, LONG, 4.25)
+    assert lane_limit_throttle(pool_id=POOL)[1][LONG] == 3.0
+
+    # when: the lane stays full and calm
+    limits = [lane_limit_long_done(pool_id=POOL, lane=LONG, in_use=3)[1][LONG] for _ in range(6)]
+
+    # then: it climbs to just below 4, the 4 slots that hurt, not to 4.249 (4 slots again)
+    assert limits[-1] == pytest.approx(3.999)
+    assert all(math.floor(limit) == 3 for limit in limits)
+
+
+def test_a_decrease_below_a_remembered_level_does_not_lower_the_ceiling(redis_client, aimd):
+    # given: congestion at 4 slots, then the limit regrown to 3.999 (3 slots)
+    lane_limit_throttle(pool_id=POOL)
+    for _ in range(6):
+        lane_limit_long_done(pool_id=POOL, lane=LONG, in_use=3)
+
+    # when: one more decrease at 3 slots (noise, or the tail of the first congestion)
+    assert lane_limit_throttle(pool_id=POOL)[1][LONG] == 2.0
+    limits = [lane_limit_long_done(pool_id=POOL, lane=LONG, in_use=in_use)[1][LONG] for in_use in (2, 2, 2, 3, 3, 3, 3)]
+
+    # then: the ceiling is still the 4 slots that hurt first, not 3: the lane gets its 3 slots back
+    assert limits[-1] == pytest.approx(3.999)
 
 
 def test_the_level_is_probed_again_once_the_memory_fades(redis_client, aimd):
