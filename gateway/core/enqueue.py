@@ -42,7 +42,8 @@ def new_request_id() -> str:
 def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: dict, estimate: Estimate,
                  admission: Admission, deadline_ms: float, retry_deadline_ms: float, session_id: str = "",
                  job_id: str = "") -> RequestRecord:
-    lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens, borrowed=admission.borrowed)
+    lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens,
+                    borrowed=admission.borrowed)
     price = ctx.prices.get(model)
     return RequestRecord(
         request_id=request_id, tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, pool_id=ctx.pool_id,

@@ -130,23 +130,18 @@ def _apply(obj, values: dict, *, label: str, report: SeedReport) -> bool:
     return changed
 
 
-def _ensure(found, *, create, values: dict, label: str, reset: bool, report: SeedReport, save):
-    """A demo object: ``create()``d when missing; with --reset its demo
-    ``values`` put back (each overwritten value reported) and ``save``d;
-    otherwise left as it is."""
+def _ensure(found, *, new, values: dict, label: str, reset: bool, report: SeedReport, save):
+    """A demo object: when missing, ``new()`` (unsaved) is ``save``d; with
+    --reset its demo ``values`` are put back (each overwritten value
+    reported) and it is ``save``d; otherwise it is left as it is."""
     if found is None:
-        obj = create()
+        obj = new()
+        save(obj)
         report.created.append(label)
         return obj
     if reset and _apply(found, values, label=label, report=report):
         save(found)
     return found
-
-
-def _created(obj, save):
-    """``obj`` once ``save``d (a create for _ensure that validates first)."""
-    save(obj)
-    return obj
 
 
 class Command(BaseCommand):
@@ -177,7 +172,7 @@ class Command(BaseCommand):
             pool.save()
 
         return _ensure(InferencePool.objects.filter(slug=POOL["slug"]).first(),
-                       create=lambda: _created(InferencePool(**values), save), values=values,
+                       new=lambda: InferencePool(**values), values=values,
                        label=f"pool {POOL['slug']}", reset=reset, report=report, save=save)
 
     def _follow_sim(self, *, pool_url: str, report: SeedReport) -> None:
@@ -205,7 +200,7 @@ class Command(BaseCommand):
         for tenant_slug, tenant_name, cost_center, specs in TENANTS:
             tenant_values = {"name": tenant_name, "cost_center": cost_center}
             tenant = _ensure(Tenant.objects.filter(slug=tenant_slug).first(),
-                             create=lambda: Tenant.objects.create(slug=tenant_slug, **tenant_values),
+                             new=lambda: Tenant(slug=tenant_slug, **tenant_values),
                              values=tenant_values, label=f"tenant {tenant_slug}", reset=reset, report=report,
                              save=lambda tenant: tenant.save())
             for slug, wclass, reserved, ceiling, lend, rpm, prompt_cap, max_cap, default, timeout in specs:
@@ -213,14 +208,13 @@ class Command(BaseCommand):
                           "prompt_tokens_cap": prompt_cap, "max_tokens_cap": max_cap,
                           "max_tokens_default": default, "queue_timeout_s": timeout, "is_active": True}
                 workload = _ensure(Workload.objects.filter(slug=slug).first(),
-                                   create=lambda: Workload.objects.create(slug=slug, **values), values=values,
+                                   new=lambda: Workload(slug=slug, **values), values=values,
                                    label=f"workload {slug}", reset=reset, report=report,
                                    save=lambda workload: workload.save())
                 demo = {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling, "lend_fraction": lend,
                         "rpm": rpm}
                 _ensure(Reservation.objects.filter(workload=workload).first(),
-                        create=lambda: _created(Reservation(workload=workload, **demo),
-                                                lambda r: reservation_save(reservation=r)),
+                        new=lambda: Reservation(workload=workload, **demo),
                         values=demo, label=f"reservation {slug}", reset=reset, report=report,
                         save=lambda reservation: reservation_save(reservation=reservation))
                 workloads.append(workload)
