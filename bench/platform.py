@@ -1,6 +1,6 @@
 """The processes a scenario runs against: the database and Redis for the whole
 bench run (`Services`), and per scenario the simulated pool, Sluice (web +
-one Celery worker per lane + beat) and the baseline gateway (`Platform`).
+the Celery workers of each lane + beat) and the baseline gateway (`Platform`).
 
 Where DATABASE_URL / REDIS_URL are set they are used (a PostgreSQL database
 whose name contains "bench" is dropped and created afresh; the Redis database
@@ -218,10 +218,11 @@ class Platform:
         redis = self.services.redis
         hostname = socket.gethostname()
         sizes = {lane: (lanes or {}).get(lane, lane_named(lane).default_concurrency) for lane in LANES}
+        pending = {}
         for lane in LANES:
-            redis.hdel(WORKER_READY_KEY, f"{lane}@{hostname}")
-        workers = [self._start(f"worker-{lane}", processes.worker_command(lane=lane, concurrency=sizes[lane]), env)
-                   for lane in LANES]
+            for node, command in processes.lane_worker_commands(lane, concurrency=sizes[lane]):
+                redis.hdel(WORKER_READY_KEY, f"{node}@{hostname}")
+                pending[f"{node}@{hostname}"] = self._start(f"worker-{node}", command, env)
         if beat:
             self._start("beat", processes.beat_command(schedule_dir=str(self.log_dir)), env)
         if hasattr(processes, "pacer_command"):  # releases delayed and paced jobs (as `make run` starts it)
@@ -229,7 +230,6 @@ class Platform:
         web = self._start("web", processes.web_command(port=self.web_port, workers=web_workers), env)
         processes.wait_http(f"{self.sluice_url}/v1/models", web, timeout=60)
         deadline = time.monotonic() + 60
-        pending = {f"{lane}@{hostname}": worker for lane, worker in zip(LANES, workers)}
         while pending:
             for name, worker in list(pending.items()):
                 worker.assert_alive()

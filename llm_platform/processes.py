@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 from django.conf import settings
 
-from gateway.core.lanes import lane_concurrency, queue_for_lane
+from gateway.core.lanes import lane_concurrency, lane_processes, queue_for_lane
 
 
 def sim_command(*, port: int, extra: list[str] | None = None) -> list[str]:
@@ -47,12 +47,27 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
 
 # Celery's -q: no start-up banner (plain text in a JSON log). Log levels come
 # from settings.LOGGING (llm_platform/celery.py), not from -l.
-def worker_command(*, lane: str, concurrency: int | None = None) -> list[str]:
+def worker_command(*, lane: str, concurrency: int | None = None, index: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "llm_platform", "-q", "worker",
         "-Q", queue_for_lane(lane), "-P", "threads", "-c", str(concurrency or lane_concurrency(lane)),
-        "-n", f"{lane}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-n", f"{worker_node(lane, index)}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]
+
+
+def worker_node(lane: str, index: int = 0) -> str:
+    """The Celery node name (before ``@host``) of a lane's ``index``-th process."""
+    return lane if index == 0 else f"{lane}-{index + 1}"
+
+
+def lane_worker_commands(lane: str, *, concurrency: int | None = None,
+                         processes: int | None = None) -> list[tuple[str, list[str]]]:
+    """(node, command) for each worker process of ``lane``: its threads
+    (``concurrency``, default the lane's setting) split evenly over its
+    processes (default the lane's setting, gateway/core/lanes.py)."""
+    count = max(1, processes or lane_processes(lane))
+    threads = max(1, -(-(concurrency or lane_concurrency(lane)) // count))
+    return [(worker_node(lane, i), worker_command(lane=lane, concurrency=threads, index=i)) for i in range(count)]
 
 
 def beat_command(*, schedule_dir: str) -> list[str]:

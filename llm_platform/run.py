@@ -210,7 +210,8 @@ def main() -> None:
 
         supervisor.spawn("sim", processes.sim_command(port=sim_port))
         for lane in LANE_NAMES:
-            supervisor.spawn(f"worker-{lane}", processes.worker_command(lane=lane))
+            for node, command in processes.lane_worker_commands(lane):
+                supervisor.spawn(f"worker-{node}", command)
         supervisor.spawn("beat", processes.beat_command(schedule_dir=str(var_dir)))
         supervisor.spawn("pacer", processes.pacer_command())
         supervisor.spawn("web", processes.web_command(port=port, host=host))

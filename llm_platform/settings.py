@@ -303,6 +303,12 @@ SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
 # design load each is sized for): SLUICE_WORKERS_INTERACTIVE,
 # SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
 SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default_concurrency) for lane in LANES}
+# Worker processes per lane, its threads split evenly among them
+# (SLUICE_PROCESSES_INTERACTIVE, ...; gateway/core/lanes.py says why the
+# interactive lane has two). The default never exceeds the machine's cores.
+SLUICE_LANE_PROCESSES = {lane.name: max(1, env_int(lane.processes_env,
+                                                   min(lane.default_processes, os.cpu_count() or 1)))
+                         for lane in LANES}
 
 # --- adaptive pool capacity (budgets/admission/capacity.py) ------------------------
 # Multiply the pool's admission rate by this on a throttle signal (TCP-style halving).

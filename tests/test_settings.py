@@ -42,6 +42,40 @@ def test_lane_worker_counts_are_settings_with_their_variable_listed():
         assert f"{lane.concurrency_env}=" in listed
 
 
+def test_lane_process_counts_are_settings_with_their_variable_listed():
+    from django.conf import settings
+
+    from gateway.core.lanes import LANES
+
+    listed = (ROOT / ".env.example").read_text()
+    for lane in LANES:
+        assert settings.SLUICE_LANE_PROCESSES[lane.name] >= 1
+        assert f"{lane.processes_env}=" in listed
+
+
+def test_a_lanes_threads_are_split_over_its_processes_each_its_own_celery_node(settings):
+    from llm_platform.processes import lane_worker_commands
+
+    # given: the interactive lane on three processes, the long lane on one
+    settings.SLUICE_LANE_PROCESSES = {"interactive": 3, "interactive-long": 1}
+    settings.SLUICE_LANE_CONCURRENCY = {"interactive": 40, "interactive-long": 16}
+
+    # when
+    interactive = lane_worker_commands("interactive")
+    long = lane_worker_commands("interactive-long")
+
+    # then: 40 threads as 14 + 14 + 14 (rounded up), distinct node names on the lane's one queue
+    def option(command, flag):
+        return command[command.index(flag) + 1]
+
+    assert [node for node, _ in interactive] == ["interactive", "interactive-2", "interactive-3"]
+    assert [option(c, "-c") for _, c in interactive] == ["14", "14", "14"]
+    assert {option(c, "-Q") for _, c in interactive} == {"interactive"}
+    assert [option(c, "-n") for _, c in interactive] == ["interactive@%h", "interactive-2@%h", "interactive-3@%h"]
+    assert [(node, option(c, "-c"), option(c, "-n")) for node, c in long] == [
+        ("interactive-long", "16", "interactive-long@%h")]
+
+
 def test_no_app_reads_the_environment_outside_settings():
     offenders = []
     for app in ("tenants", "budgets", "gateway"):

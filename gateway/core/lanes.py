@@ -30,14 +30,27 @@ class Lane:
     # for a stream is its end, so λ·W there already counts streams right.
     default_concurrency: int
     design_load: str
+    # Worker processes the lane's threads are spread over (never more than
+    # the machine's cores). A process runs Python on one core at a time (the
+    # GIL), and a request costs the worker several ms of CPU, so one process
+    # caps a lane near 1000 / (its ms per request) requests per second
+    # whatever its thread count: the interactive lane, the one that takes
+    # the traffic, gets two. Each is an ordinary Celery worker of the lane's
+    # queue (node ``<lane>@host``, then ``<lane>-2@host``...).
+    default_processes: int = 1
 
     @property
     def concurrency_env(self) -> str:
         """The environment variable (read in settings.py) that overrides the default."""
         return "SLUICE_WORKERS_" + self.name.upper().replace("-", "_")
 
+    @property
+    def processes_env(self) -> str:
+        """The environment variable (read in settings.py) that overrides the default process count."""
+        return "SLUICE_PROCESSES_" + self.name.upper().replace("-", "_")
 
-INTERACTIVE = Lane("interactive", "interactive", 40, "20 req/s x ~1 s")
+
+INTERACTIVE = Lane("interactive", "interactive", 40, "20 req/s x ~1 s", default_processes=2)
 INTERACTIVE_LONG = Lane("interactive-long", "interactive-long", 16, "2 req/s x ~4 s")
 BATCH = Lane("batch", "batch", 16, "4 req/s x ~2 s")
 SCHEDULED = Lane("scheduled", "scheduled", 8, "paced at ~1 req/s x ~4 s")
@@ -62,6 +75,11 @@ def queue_for_lane(name: str) -> str:
 def lane_concurrency(name: str) -> int:
     """Worker threads of a lane: the setting where one is made, else the default."""
     return int(settings.SLUICE_LANE_CONCURRENCY.get(name, _BY_NAME[name].default_concurrency))
+
+
+def lane_processes(name: str) -> int:
+    """Worker processes of a lane: the setting where one is made, else the default."""
+    return max(1, int(settings.SLUICE_LANE_PROCESSES.get(name, _BY_NAME[name].default_processes)))
 
 
 def lane_for(*, workload_class: str, estimated_tokens: int, borrowed: bool) -> str:
