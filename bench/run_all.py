@@ -152,8 +152,8 @@ head of its FIFO waiting queue stalls every short request behind it (vLLM withou
 which is FIFO's tail. Sluice runs with its default settings (16 interactive-long workers): how
 many long requests are in a pool call at once is the lane's adaptive limit (AIMD on the short
 requests' latency per token against its idle baseline, docs/RELIABILITY.md), not the thread
-count, so it finds the pool's long-request capacity by itself; the limit column shows the level
-it settled on for each pool profile. Long requests the limit holds back wait in their worker,
+count, so it finds the pool's long-request capacity by itself; the slots column shows how many
+long calls it let into each pool profile at once. Long requests the limit holds back wait in their worker,
 never past their deadline, so none fails for queueing. The baseline's 2 workers and 5 s queue
 timeout protect short requests by failing most long ones (503) and halving goodput. Sluice's
 short p50 also carries the gateway's real overhead x the time scale (see scenario 5).""",
@@ -184,30 +184,20 @@ instead of failing, one half-open trial call goes per open period, and its succe
 circuit at once. The pool sees about one attempt per operation, and most operations of the
 outage complete once it ends. The price is the backlog: it competes with new operations for the
 provider's window after the outage (the scenario's own prose gives the numbers).""",
-    "overhead": """**Reading it / hotspots.** The API runs on a middleware-free ASGI handler (`llm_platform/asgi.py`):
-Django's session/CSRF/auth middleware each cost a thread hop per request in an async stack, about
-a third of the web process's CPU under a 429 storm, and removing them doubled the refusals per
-second. Unloaded (the 20 req/s row), Sluice adds ~17 ms: the Celery hop (record in Redis,
-publish, the lane worker's BRPOP, the deadline claim) is ~4 ms, the worker's own path (the SDK
-call, settlement, the ledger INSERT that is committed before the caller is answered, the outcome
-hand-back by BLPOP) most of the rest. At a paced 100 req/s, one web process, the lane workers,
-Redis, PostgreSQL, the simulator and the load generator share 2 cores and the full path
-completes ~95-100 requests/s, so that run queues: its added latency is queueing, not per-request
-cost. The fast path (Lua admission, a 429 and its per-minute counter) is bounded by Django's
-request handling in one process on a shared core. What would close the gap: more web processes
-(uvicorn `--workers`, linear until the cores are used), answering the caller before the ledger
-INSERT (safe: every step after settlement is idempotent and a redelivered task writes the row),
-and a lighter hand-off than a Celery message for the interactive lane.
-
-**Slower than the first version (04e0ce6: 17 / 30 ms added at 20 req/s, 481 refusals/s, the full
-path ~95-100 req/s).** This run measures the code after the house, input-hardening and
-production issues: per request the web process now also writes a JSON access line and Prometheus
-samples, walks the body for unencodable strings, and every waiting call claims (heartbeat check)
-once a second; the worker renews heartbeats and stores the answer with SET NX; a priced request
-holds and settles its spend on the tenant's keys in calls of their own. Together they cost the
-full path about a third of its throughput on these 2 cores (69 admitted req/s here) and the fast
-path 40% of its refusals per second. Section 8 (bench/cost.py, bench/PROFILE.md) profiles the
-path with py-spy and measures its CPU per request before and after the cuts it led to.""",
+    "overhead": """**Reading it.** The API runs on a middleware-free ASGI handler (`llm_platform/asgi.py`):
+Django's session/CSRF/auth middleware each cost a thread hop per request in an async stack.
+Unloaded (the 20 req/s row), what Sluice adds is its path's own time: the web's admission and
+the lane message written in the record's Redis pipeline, the lane worker's BRPOP and claim, the
+pool call, settlement and the ledger row, and the answer's hand-back to the waiting web
+process (section 9 has its CPU, bench/PROFILE.md where it goes). Loaded, the path is CPU-bound
+on these 2 cores, which it shares with the simulator and the load generator; the closed-loop
+row is its capacity. The interactive lane runs on two worker processes (`gateway/core/lanes.py`):
+a process runs Python on one core at a time, and with one the full path topped out at about 175
+requests/s here against 250 with two (alternated runs of this scenario). What a paced 100 req/s
+adds at p99 is then the tail of a shared 2-core machine (collections, the periodic tasks, the
+other processes), not a queue. The fast path (Lua admission and a 429) is bounded by one web
+process's Python: uvicorn's parse and writes, Django's request and response, the view; more web
+processes (uvicorn `--workers`) scale it until the cores are used.""",
     "accuracy": """**Reading it.** Every window of every length stays within the bucket's own bound (capacity +
 rate x window), so 4 processes admit no more than one would: the Lua script is atomic. The 60 s
 row is the one the target names; its bound includes the 1 s burst capacity (1,000 tokens,
