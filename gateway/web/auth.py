@@ -13,9 +13,10 @@ The query looks back REVOCATION_OVERLAP_S past the previous poll: a
 revocation whose transaction committed after that poll began, or a web host
 whose clock runs a little ahead, is still seen.
 
-Last use: each request notes its key in process memory; the same tick sends
-the notes to Redis (ZADD GT, one round trip per SLUICE_KEY_LAST_USED_PUSH_S)
-and a beat task writes them to ``ApiKey.last_used_at`` in one batch
+Last use: each request notes its key in process memory; a timer on the
+event loop sends the notes to Redis (ZADD GT, one round trip per
+SLUICE_KEY_LAST_USED_PUSH_S, also when no request follows) and a beat task
+writes them to ``ApiKey.last_used_at`` in one batch
 (gateway/core/key_usage.py): never an UPDATE per request.
 
 Valid and unknown keys are remembered in two separate bounded LRU caches: a
@@ -140,6 +141,7 @@ class _Tick:
         self.since = timezone.now() - timedelta(seconds=REVOCATION_OVERLAP_S)
         self.next_push = 0.0
         self.last_used: dict[int, float] = {}  # key id -> unix seconds
+        self.push: asyncio.Task | asyncio.TimerHandle | None = None  # the push pending, if any
 
 
 _tick = _Tick()
@@ -152,7 +154,7 @@ def _revocations_apply(hashes: list[str]) -> None:
 
 async def _tick_run(now: float) -> None:
     """At most once per poll interval per process: drop revoked keys from the
-    cache, push the last-use notes. A failure only delays them to the next tick."""
+    cache. A failure only delays it to the next tick."""
     if now < _tick.next_poll:
         return
     # Claimed before the first await: one event loop, so one poll at a time.
@@ -166,14 +168,41 @@ async def _tick_run(now: float) -> None:
     else:
         _revocations_apply(hashes)
         _tick.since = started
-    if _tick.last_used and now >= _tick.next_push:
-        _tick.next_push = now + settings.SLUICE_KEY_LAST_USED_PUSH_S
-        batch, _tick.last_used = _tick.last_used, {}
-        try:
+
+
+def _push_schedule() -> None:
+    """Send the last-use notes at the next push mark, whether or not a
+    request comes by then: a process that goes quiet after a call still
+    reports it. One push pending at a time; nothing outside an event loop
+    (the notes wait for the next call on one)."""
+    if _tick.push is not None:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    delay = max(0.0, _tick.next_push - time.monotonic())
+    _tick.push = loop.call_later(delay, _push_start)
+
+
+def _push_start() -> None:
+    # A reference kept while it runs: the loop holds tasks only weakly.
+    _tick.push = asyncio.ensure_future(_last_used_push())
+
+
+async def _last_used_push() -> None:
+    _tick.next_push = time.monotonic() + settings.SLUICE_KEY_LAST_USED_PUSH_S
+    batch, _tick.last_used = _tick.last_used, {}
+    try:
+        if batch:
             await key_last_used_push(last_used=batch)
-        except REDIS_UNAVAILABLE:
-            for key_id, at in batch.items():  # kept for the next push
-                _tick.last_used[key_id] = max(at, _tick.last_used.get(key_id, 0.0))
+    except REDIS_UNAVAILABLE:
+        for key_id, at in batch.items():  # kept for the next push
+            _tick.last_used[key_id] = max(at, _tick.last_used.get(key_id, 0.0))
+    finally:
+        _tick.push = None
+        if _tick.last_used:  # noted meanwhile, or kept after a failure
+            _push_schedule()
 
 
 # digest -> the first caller's check in flight in this process (one event
@@ -192,6 +221,7 @@ def _inflight_done(digest: str, shared: asyncio.Future, result: object) -> None:
 
 def _noted(cached: CachedKey) -> KeyCheck:
     _tick.last_used[cached.key_id] = time.time()
+    _push_schedule()
     return KeyCheck(cached.context)
 
 

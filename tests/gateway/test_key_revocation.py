@@ -97,3 +97,21 @@ def test_last_use_is_written_in_one_batch(two_webs, make_caller):
     assert changed == 1  # one row, not twenty updates
     assert key.last_used_at is not None and before - timedelta(seconds=1) <= key.last_used_at <= timezone.now()
     connection.close()
+
+
+def test_a_process_that_goes_quiet_after_one_call_still_reports_its_last_use(two_webs, make_caller):
+    # given one call, and no other request to that process after it
+    caller = make_caller()
+    assert status(two_webs[0], caller.api_key) == 200
+
+    # when the flush runs, for up to 5 s
+    deadline = time.monotonic() + 5
+    changed = 0
+    while time.monotonic() < deadline and not changed:
+        changed = key_last_used_flush()
+        time.sleep(0.1)
+
+    # then the call's use reached the key (the note was sent without waiting for another request)
+    assert changed == 1
+    assert ApiKey.objects.get(workload=caller.workload).last_used_at is not None
+    connection.close()
