@@ -48,6 +48,9 @@ class Dispatched:
     lane: str
     outcome: Outcome  # for a stream whose first chunk came: status STREAMING (gateway/web/relay.py)
     record: RequestRecord | None = None
+    # A stream's entries the wait for its first chunk already read (id,
+    # fields): the relay starts from them, not with a second read of the same.
+    stream_head: tuple = ()
 
 
 def _record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
@@ -72,33 +75,43 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     return Outcome.from_json(popped[1]) if popped else None
 
 
-def _stream_first_wait(record: RequestRecord) -> Callable[[float], Awaitable[Outcome | None]]:
-    """A stream's wait before its first chunk: wake at the first entry of
-    its Redis Stream. A chunk: the stream starts (``STREAMING``; the relay
-    in gateway/web/relay.py reads it from the start). The end marker first:
-    the request ended before any chunk (a refusal, a timeout), and its
-    outcome is answered as JSON, exactly as an unstreamed request's."""
-    stream_key = keys.request_stream(record.request_id)
-    result_key = keys.request_result(record.request_id)
+# Entries per XREAD of a request's stream: a reader that fell behind catches
+# up in few reads (gateway/web/relay.py reads with the same).
+STREAM_READ_BATCH = 256
 
-    async def wait(timeout_s: float) -> Outcome | None:
+
+class _StreamFirstWait:
+    """A stream's wait before its first chunk: wake at the first entry of
+    its Redis Stream. A chunk: the stream starts (``STREAMING``), and the
+    entries this read got are kept in ``head`` for the relay
+    (gateway/web/relay.py) to send first, so the first token costs one read,
+    not two. The end marker first: the request ended before any chunk (a
+    refusal, a timeout), and its outcome is answered as JSON, exactly as an
+    unstreamed request's."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.stream_key = keys.request_stream(record.request_id)
+        self.result_key = keys.request_result(record.request_id)
+        self.head: tuple = ()
+
+    async def __call__(self, timeout_s: float) -> Outcome | None:
         blocking = get_async_redis(blocking=True)
         try:
-            reply = await blocking.xread({stream_key: "0-0"}, count=1, block=max(1, int(timeout_s * 1000)))
+            reply = await blocking.xread({self.stream_key: "0-0"}, count=STREAM_READ_BATCH,
+                                         block=max(1, int(timeout_s * 1000)))
         except REDIS_UNAVAILABLE as exc:
             raise _result_unavailable() from exc
         if reply and CHUNK_FIELD in reply[0][1][0][1]:
+            self.head = tuple(reply[0][1])
             return Outcome(status=STREAMING, streamed=True)
         if reply:  # the end marker: the outcome was published before it
-            return await _wait_outcome(result_key, timeout_s)
+            return await _wait_outcome(self.result_key, timeout_s)
         try:
             # Taken over by this process (finished, or lost): published, no marker needed.
-            raw = await blocking.lpop(result_key)
+            raw = await blocking.lpop(self.result_key)
         except REDIS_UNAVAILABLE as exc:
             raise _result_unavailable() from exc
         return Outcome.from_json(raw) if raw else None
-
-    return wait
 
 
 def _stream_cancel_quietly(record: RequestRecord) -> None:
@@ -207,7 +220,8 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     await record_enqueue_async(record, lease_ms=lease_ms)
 
     try:
-        outcome = await _await_outcome(ctx, record, wait=_stream_first_wait(record) if record.stream else None)
+        first_wait = _StreamFirstWait(record) if record.stream else None
+        outcome = await _await_outcome(ctx, record, wait=first_wait)
     except asyncio.CancelledError:
         if record.stream:
             # The caller left before the first chunk: the worker closes the
@@ -221,4 +235,4 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     if outcome.status == "worker_lost":
         raise worker_lost()
     return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=record.lane, outcome=outcome,
-                      record=record)
+                      record=record, stream_head=first_wait.head if first_wait is not None else ())

@@ -27,11 +27,9 @@ from gateway.core.errors import error_body
 from gateway.core.observability import TIME_TO_FIRST_TOKEN
 from gateway.core.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
 from gateway.core.streams import CHUNK_FIELD, sse_event, stream_closing_events, stream_error_event
-from gateway.web.dispatch import _claim, _stream_cancel_quietly, _take_over, _wait_outcome
+from gateway.web.dispatch import STREAM_READ_BATCH, _claim, _stream_cancel_quietly, _take_over, _wait_outcome
 
 logger = logging.getLogger(__name__)
-
-READ_BATCH = 256  # chunks per XREAD: a reader that fell behind catches up in few reads
 
 
 def _unavailable_event(message: str) -> bytes:
@@ -39,8 +37,10 @@ def _unavailable_event(message: str) -> bytes:
         message=message, error_type="service_unavailable", code="result_unavailable")))
 
 
-async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
-    """The caller's server-sent events, from the stream's first chunk."""
+async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncIterator[bytes]:
+    """The caller's server-sent events, from the stream's first chunk:
+    ``head``, the entries already read while waiting for it (id, fields),
+    then what later reads bring."""
     stream_key = keys.request_stream(record.request_id)
     result_key = keys.request_result(record.request_id)
     block_ms = max(1, int(settings.SLUICE_HEARTBEAT_INTERVAL_S * 1000))
@@ -48,14 +48,18 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
     ended = False
     try:
         while True:
-            try:
-                reply = await get_async_redis(blocking=True).xread({stream_key: last_id}, count=READ_BATCH,
-                                                                   block=block_ms)
-            except REDIS_UNAVAILABLE:
-                logger.warning("request %s: lost the stream store mid-stream", record.request_id, exc_info=True)
-                ended = True  # nobody could read a cancel flag either; the worker settles what it relayed
-                yield _unavailable_event("Sluice lost its connection to the stream; the request may still complete.")
-                return
+            if head:
+                reply, head = [(stream_key, list(head))], ()
+            else:
+                try:
+                    reply = await get_async_redis(blocking=True).xread({stream_key: last_id}, count=STREAM_READ_BATCH,
+                                                                       block=block_ms)
+                except REDIS_UNAVAILABLE:
+                    logger.warning("request %s: lost the stream store mid-stream", record.request_id, exc_info=True)
+                    ended = True  # nobody could read a cancel flag either; the worker settles what it relayed
+                    yield _unavailable_event("Sluice lost its connection to the stream; "
+                                             "the request may still complete.")
+                    return
             if not reply:
                 # Quiet for an interval: is the worker still there?
                 outcome = await _wait_outcome(result_key, 0.01)
@@ -92,12 +96,12 @@ async def stream_relay(*, record: RequestRecord) -> AsyncIterator[bytes]:
             _stream_cancel_quietly(record)
 
 
-def stream_response(*, record: RequestRecord, headers: dict[str, str]) -> StreamingHttpResponse:
+def stream_response(*, record: RequestRecord, headers: dict[str, str], head: tuple = ()) -> StreamingHttpResponse:
     """The caller's ``text/event-stream`` answer, with the same headers an
-    unstreamed answer has."""
+    unstreamed answer has; ``head``: the stream's entries already read."""
     # Admission (Redis's clock, which the hosts share by NTP) to the first chunk.
     TIME_TO_FIRST_TOKEN.labels(lane=record.lane).observe(max(0.0, time.time() - record.admitted_ms / 1000))
-    response = StreamingHttpResponse(stream_relay(record=record), content_type="text/event-stream")
+    response = StreamingHttpResponse(stream_relay(record=record, head=head), content_type="text/event-stream")
     for name, value in headers.items():
         response[name] = value
     response["Cache-Control"] = "no-cache"

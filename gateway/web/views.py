@@ -187,7 +187,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         # wait and attempts are known to the worker only (the ledger row).
         del headers["x-sluice-queue-ms"], headers["x-sluice-attempts"]
         headers["x-sluice-total-ms"] = str(int((time.monotonic() - started) * 1000))
-        return stream_response(record=dispatched.record, headers=headers)
+        return stream_response(record=dispatched.record, headers=headers, head=dispatched.stream_head)
     if idem_key:
         await idempotency_store(workload_id=ctx.workload_id, key=idem_key, digest=digest, status=outcome.http_status,
                                 body=outcome.body or {}, headers=headers)
