@@ -210,6 +210,9 @@ SLUICE_IMAGE_TOKENS = env_int("SLUICE_IMAGE_TOKENS", 1105)
 # and bench turn it on for their simulator.
 SLUICE_SIM_CONTROLS = env_bool("SLUICE_SIM_CONTROLS", False)
 SLUICE_UPSTREAM_TIMEOUT_S = env_float("SLUICE_UPSTREAM_TIMEOUT_S", 120.0)
+# Non-streamed calls to a plain http:// pool (no proxy) on the standard
+# library's http.client, not httpx (gateway/worker/pool_client.py).
+SLUICE_POOL_PLAIN_HTTP = env_bool("SLUICE_POOL_PLAIN_HTTP", True)
 # How long workload/key lookups are cached in each web process; reservation
 # changes reach admission through Redis at once, caps within this many seconds.
 SLUICE_AUTH_CACHE_S = env_float("SLUICE_AUTH_CACHE_S", 5.0)

@@ -120,7 +120,7 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
         # SDK's exceptions). The call may be cut off when the worker stops
         # (gateway/worker/shutdown.py).
         raw = pool_call_within_grace(lambda: pool_chat_post(
-            client, body={**payload, "sim": sim} if sim is not None else payload))
+            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:

@@ -12,16 +12,32 @@ InternalServerError, ...: ``_make_status_error_from_response``), a timeout
 APITimeoutError, any other transport failure APIConnectionError. A stream
 opens the same way (``pool_chat_stream_open``: the answer's headers, its
 events read by gateway/worker/streaming.py), so a stream's time to first
-token no longer carries the SDK's request building either."""
+token no longer carries the SDK's request building either.
+
+To a plain ``http://`` pool that no proxy setting covers (a vLLM server
+beside the gateway, the simulator), the non-streamed POST goes out on the
+standard library's ``http.client`` over kept-alive connections instead of
+httpx: about a quarter of httpx's CPU per call (bench/PROFILE.md, round 4),
+the same bytes on the wire, the same results and the same SDK exceptions
+(``tests/gateway/test_pool_client.py`` holds the two side by side).
+``https://`` pools, proxied ones and streams keep httpx, whose TLS, proxy
+and streaming handling they need; ``SLUICE_POOL_PLAIN_HTTP=false`` turns
+the plain path off."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
+import select
+import socket
 import ssl
 import threading
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import httpx
 from django.conf import settings
@@ -36,9 +52,10 @@ _lock = threading.Lock()
 _sent = threading.local()
 
 
-def _count_sent(request: httpx.Request) -> None:
+def _count_sent(request: httpx.Request | None) -> None:
     # httpx calls this once the request is built (its body encoded) and is
-    # about to go on the wire: a failure before it never reached the pool.
+    # about to go on the wire (the plain path once it is connected): a
+    # failure before it never reached the pool.
     _sent.count = getattr(_sent, "count", 0) + 1
 
 
@@ -124,9 +141,138 @@ def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx
     return response
 
 
-def pool_chat_post(client: OpenAI, *, body: dict) -> httpx.Response:
-    """POST ``body`` to the pool's chat/completions with ``client``'s httpx
-    client; the answer (status < 400, read), or the SDK's exception."""
+@dataclass(frozen=True)
+class PoolAnswer:
+    """A pool's answer on the plain path: what the worker reads of it."""
+
+    status_code: int
+    headers: Mapping[str, str]  # case-insensitive (http.client's message)
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
+PLAIN_IDLE_MAX = 64  # kept-alive connections per pool host, as httpx's max_keepalive_connections
+
+
+class _PlainConnections:
+    """Kept-alive ``http.client`` connections to one pool host, last used
+    first. An idle connection with something to read has been closed by the
+    server (or is out of step): it is dropped, never reused."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> http.client.HTTPConnection | None:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if _still_open(conn):
+                    return conn
+                conn.close()
+        return None
+
+    def give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < PLAIN_IDLE_MAX:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _still_open(conn: http.client.HTTPConnection) -> bool:
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+_plain: dict[tuple[str, str, int], _PlainConnections | None] = {}
+
+
+def _plain_connections(client: OpenAI, pool_id: int) -> _PlainConnections | None:
+    """The plain path's connections for this client's pool, or None when
+    its calls keep httpx: an https:// pool, one a proxy setting covers
+    (HTTP_PROXY, ALL_PROXY, NO_PROXY: as httpx reads them), or the setting off."""
+    base = str(client.base_url)
+    cache_key = (base, "", pool_id)
+    if cache_key in _plain:
+        return _plain[cache_key]
+    connections = None
+    parts = urlsplit(base)
+    if settings.SLUICE_POOL_PLAIN_HTTP and parts.scheme == "http" and parts.hostname:
+        proxies = urllib.request.getproxies_environment()
+        proxied = ("http" in proxies or "all" in proxies) and not urllib.request.proxy_bypass_environment(
+            parts.hostname, proxies)
+        if not proxied:
+            connections = _PlainConnections(parts.hostname, parts.port or 80)
+    with _lock:
+        _plain[cache_key] = connections
+    return connections
+
+
+def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int) -> PoolAnswer:
+    """The plain path's POST: one kept-alive connection, the SDK's exceptions
+    as ``_chat_send`` raises them."""
+    content = _json_bytes(body)
+    url = f"{client.base_url}chat/completions"
+    path = urlsplit(url).path
+    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
+               "Accept": "application/json"}
+    timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
+    conn = connections.take()
+    try:
+        if conn is None:
+            conn = http.client.HTTPConnection(connections.host, connections.port, timeout=timeout.connect)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sock.settimeout(timeout.read)
+        _count_sent(None)
+        conn.request("POST", path, body=content, headers=headers)
+        response = conn.getresponse()
+        answer = PoolAnswer(status_code=response.status, headers=response.msg, content=response.read())
+    except TimeoutError as exc:
+        if conn is not None:
+            conn.close()
+        raise APITimeoutError(request=httpx.Request("POST", url)) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        if conn is not None:
+            conn.close()
+        raise APIConnectionError(request=httpx.Request("POST", url)) from exc
+    if response.will_close:
+        conn.close()
+    else:
+        connections.give_back(conn)
+    if pool_id:
+        _limits_reader(pool_id)(answer)  # type: ignore[arg-type]  (reads .headers only)
+    if answer.status_code >= 400:
+        raise client._make_status_error_from_response(httpx.Response(
+            answer.status_code, headers=list(answer.headers.items()), content=answer.content,
+            request=httpx.Request("POST", url)))
+    return answer
+
+
+def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0) -> httpx.Response | PoolAnswer:
+    """POST ``body`` to the pool's chat/completions; the answer (status < 400,
+    read: its ``text``), or the SDK's exception. On the plain path when the
+    pool allows it (above), else with ``client``'s httpx client."""
+    connections = _plain_connections(client, pool_id)
+    if connections is not None:
+        return _plain_post(client, connections, body=body, pool_id=pool_id)
     return _chat_send(client, _chat_request(client, body=body, accept="application/json"), stream=False)
 
 

@@ -1,0 +1,206 @@
+"""The worker's non-streamed pool call on its two paths (gateway/worker/pool_client.py):
+the plain ``http.client`` path a plain http:// pool gets, beside the SDK client's
+httpx path, against the simulator over HTTP: the same answers, the same SDK
+exceptions, kept-alive connections reused and a closed one never, and the
+cases that keep httpx (https://, a proxy, the setting off)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from gateway.worker import pool_client as pc
+from llm_platform.processes import Process, free_port, sim_command, wait_http
+
+BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def sim_url(tmp_path_factory) -> Iterator[str]:
+    import os
+
+    port = free_port()
+    sim = Process("sim-pool-client", sim_command(port=port, extra=["--zero-latency", "--seed", "3"]), dict(os.environ),
+                  tmp_path_factory.mktemp("sim-pool-client")).start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", sim)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        sim.stop()
+
+
+@pytest.fixture(autouse=True)
+def fresh_clients(settings):
+    settings.SLUICE_POOL_PLAIN_HTTP = True
+    pc._clients.clear()
+    pc._plain.clear()
+    yield
+    for connections in pc._plain.values():
+        if connections is not None:
+            connections.close()
+    pc._plain.clear()
+    pc._clients.clear()
+
+
+def _both(url: str, **kwargs):
+    """The same pool's client on the plain path and on httpx (the setting off for the second)."""
+    client = pc.pool_client(base_url=url, api_key_env="")
+    plain = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
+    pc._plain[(str(client.base_url), "", 0)] = None  # this client's calls now keep httpx
+    via_httpx = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
+    return plain, via_httpx
+
+
+def test_a_plain_http_pool_answers_the_same_on_both_paths(sim_url):
+    plain, via_httpx = _both(sim_url)
+    assert isinstance(plain, pc.PoolAnswer) and not isinstance(via_httpx, pc.PoolAnswer)
+    a, b = json.loads(plain.text), json.loads(via_httpx.text)
+    assert (plain.status_code, a["object"], a["model"]) == (via_httpx.status_code, b["object"], b["model"]) \
+        == (200, "chat.completion", "sim-small")
+    assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"] == 8
+    assert plain.headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize("status, exception", [(429, openai.RateLimitError), (503, openai.InternalServerError),
+                                               (500, openai.InternalServerError)])
+def test_an_error_answer_raises_the_same_sdk_exception_on_both_paths(sim_url, status, exception):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    body = {**BODY, "sim": {"fail_status": status, "fail_retry_after": 2}}
+    with pytest.raises(exception) as plain:
+        pc.pool_chat_post(client, body=body)
+    pc._plain[(str(client.base_url), "", 0)] = None
+    with pytest.raises(exception) as via_httpx:
+        pc.pool_chat_post(client, body=body)
+    assert plain.value.status_code == via_httpx.value.status_code == status
+    assert plain.value.response.headers.get("retry-after") == via_httpx.value.response.headers.get("retry-after")
+    assert plain.value.body == via_httpx.value.body
+
+
+def test_calls_reuse_one_kept_alive_connection(sim_url):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    pc.pool_chat_post(client, body=BODY)
+    connections = pc._plain[(str(client.base_url), "", 0)]
+    first = connections._idle[-1]
+    first_socket = first.sock
+    for _ in range(5):
+        pc.pool_chat_post(client, body=BODY)
+    assert connections._idle == [first] and first.sock is first_socket
+
+
+def test_threads_at_once_each_get_an_answer_and_leave_their_connections_idle(sim_url):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    answers: list[int] = []
+
+    def call() -> None:
+        for _ in range(10):
+            answers.append(pc.pool_chat_post(client, body=BODY).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [200] * 80
+    assert 1 <= len(pc._plain[(str(client.base_url), "", 0)]._idle) <= 8
+
+
+def _server_that_closes_after_each_answer() -> tuple[int, list[int], threading.Semaphore, threading.Event]:
+    """A pool that answers one request per connection and then closes it
+    without saying so (no Connection: close): what an idle timeout does."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[int] = []
+    closed = threading.Semaphore(0)
+    stop = threading.Event()
+    answer = json.dumps({"object": "chat.completion", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            accepted.append(1)
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = int(next(h.split(b":")[1] for h in head.split(b"\r\n")
+                                  if h.lower().startswith(b"content-length")))
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+            closed.release()
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1], accepted, closed, stop
+
+
+def test_a_connection_the_pool_closed_while_idle_is_never_reused():
+    port, accepted, closed, stop = _server_that_closes_after_each_answer()
+    try:
+        client = pc.pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
+        sent_before = pc.pool_requests_sent()
+        for _ in range(3):
+            assert pc.pool_chat_post(client, body=BODY).status_code == 200
+            assert closed.acquire(timeout=5)  # the pool has closed it: the idle connection is a dead one
+        assert len(accepted) == 3  # a new connection each time, not a failed reuse
+        assert pc.pool_requests_sent() - sent_before == 3
+    finally:
+        stop.set()
+
+
+def test_an_unreachable_pool_is_a_connection_error_that_never_reached_it():
+    client = pc.pool_client(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key_env="")
+    sent_before = pc.pool_requests_sent()
+    with pytest.raises(openai.APIConnectionError) as raised:
+        pc.pool_chat_post(client, body=BODY)
+    assert not isinstance(raised.value, openai.APITimeoutError)
+    assert pc.pool_requests_sent() == sent_before
+
+
+def test_a_pool_slower_than_the_timeout_is_a_timeout_error(sim_url, settings):
+    settings.SLUICE_UPSTREAM_TIMEOUT_S = 0.3
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    with pytest.raises(openai.APITimeoutError):
+        pc.pool_chat_post(client, body={**BODY, "sim": {"latency_ms": 2000}})
+    assert pc.pool_chat_post(client, body=BODY).status_code == 200  # the timed-out connection was not kept
+
+
+@pytest.mark.parametrize("base_url, env", [
+    ("https://pool.example/v1", {}),
+    ("http://pool.example/v1", {"HTTP_PROXY": "http://proxy.example:3128"}),
+    ("http://pool.example/v1", {"ALL_PROXY": "http://proxy.example:3128"}),
+])
+def test_https_and_proxied_pools_keep_httpx(monkeypatch, base_url, env):
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = pc.pool_client(base_url=base_url, api_key_env="")
+    assert pc._plain_connections(client, 0) is None
+
+
+def test_a_pool_no_proxy_exempts_takes_the_plain_path(monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    client = pc.pool_client(base_url="http://127.0.0.1:9/v1", api_key_env="")
+    assert pc._plain_connections(client, 0) is not None
+
+
+def test_the_setting_off_keeps_httpx_for_every_pool(settings):
+    settings.SLUICE_POOL_PLAIN_HTTP = False
+    client = pc.pool_client(base_url="http://127.0.0.1:9/v1", api_key_env="")
+    assert pc._plain_connections(client, 0) is None
