@@ -1,7 +1,9 @@
-"""Micro-bench (issue 9): the worker's CPU per non-streamed pool call, the
-openai SDK's ``chat.completions.with_raw_response.create`` against
-``pool_chat_post`` (the same SDK client's httpx client, no SDK request
-building), same simulator, same process, same run.
+"""Micro-bench (issue 9): the worker's CPU per non-streamed pool call, three
+ways: the openai SDK's ``chat.completions.with_raw_response.create``; a plain
+POST on the same SDK client's httpx client (no SDK request building: what
+``pool_chat_post`` does for https:// and proxied pools); and ``pool_chat_post``
+on a plain http:// pool (the standard library's http.client over kept-alive
+connections). Same simulator, same process, same run.
 
 CPU is this process's (``time.process_time``), not wall time; the two ways
 alternate in blocks so drift of the machine hits both alike. The result is
@@ -27,7 +29,7 @@ import django  # noqa: E402
 django.setup()
 
 from bench.common import log  # noqa: E402
-from gateway.worker.pool_client import pool_chat_post, pool_client  # noqa: E402
+from gateway.worker.pool_client import _chat_request, _chat_send, pool_chat_post, pool_client  # noqa: E402
 from llm_platform.processes import free_port, sim_command  # noqa: E402
 
 BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello in a few words."}],
@@ -57,7 +59,9 @@ def main(calls: int = 2_000, blocks: int = 10) -> dict:
         client = pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
         ways = {
             "sdk": lambda: client.chat.completions.with_raw_response.create(**BODY).text,
-            "plain": lambda: pool_chat_post(client, body=BODY).text,
+            "httpx": lambda: _chat_send(client, _chat_request(client, body=BODY, accept="application/json"),
+                                        stream=False).text,
+            "http.client": lambda: pool_chat_post(client, body=BODY).text,
         }
         for way in ways.values():  # warm both
             for _ in range(50):
@@ -75,9 +79,11 @@ def main(calls: int = 2_000, blocks: int = 10) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    result = {"calls_each": n, "ms_cpu_per_call": ms, "plain_over_sdk": ms["plain"] / ms["sdk"]}
-    log(f"pool client: SDK {ms['sdk']:.3f} ms CPU per call, plain httpx {ms['plain']:.3f} ms "
-        f"({result['plain_over_sdk']:.2f}x the SDK's), {n} calls each")
+    result = {"calls_each": n, "ms_cpu_per_call": ms, "httpx_over_sdk": ms["httpx"] / ms["sdk"],
+              "http_client_over_sdk": ms["http.client"] / ms["sdk"]}
+    log(f"pool client: SDK {ms['sdk']:.3f} ms CPU per call, plain POST on httpx {ms['httpx']:.3f} ms "
+        f"({result['httpx_over_sdk']:.2f}x the SDK's), on http.client {ms['http.client']:.3f} ms "
+        f"({result['http_client_over_sdk']:.2f}x), {n} calls each")
     return result
 
 
