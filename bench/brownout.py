@@ -199,7 +199,9 @@ def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, cha
     before = [t for t in all_429_times if t < brownout_start]
     after = [t for t in all_429_times if t >= brownout_end]
     time_to_adapt = (in_brownout[-1] - brownout_start) if in_brownout else 0.0
-    adapted = bool(in_brownout) and in_brownout[-1] < brownout_end - 2 * BIN_S
+    # Adapted: no upstream 429 reached a caller in the brownout's last two bins
+    # (none at all is adapting at once, time 0).
+    adapted = not in_brownout or in_brownout[-1] < brownout_end - 2 * BIN_S
 
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
@@ -279,7 +281,10 @@ def _analyse(result, seed, quick, timeline: Timeline, chat_rate, batch_rate, cha
 def summarize(data: dict) -> str:
     g = data["chat_goodput_during"]
     u = data["upstream_429"]
-    adapt_ok = data["adapted"] and data["time_to_adapt_s"] <= 10
+    # No upstream 429 reached a caller during the brownout: adapted at once
+    # (runs before this rule stored False for that case).
+    adapted = data["adapted"] or u["during"] == 0
+    adapt_ok = adapted and data["time_to_adapt_s"] <= 10
     start, end = data["brownout"]
     a = data.get("chat_after_drain") or {}
     refused = data.get("provider_refused_during")
@@ -301,7 +306,8 @@ def summarize(data: dict) -> str:
              f"{u['before']} / **{u['during']}** / {u['after']}", ""],
             ["upstream 429s counted by the simulator (whole run)", fmt(u["sim_counter_total"], 0), ""],
             ["time to adapt (brownout start to its last upstream 429 seen by a caller)",
-             f"**{fmt(data['time_to_adapt_s'], 1)} s**" + ("" if data["adapted"] else " (429s until the end)"),
+             f"**{fmt(data['time_to_adapt_s'], 1)} s**" + ("" if adapted else " (429s until the end)")
+             + (" (none reached a caller)" if u["during"] == 0 else ""),
              f"≤ 10 s: {'met' if adapt_ok else 'missed'}"],
             ["calls the provider refused during the brownout (the simulator's 429 counter)", f"**{fmt(refused, 0)}**",
              f"≤ 5: {'n/a' if refused is None else 'met' if refused <= 5 else 'missed'}"],
