@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 PASSWORD = "correct-horse-battery"
 _seq = itertools.count(1)
@@ -122,6 +123,18 @@ def ledger_add(*, workload, pool, at: datetime, model: str = "sim-small", input_
         actual_output_tokens=output_tokens if status == "ok" else 0,
     ))
     return request_id
+
+
+def ledger_now() -> datetime:
+    """The anchor for ``ledger_spread`` in tests that window its rows by
+    date: now, except in the first half hour of a UTC day, half an hour ago.
+    The rows go minutes before the anchor, so an anchor just past midnight
+    would put each day's rows on the day before, and the oldest day's outside
+    a window the test derives from the same anchor (seen at 00:06 UTC)."""
+    now = timezone.now()
+    if now - now.replace(hour=0, minute=0, second=0, microsecond=0) < timedelta(minutes=30):
+        return now - timedelta(minutes=31)
+    return now
 
 
 def ledger_spread(*, world: World, now: datetime, days: int = 5, per_day: int = 3) -> int:

@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from budgets.models import BudgetRequest, Reservation, SpendBudget
 from budgets.ledger.rollups import daily_usage_refresh
 from tenants.models import ApiKey
-from tests.people import PASSWORD, ledger_spread
+from tests.people import PASSWORD, ledger_now, ledger_spread
 
 pytestmark = pytest.mark.django_db
 
@@ -153,7 +153,7 @@ def test_bad_usage_queries_get_400(world, query):
 
 
 def test_usage_summary_totals_equal_the_export(world):
-    now = timezone.now()
+    now = ledger_now()
     ledger_spread(world=world, now=now, days=5, per_day=2)
     daily_usage_refresh(now=now - timedelta(days=2))
     api = as_user(world.finance)
@@ -167,7 +167,7 @@ def test_usage_summary_totals_equal_the_export(world):
 
 
 def test_member_usage_is_limited_to_their_tenants(world):
-    now = timezone.now()
+    now = ledger_now()
     ledger_spread(world=world, now=now, days=2, per_day=1)
     api = as_user(world.member_a)
     window = f"start={(now - timedelta(days=3)).date()}&end={now.date()}"

@@ -18,7 +18,7 @@ from budgets.models import BudgetRequest, Reservation, SpendBudget
 from budgets.ledger.rejections import rejection_count
 from budgets.ledger.rollups import daily_usage_refresh
 from tenants.models import ApiKey
-from tests.people import ledger_add, ledger_spread
+from tests.people import ledger_add, ledger_now, ledger_spread
 
 pytestmark = pytest.mark.django_db
 
@@ -210,7 +210,7 @@ def test_finance_is_read_only_everywhere(login, world):
 
 
 def test_finance_totals_equal_the_exported_rows(login, world):
-    now = timezone.now()
+    now = ledger_now()
     ledger_spread(world=world, now=now, days=6, per_day=3)
     ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(days=40))  # outside the period
     daily_usage_refresh(now=now - timedelta(days=2))  # the last days are read live
@@ -240,7 +240,7 @@ def test_finance_totals_equal_the_exported_rows(login, world):
 
 
 def test_finance_filters_by_tenant_and_cost_center(login, world):
-    ledger_spread(world=world, now=timezone.now(), days=2, per_day=1)
+    ledger_spread(world=world, now=ledger_now(), days=2, per_day=1)
     client = login(world.finance)
     body = text(client.get(f"/finance/?period=last_7_days&tenant={world.tenant_b.slug}&group_by=workload"))
     assert world.wl_b.slug in body and world.wl_a.slug not in body.split('id="spend-table"')[1].split("</table>")[0]
