@@ -71,17 +71,20 @@ def pool_api_key(*, api_key_env: str) -> str:
     return os.environ.get(api_key_env, "") if api_key_env else ""
 
 
+def _limits_note(pool_id: int, headers: Mapping[str, str]) -> None:
+    """Every answer of the pool, errors included, tells the pool's admission
+    what the provider's x-ratelimit-* headers say
+    (budgets/admission/provider_limits.py); a failure to record them never
+    fails the call."""
+    try:
+        provider_limits_record(pool_id=pool_id, headers=headers)
+    except Exception:  # noqa: BLE001 - the answer matters more than the bookkeeping
+        logger.warning("pool %s: could not record its rate-limit headers", pool_id, exc_info=True)
+
+
 def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
-    """An httpx response hook: every answer of the pool, errors included,
-    tells the pool's admission what the provider's x-ratelimit-* headers say
-    (budgets/admission/provider_limits.py). It runs when the headers arrive;
-    a failure to record them never fails the call."""
-    def read(response: httpx.Response) -> None:
-        try:
-            provider_limits_record(pool_id=pool_id, headers=response.headers)
-        except Exception:  # noqa: BLE001 - the answer matters more than the bookkeeping
-            logger.warning("pool %s: could not record its rate-limit headers", pool_id, exc_info=True)
-    return read
+    """``_limits_note`` as an httpx response hook: it runs when the headers arrive."""
+    return lambda response: _limits_note(pool_id, response.headers)
 
 
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
@@ -113,11 +116,17 @@ def _json_bytes(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _chat_url(client: OpenAI) -> str:
+    return f"{client.base_url}chat/completions"
+
+
+def _chat_headers(client: OpenAI, *, accept: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json", "Accept": accept}
+
+
 def _chat_request(client: OpenAI, *, body: dict, accept: str) -> httpx.Request:
-    return client._client.build_request(
-        "POST", f"{client.base_url}chat/completions", content=_json_bytes(body),
-        headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json", "Accept": accept},
-        timeout=client.timeout)
+    return client._client.build_request("POST", _chat_url(client), content=_json_bytes(body),
+                                        headers=_chat_headers(client, accept=accept), timeout=client.timeout)
 
 
 def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -201,17 +210,16 @@ def _still_open(conn: http.client.HTTPConnection) -> bool:
     return not readable
 
 
-_plain: dict[tuple[str, str, int], _PlainConnections | None] = {}
+_plain: dict[str, _PlainConnections | None] = {}  # by the pool's base URL
 
 
-def _plain_connections(client: OpenAI, pool_id: int) -> _PlainConnections | None:
-    """The plain path's connections for this client's pool, or None when
+def _plain_connections(client: OpenAI) -> _PlainConnections | None:
+    """The plain path's connections to this client's pool, or None when
     its calls keep httpx: an https:// pool, one a proxy setting covers
     (HTTP_PROXY, ALL_PROXY, NO_PROXY: as httpx reads them), or the setting off."""
     base = str(client.base_url)
-    cache_key = (base, "", pool_id)
-    if cache_key in _plain:
-        return _plain[cache_key]
+    if base in _plain:
+        return _plain[base]
     connections = None
     parts = urlsplit(base)
     if settings.SLUICE_POOL_PLAIN_HTTP and parts.scheme == "http" and parts.hostname:
@@ -221,7 +229,7 @@ def _plain_connections(client: OpenAI, pool_id: int) -> _PlainConnections | None
         if not proxied:
             connections = _PlainConnections(parts.hostname, parts.port or 80)
     with _lock:
-        _plain[cache_key] = connections
+        _plain[base] = connections
     return connections
 
 
@@ -229,10 +237,9 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     """The plain path's POST: one kept-alive connection, the SDK's exceptions
     as ``_chat_send`` raises them."""
     content = _json_bytes(body)
-    url = f"{client.base_url}chat/completions"
+    url = _chat_url(client)
     path = urlsplit(url).path
-    headers = {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json",
-               "Accept": "application/json"}
+    headers = _chat_headers(client, accept="application/json")
     timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
     conn = connections.take()
     try:
@@ -258,7 +265,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     else:
         connections.give_back(conn)
     if pool_id:
-        _limits_reader(pool_id)(answer)  # type: ignore[arg-type]  (reads .headers only)
+        _limits_note(pool_id, answer.headers)
     if answer.status_code >= 400:
         raise client._make_status_error_from_response(httpx.Response(
             answer.status_code, headers=list(answer.headers.items()), content=answer.content,
@@ -270,7 +277,7 @@ def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0) -> httpx.Res
     """POST ``body`` to the pool's chat/completions; the answer (status < 400,
     read: its ``text``), or the SDK's exception. On the plain path when the
     pool allows it (above), else with ``client``'s httpx client."""
-    connections = _plain_connections(client, pool_id)
+    connections = _plain_connections(client)
     if connections is not None:
         return _plain_post(client, connections, body=body, pool_id=pool_id)
     return _chat_send(client, _chat_request(client, body=body, accept="application/json"), stream=False)

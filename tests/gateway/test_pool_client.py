@@ -51,7 +51,7 @@ def _both(url: str, **kwargs):
     """The same pool's client on the plain path and on httpx (the setting off for the second)."""
     client = pc.pool_client(base_url=url, api_key_env="")
     plain = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
-    pc._plain[(str(client.base_url), "", 0)] = None  # this client's calls now keep httpx
+    pc._plain[str(client.base_url)] = None  # this client's calls now keep httpx
     via_httpx = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
     return plain, via_httpx
 
@@ -73,7 +73,7 @@ def test_an_error_answer_raises_the_same_sdk_exception_on_both_paths(sim_url, st
     body = {**BODY, "sim": {"fail_status": status, "fail_retry_after": 2}}
     with pytest.raises(exception) as plain:
         pc.pool_chat_post(client, body=body)
-    pc._plain[(str(client.base_url), "", 0)] = None
+    pc._plain[str(client.base_url)] = None
     with pytest.raises(exception) as via_httpx:
         pc.pool_chat_post(client, body=body)
     assert plain.value.status_code == via_httpx.value.status_code == status
@@ -84,7 +84,7 @@ def test_an_error_answer_raises_the_same_sdk_exception_on_both_paths(sim_url, st
 def test_calls_reuse_one_kept_alive_connection(sim_url):
     client = pc.pool_client(base_url=sim_url, api_key_env="")
     pc.pool_chat_post(client, body=BODY)
-    connections = pc._plain[(str(client.base_url), "", 0)]
+    connections = pc._plain[str(client.base_url)]
     first = connections._idle[-1]
     first_socket = first.sock
     for _ in range(5):
@@ -106,7 +106,7 @@ def test_threads_at_once_each_get_an_answer_and_leave_their_connections_idle(sim
     for t in threads:
         t.join()
     assert answers == [200] * 80
-    assert 1 <= len(pc._plain[(str(client.base_url), "", 0)]._idle) <= 8
+    assert 1 <= len(pc._plain[str(client.base_url)]._idle) <= 8
 
 
 def _server_that_closes_after_each_answer() -> tuple[int, list[int], threading.Semaphore, threading.Event]:
@@ -188,7 +188,7 @@ def test_https_and_proxied_pools_keep_httpx(monkeypatch, base_url, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     client = pc.pool_client(base_url=base_url, api_key_env="")
-    assert pc._plain_connections(client, 0) is None
+    assert pc._plain_connections(client) is None
 
 
 def test_a_pool_no_proxy_exempts_takes_the_plain_path(monkeypatch):
@@ -197,10 +197,10 @@ def test_a_pool_no_proxy_exempts_takes_the_plain_path(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     client = pc.pool_client(base_url="http://127.0.0.1:9/v1", api_key_env="")
-    assert pc._plain_connections(client, 0) is not None
+    assert pc._plain_connections(client) is not None
 
 
 def test_the_setting_off_keeps_httpx_for_every_pool(settings):
     settings.SLUICE_POOL_PLAIN_HTTP = False
     client = pc.pool_client(base_url="http://127.0.0.1:9/v1", api_key_env="")
-    assert pc._plain_connections(client, 0) is None
+    assert pc._plain_connections(client) is None
