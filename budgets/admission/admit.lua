@@ -159,15 +159,31 @@ local function wait_for_free(d, p, k)
     return nil
   end
   local batch = redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', '+inf', 'WITHSCORES', 'LIMIT', 0, FILL_WALK)
+  -- This dimension's filling buckets, in fill order, and their scaled rates
+  -- read in two HMGETs (not two calls per bucket: at 1,000 workloads the walk's
+  -- 128 reads were most of a refused loan's time in Redis, bench/RESULTS.md
+  -- section 10).
+  -- A member is "<wid>.Q.<d>" (ps_add), d three letters: plain string.sub
+  -- finds its dimension and workload, no pattern per member.
+  local fills, rate_fields, shed_fields = {}, {}, {}
   for i = 1, #batch, 2 do
     if batch[i + 1] == 'inf' then break end
-    if ps_dim(batch[i]) == d then
-      local at = tonumber(batch[i + 1]) - now
+    local name = batch[i]
+    if string.sub(name, -3) == d then
+      fills[#fills + 1] = tonumber(batch[i + 1]) - now
+      rate_fields[#rate_fields + 1] = name .. '.rate'
+      shed_fields[#shed_fields + 1] = string.sub(name, 1, -7) .. '.shed'
+    end
+  end
+  if #fills > 0 then
+    local rates = redis.call('HMGET', KEYS[1], unpack(rate_fields))
+    local sheds = redis.call('HMGET', KEYS[8], unpack(shed_fields))
+    for j, at in ipairs(fills) do
       if p_pending and tp <= at then
         local r = step(tp, -rate_of(pname)); if r then return r end
         p_pending = false
       end
-      local rate = ps_bucket(KEYS[1], KEYS[8], batch[i])
+      local rate = (tonumber(rates[j]) or 0) * (tonumber(sheds[j]) or 1)
       local r = step(at, rate); if r then return r end
     end
   end
