@@ -29,6 +29,7 @@ from django.urls import set_script_prefix, set_urlconf  # noqa: E402
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.edge import api_error_response, as_openai_error, body_limit  # noqa: E402
+from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 # A web process that stops sends the rejections it counted and has not sent
 # yet (budgets/ledger/rejections.py), once uvicorn has let go of the loop.
@@ -159,3 +160,7 @@ async def application(scope, receive, send):
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
     return await django_application(scope, receive, send)
+
+# Everything the web process keeps for life is built by now (django.setup(),
+# the handlers): freeze it out of the collector (llm_platform/gc_tuning.py).
+gc_tune()

@@ -120,10 +120,12 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  
 
 from budgets.admission.redis_client import get_redis  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
+from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
+    gc_tune()
     shutdown_watch_start()
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 
