@@ -39,6 +39,9 @@ def error_code(response: HttpResponse) -> str:
     body's ``error.code``, else ``http_<status>``."""
     if response.status_code < 400:
         return ""
+    known = getattr(response, "openai_error_code", None)  # set by gateway/web/responses.py openai_error
+    if known is not None:
+        return known or f"http_{response.status_code}"
     if not response.streaming and response.get("Content-Type", "").startswith("application/json"):
         try:
             code = json.loads(response.content).get("error", {}).get("code")

@@ -36,6 +36,9 @@ def openai_error(*, status: int, message: str, error_type: str, code: str | None
     response = JsonResponse(error_body(message=message, error_type=error_type, code=code, param=param), status=status)
     for name, value in (headers or {}).items():
         response[name] = value
+    # The access log's reason, known here: it need not parse the body again
+    # (gateway/web/access_log.py error_code).
+    response.openai_error_code = code or ""
     return response
 
 
