@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import hashlib
 import importlib.resources
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Generic, TypeVar, Union
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as aioredis_cluster
@@ -127,16 +129,19 @@ class LuaScript:
     ``library``: a file of local functions several scripts share, put before it."""
 
     def __init__(self, package: str, filename: str, *, library: str | None = None):
-        self.name = f"{package}/{filename}"
         files = importlib.resources.files(package)
         prelude = files.joinpath(library).read_text() + "\n" if library else ""
-        self.source = prelude + files.joinpath(filename).read_text()
+        self._set(f"{package}/{filename}", prelude + files.joinpath(filename).read_text())
 
     @classmethod
     def of_source(cls, name: str, source: str) -> LuaScript:
         script = cls.__new__(cls)
-        script.name, script.source = name, source
+        script._set(name, source)
         return script
+
+    def _set(self, name: str, source: str) -> None:
+        self.name, self.source = name, source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()  # as Redis names a loaded script
 
     def __repr__(self) -> str:
         return f"LuaScript({self.name})"
@@ -156,7 +161,10 @@ class ScriptCall(Generic[T]):
     def run(self, client: SyncRedis | None = None) -> T:
         client = client or get_redis()
         try:
-            raw = lua_script(client, self.script.source)(keys=self.keys, args=self.args)
+            if type(client) is redis.Redis and client.connection is None:
+                raw = _evalsha(client, self.script, self.keys, self.args)
+            else:  # a cluster client routes by slot; a single-connection client holds its own
+                raw = lua_script(client, self.script.source)(keys=self.keys, args=self.args)
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
@@ -164,10 +172,81 @@ class ScriptCall(Generic[T]):
     async def run_async(self, client: AsyncRedis | None = None) -> T:
         client = client or get_async_redis()
         try:
-            raw = await lua_script(client, self.script.source)(keys=self.keys, args=self.args)
+            if type(client) is aioredis.Redis and not client.single_connection_client:
+                raw = await _evalsha_async(client, self.script, self.keys, self.args)
+            else:
+                raw = await lua_script(client, self.script.source)(keys=self.keys, args=self.args)
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
+
+
+def _evalsha_packed(script: LuaScript, keys: list[str], args: list[Any]) -> list[bytes]:
+    try:
+        return [hiredis.pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))]
+    except TypeError as exc:  # an argument Redis cannot take (None, a dict): redis-py says DataError
+        raise redis.exceptions.DataError(str(exc)) from exc
+
+
+def _evalsha(client: redis.Redis, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+    """One EVALSHA on one of the client's pooled connections, sent as
+    redis-py's own command path sends it: the same packing (hiredis, which
+    redis-py's serializer calls too), the same connection handling (a
+    connection Redis closed while idle is replaced at checkout; one that
+    fails mid-call is dropped by redis-py's own send and read, and goes
+    through the connection's ``Retry``, which with Sluice's clients raises),
+    the same answer and errors; NOSCRIPT (after SCRIPT FLUSH or a restart)
+    loads the script and sends it again, as ``register_script`` does. What
+    it leaves out is the layers redis-py puts around every command
+    (``Script``, ``execute_command``'s argument checks, response callbacks
+    and observability hooks): about 20 µs of CPU of a call's 70, and a lane
+    worker makes about ten per request (bench/PROFILE.md, round 5).
+    ``_evalsha_async`` is the same steps, awaited."""
+    packed = _evalsha_packed(script, keys, args)
+    pool = client.connection_pool
+    conn = pool.get_connection()
+
+    def once() -> Any:
+        conn.send_packed_command(packed)
+        try:
+            return conn.read_response()
+        except redis.exceptions.NoScriptError:
+            conn.send_command("SCRIPT", "LOAD", script.source)
+            conn.read_response()
+            conn.send_packed_command(packed)
+            return conn.read_response()
+
+    try:
+        return conn.retry.call_with_retry(once, lambda error: conn.disconnect())
+    finally:
+        pool.release(conn)
+
+
+async def _evalsha_async(client: aioredis.Redis, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
+    """``_evalsha`` on an async client. A caller cancelled mid-call (its
+    client left) leaves no half-read answer behind: redis-py's send and read
+    drop the connection on any interruption."""
+    packed = _evalsha_packed(script, keys, args)
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+
+    async def once() -> Any:
+        await conn.send_packed_command(packed)
+        try:
+            return await conn.read_response()
+        except redis.exceptions.NoScriptError:
+            await conn.send_command("SCRIPT", "LOAD", script.source)
+            await conn.read_response()
+            await conn.send_packed_command(packed)
+            return await conn.read_response()
+
+    async def dropped(error: Exception) -> None:
+        await conn.disconnect()
+
+    try:
+        return await conn.retry.call_with_retry(once, dropped)
+    finally:
+        await pool.release(conn)
 
 
 # Several script calls in one round trip: each script's text becomes a local
