@@ -130,6 +130,15 @@ def test_incremental_protected_sum_equals_the_brute_force_sum_after_random_opera
     assert min(outcomes.values()) > 0, outcomes
 
 
+def _ask(caller, tokens: int):
+    """A loan or a paid request of ``tokens`` output tokens: its admission, or its refusal."""
+    try:
+        return admit(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id=uuid.uuid4().hex,
+                     input_tokens=0, output_tokens=tokens, lease_ttl_ms=600_000)
+    except Rejected as rejected:
+        return rejected
+
+
 def test_a_refused_loan_past_the_fill_walk_is_told_a_wait_after_which_it_fits(make_caller):
     # given 70 strict workloads (more protected buckets than admit.lua walks)
     # each part-spent so that every one fills at its own time, and a borrower
@@ -140,24 +149,17 @@ def test_a_refused_loan_past_the_fill_walk_is_told_a_wait_after_which_it_fits(ma
     borrower = make_caller(pool=pool, reserved_tpm=60_000, ceiling_tpm=2_400_000, lend_fraction=1.0,
                            prompt_tokens_cap=1_000, max_tokens_cap=1_000, rpm=6_000)
 
-    def ask(caller, tokens):
-        try:
-            return admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=uuid.uuid4().hex,
-                         input_tokens=0, output_tokens=tokens, lease_ttl_ms=600_000)
-        except Rejected as rejected:
-            return rejected
-
     for i, caller in enumerate(strict):
-        assert not isinstance(ask(caller, 100 + 5 * i), Rejected)
-    while not isinstance(ask(borrower, 2_000), Rejected):
+        assert not isinstance(_ask(caller, 100 + 5 * i), Rejected)
+    while not isinstance(_ask(borrower, 2_000), Rejected):
         pass
     # when a loan of 2,000 tokens is refused for the pool
-    refused = ask(borrower, 2_000)
+    refused = _ask(borrower, 2_000)
     assert isinstance(refused, Rejected) and refused.reason == "pool_tpm", refused
     # then waiting what it was told is enough (an upper bound past the walk)
     assert 0 < refused.retry_after_ms <= 1_000
     time.sleep(refused.retry_after_ms / 1000)
-    assert not isinstance(ask(borrower, 2_000), Rejected)
+    assert not isinstance(_ask(borrower, 2_000), Rejected)
 
 
 def _loan_fits_in_ms(redis_client, pool_id: int, k: float, now_ms: float) -> float:
@@ -207,26 +209,19 @@ def test_a_refused_loan_inside_the_fill_walk_is_told_the_wait_at_which_it_fits(m
         redis_client.hset(keys.pool_capacity(pool.id), f"{caller.workload.id}.shed", 0.5)
     redis_client.delete(keys.pool_protected_sum(pool.id))  # as capacity.lua does when a shed factor changes
 
-    def ask(caller, tokens):
-        try:
-            return admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=uuid.uuid4().hex,
-                         input_tokens=0, output_tokens=tokens, lease_ttl_ms=600_000)
-        except Rejected as rejected:
-            return rejected
-
     def redis_ms() -> float:
         seconds, micros = redis_client.time()
         return seconds * 1000 + micros / 1000
 
     for caller, spent in zip(strict, [20, 90, 60, 140, 180]):
-        assert not isinstance(ask(caller, spent), Rejected)
+        assert not isinstance(_ask(caller, spent), Rejected)
     drainers = iter(borrowers[:3] * 40)
     for size in (400, 100, 20):
-        while not isinstance(ask(next(drainers), size), Rejected):
+        while not isinstance(_ask(next(drainers), size), Rejected):
             pass
     # when a fresh borrower's loan of 1,000 tokens is refused for the pool
     before = redis_ms()
-    refused = ask(borrowers[3], 1_000)
+    refused = _ask(borrowers[3], 1_000)
     after = redis_ms()
     assert isinstance(refused, Rejected) and refused.reason == "pool_tpm", refused
     # then the wait it is told is when P - S reaches 1,000, as the bucket-by-bucket
@@ -236,4 +231,4 @@ def test_a_refused_loan_inside_the_fill_walk_is_told_the_wait_at_which_it_fits(m
     assert fits_ms - (after - before) - 1 <= refused.retry_after_ms <= fits_ms + 1, (refused.retry_after_ms, fits_ms)
     # and it is enough: waiting it, the loan fits
     time.sleep(refused.retry_after_ms / 1000)
-    assert not isinstance(ask(borrowers[3], 1_000), Rejected)
+    assert not isinstance(_ask(borrowers[3], 1_000), Rejected)
