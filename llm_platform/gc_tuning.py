@@ -11,7 +11,8 @@ that is all the collector costs here. Off is not an option (reference cycles
 in Django and Celery would grow without bound), so: everything alive once the
 process is ready (settings, URL resolvers, loaded modules) is frozen out of
 every collection, and the youngest generation is collected every 20,000
-allocations, which keeps most of that 4% (bench/PROFILE.md, round 5)."""
+allocations, which saved about half of it in alternated runs (bench/PROFILE.md,
+round 5)."""
 
 import gc
 
