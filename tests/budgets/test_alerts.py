@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from budgets.admission import keys
 from budgets.models import AlertDelivery, AlertSettings, Notification, RejectionStat
+from budgets.services import alerts as alerts_service
 from budgets.services.alert_spikes import rejection_spikes_check
 from budgets.services.alerts import alert_deliver, alert_retries_release, alert_settings_save
 from budgets.services.budget_requests import budget_request_approve, budget_request_submit
@@ -72,13 +73,21 @@ def test_bad_recipients_and_events_are_refused(world):
 
 @pytest.mark.django_db(transaction=True)
 def test_an_alert_is_mailed_and_posted_signed_and_a_failing_webhook_is_retried(world, private_receivers,
-                                                                              redis_client):
+                                                                              redis_client, monkeypatch):
+    # The attempts this test makes itself, in order: what would go to the
+    # broker is recorded instead, so a housekeeping worker left running by an
+    # earlier test (the session's platform) cannot make them first. The
+    # broker's side is test_alerts_go_out_from_the_housekeeping_worker's.
+    enqueued: list[tuple[int, str, int]] = []
+    monkeypatch.setattr(alerts_service, "_send", lambda *attempt: enqueued.append(attempt))
     with CallbackReceiver(statuses=[500, 204]) as receiver:
         # given acme's alerts to two people and a webhook, for request decisions only
         alert_settings_save(tenant=world.tenant_a, email_recipients="ops@acme.test\nlead@acme.test",
                             webhook_url=receiver.url("/alerts"), events=["request_decision"])
         # when its request is approved
         notification = approve(world)
+        # then the first attempt on each channel is enqueued on commit
+        assert enqueued == [(notification.id, "email", 1), (notification.id, "webhook", 1)]
         # then the e-mail goes to both, saying what happened
         assert alert_deliver(notification_id=notification.id, channel="email", attempt=1) == "delivered"
         assert len(mail.outbox) == 1 and mail.outbox[0].to == ["ops@acme.test", "lead@acme.test"]
@@ -94,7 +103,7 @@ def test_an_alert_is_mailed_and_posted_signed_and_a_failing_webhook_is_retried(w
         while alert_retries_release() == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert redis_client.zcard(keys.ALERT_RETRIES) == 0
+        assert redis_client.zcard(keys.ALERT_RETRIES) == 0 and enqueued[2:] == [(notification.id, "webhook", 2)]
         assert alert_deliver(notification_id=notification.id, channel="webhook", attempt=2) == "delivered"
         # a redelivered attempt changes nothing
         assert alert_deliver(notification_id=notification.id, channel="webhook", attempt=2) == "duplicate"
