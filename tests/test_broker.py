@@ -4,7 +4,9 @@ the tests' broker uses."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 import uuid
 
 from celery import current_app
@@ -73,9 +75,34 @@ def test_a_message_goes_through_and_its_ack_clears_the_unacked_bookkeeping(redis
         channel = conn.default_channel
         message = channel.basic_get(name, no_ack=False)
         assert message is not None and message.payload == {"n": 1}
-        unacked = channel.unacked_key
+        unacked, index = channel.unacked_key, channel.unacked_index_key
         tag = message.delivery_tag
-        assert redis_client.hexists(unacked, tag)
+        # kombu's own format: what restore_by_tag reads back after a lost worker
+        raw, exchange, routing_key = json.loads(redis_client.hget(unacked, tag))
+        assert (exchange, routing_key) == (name, name) and raw == message._raw
+        assert abs(redis_client.zscore(index, tag) - time.time()) < 60
         message.ack()
-        assert not redis_client.hexists(unacked, tag)
+        assert not redis_client.hexists(unacked, tag) and redis_client.zscore(index, tag) is None
+        queue(channel).delete()
+
+
+def test_a_rejected_message_leaves_the_bookkeeping_and_a_requeued_one_comes_back(redis_client):
+    name = f"sluice-broker-test-{uuid.uuid4().hex[:8]}"
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+    with current_app.connection_for_write() as conn:
+        with conn.Producer() as producer:
+            for n in (1, 2):
+                producer.publish({"n": n}, exchange=queue.exchange, routing_key=name, declare=[queue])
+        channel = conn.default_channel
+        first, second = channel.basic_get(name, no_ack=False), channel.basic_get(name, no_ack=False)
+        tags = [first.delivery_tag, second.delivery_tag]
+        assert all(redis_client.hexists(channel.unacked_key, tag) for tag in tags)
+        first.reject(requeue=False)
+        second.reject(requeue=True)
+        for tag in tags:
+            assert not redis_client.hexists(channel.unacked_key, tag)
+            assert redis_client.zscore(channel.unacked_index_key, tag) is None
+        again = channel.basic_get(name, no_ack=True)
+        assert again is not None and again.payload == {"n": 2}
+        assert channel.basic_get(name, no_ack=True) is None
         queue(channel).delete()

@@ -249,6 +249,142 @@ async def _evalsha_async(client: aioredis.Redis, script: LuaScript, keys: list[s
         await pool.release(conn)
 
 
+class Commands:
+    """Plain commands for one round trip, queued with the pipeline methods
+    their callers use (``hset(key, mapping=...)``, ``pexpire``, ``hincrby``,
+    ``zadd``, ``lpush``, ``zrem``, ``hdel``) and run together: in order, on
+    one connection. On a plain client they go out as ``_evalsha`` sends a
+    script, packed by hiredis and read back without redis-py's ``Pipeline``
+    (its command stack, per-command callbacks and argument checks: about
+    half of a short pipeline's CPU, bench/PROFILE.md round 6); elsewhere (a
+    cluster client, a single-connection client) through redis-py's own
+    pipeline. ``transaction``: wrapped in MULTI/EXEC, as a redis-py
+    pipeline's default is. The replies are Redis's own, decoded as the
+    client decodes (without redis-py's per-command callbacks: PEXPIRE's 1,
+    not True); a command Redis refused raises its ``ResponseError`` once
+    every reply is read, so the connection stays in step."""
+
+    __slots__ = ("commands", "transaction")
+
+    def __init__(self, *, transaction: bool = False) -> None:
+        self.commands: list[tuple] = []
+        self.transaction = transaction
+
+    def hset(self, name: str, key: str | None = None, value: Any = None, mapping: dict | None = None) -> Commands:
+        items: list[Any] = [] if key is None else [key, value]
+        for k, v in (mapping or {}).items():
+            items += (k, v)
+        self.commands.append(("HSET", name, *items))
+        return self
+
+    def pexpire(self, name: str, ms: int) -> Commands:
+        self.commands.append(("PEXPIRE", name, int(ms)))
+        return self
+
+    def hincrby(self, name: str, key: str, amount: int = 1) -> Commands:
+        self.commands.append(("HINCRBY", name, key, int(amount)))
+        return self
+
+    def zadd(self, name: str, mapping: dict) -> Commands:
+        items: list[Any] = []
+        for member, score in mapping.items():
+            items += (score, member)
+        self.commands.append(("ZADD", name, *items))
+        return self
+
+    def zrem(self, name: str, *members: Any) -> Commands:
+        self.commands.append(("ZREM", name, *members))
+        return self
+
+    def hdel(self, name: str, *fields: Any) -> Commands:
+        self.commands.append(("HDEL", name, *fields))
+        return self
+
+    def lpush(self, name: str, *values: Any) -> Commands:
+        self.commands.append(("LPUSH", name, *values))
+        return self
+
+    def _packed(self) -> list[bytes]:
+        commands = [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else self.commands
+        try:
+            return [hiredis.pack_command(command) for command in commands]
+        except TypeError as exc:  # None, a dict: what redis-py refuses with DataError
+            raise redis.exceptions.DataError(str(exc)) from exc
+
+    def _pipeline_of(self, client):
+        pipe = client.pipeline(transaction=self.transaction)
+        for command in self.commands:
+            pipe.execute_command(*command)
+        return pipe
+
+    def _replies(self, raw: list[Any]) -> list[Any]:
+        if self.transaction:
+            raw = raw[-1]  # EXEC's: the queued commands' replies
+            if isinstance(raw, BaseException):
+                raise raw
+        errors = [reply for reply in raw if isinstance(reply, redis.exceptions.ResponseError)]
+        if errors:
+            raise errors[0]
+        return raw
+
+    def run(self, client: SyncRedis | None = None) -> list[Any]:
+        client = client or get_redis()
+        if not self.commands:
+            return []
+        if not (type(client) is redis.Redis and client.connection is None):
+            return self._pipeline_of(client).execute()
+        packed = self._packed()
+        count = len(packed)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+
+        def once() -> list[Any]:
+            conn.send_packed_command(packed)
+            return [_reply(conn.read_response) for _ in range(count)]
+
+        try:
+            return self._replies(conn.retry.call_with_retry(once, lambda error: conn.disconnect()))
+        finally:
+            pool.release(conn)
+
+    async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
+        client = client or get_async_redis()
+        if not self.commands:
+            return []
+        if not (type(client) is aioredis.Redis and not client.single_connection_client):
+            return await self._pipeline_of(client).execute()
+        packed = self._packed()
+        count = len(packed)
+        pool = client.connection_pool
+        conn = await pool.get_connection()
+
+        async def once() -> list[Any]:
+            await conn.send_packed_command(packed)
+            replies = []
+            for _ in range(count):
+                try:
+                    replies.append(await conn.read_response())
+                except redis.exceptions.ResponseError as refused:
+                    replies.append(refused)
+            return replies
+
+        async def dropped(error: Exception) -> None:
+            await conn.disconnect()
+
+        try:
+            return self._replies(await conn.retry.call_with_retry(once, dropped))
+        finally:
+            await pool.release(conn)
+
+
+def _reply(read: Callable[[], Any]) -> Any:
+    """One reply; a command Redis refused gives its error as the reply."""
+    try:
+        return read()
+    except redis.exceptions.ResponseError as refused:
+        return refused
+
+
 # Several script calls in one round trip: each script's text becomes a local
 # function of one composed script (its KEYS and ARGV are the function's
 # parameters, so the text runs unchanged), called in order on its own slice

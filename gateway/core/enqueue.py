@@ -17,7 +17,7 @@ from celery import current_app
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import get_async_redis, get_redis
+from budgets.admission.redis_client import Commands, get_redis
 from gateway.core import keys
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
@@ -61,8 +61,9 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
 
 def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: bool) -> None:
     """The record, the arrival's metrics and (``publish``) the lane's message,
-    queued on a pipeline: Redis runs them in order on one connection, so the
-    message is never there before its record."""
+    queued on ``pipe`` (a ``Commands`` or a redis-py pipeline): Redis runs
+    them in order on one connection, so the message is never there before
+    its record."""
     pipe.hset(keys.request_record(record.request_id), mapping=record.to_redis())
     pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
     arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
@@ -78,9 +79,9 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
     503: nothing may run without its record, nothing admitted may leak."""
     direct = direct_publish()
     try:
-        pipe = get_redis().pipeline(transaction=False)
-        _record_commands(pipe, record, lease_ms=lease_ms, publish=direct)
-        pipe.execute()
+        commands = Commands()
+        _record_commands(commands, record, lease_ms=lease_ms, publish=direct)
+        commands.run()
         if not direct:
             current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
                                   task_id=record.request_id)
@@ -102,9 +103,9 @@ async def record_enqueue_async(record: RequestRecord, *, lease_ms: int) -> None:
         await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
         return
     try:
-        pipe = get_async_redis().pipeline(transaction=False)
-        _record_commands(pipe, record, lease_ms=lease_ms, publish=True)
-        await pipe.execute()
+        commands = Commands()
+        _record_commands(commands, record, lease_ms=lease_ms, publish=True)
+        await commands.run_async()
     except Exception as exc:  # Redis
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:
