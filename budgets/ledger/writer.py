@@ -54,9 +54,9 @@ def usage_record_write(*, entry: LedgerEntry) -> None:
     """Insert the row unless one with the same request id exists: one
     INSERT ... ON CONFLICT DO NOTHING, so any number of writers (web, worker,
     a redelivered task) leave exactly one row."""
-    fields = dict(entry.__dict__)
-    known = fields.pop("price")
-    fields["error"] = fields["error"][:500]
+    row = dict(entry.__dict__)
+    known = row.pop("price")
+    row["error"] = row["error"][:500]
     if known is False:
         price = price_in_force(model=entry.model, at=entry.created_at)
         known = (price.pk, price.input_per_million, price.output_per_million) if price is not None else None
@@ -65,18 +65,34 @@ def usage_record_write(*, entry: LedgerEntry) -> None:
         price_id, input_per_million, output_per_million = known
         cost = (Decimal(entry.actual_input_tokens) * input_per_million
                 + Decimal(entry.actual_output_tokens) * output_per_million) / MILLION
-    _insert_ignoring_conflicts(UsageRecord(price_id=price_id, cost=cost, **fields))
+    row["price_id"], row["cost"] = price_id, cost
+    _insert_ignoring_conflicts(row)
 
 
-def _insert_ignoring_conflicts(record: UsageRecord) -> None:
+# Per database alias: the INSERT's text and its fields, built once.
+_inserts: dict[str, tuple[str, list]] = {}
+
+
+def _insert_ignoring_conflicts(row: dict) -> None:
     """One INSERT ... ON CONFLICT DO NOTHING in autocommit: bulk_create wraps
     even one row in a transaction (BEGIN, INSERT, COMMIT: two more round
-    trips and a fifth of the lane worker's samples per request, bench/PROFILE.md)."""
-    connection = connections[router.db_for_write(UsageRecord)]
-    fields = [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
-    quote = connection.ops.quote_name
-    sql = (f"INSERT INTO {quote(UsageRecord._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
-           f"VALUES ({', '.join(['%s'] * len(fields))}) ON CONFLICT DO NOTHING")
-    values = [f.get_db_prep_save(f.pre_save(record, add=True), connection) for f in fields]
+    trips and a fifth of the lane worker's samples per request, bench/PROFILE.md).
+    The values go straight from ``row`` (keyed by column attribute names:
+    ``tenant_id``) through each field's own preparation for this database,
+    without a model instance (its ``__init__`` was a quarter of the write's
+    CPU, bench/PROFILE.md round 6); a field the row leaves out gets its
+    default, as the model would give it."""
+    alias = router.db_for_write(UsageRecord)
+    connection = connections[alias]
+    insert = _inserts.get(alias)
+    if insert is None:
+        fields = [f for f in UsageRecord._meta.concrete_fields if not f.primary_key]
+        quote = connection.ops.quote_name
+        sql = (f"INSERT INTO {quote(UsageRecord._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
+               f"VALUES ({', '.join(['%s'] * len(fields))}) ON CONFLICT DO NOTHING")
+        insert = _inserts[alias] = (sql, fields)
+    sql, fields = insert
+    values = [f.get_db_prep_save(row[f.attname] if f.attname in row else f.get_default(), connection)
+              for f in fields]
     with connection.cursor() as cursor:
         cursor.execute(sql, values)
