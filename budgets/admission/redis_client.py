@@ -258,11 +258,13 @@ class Commands:
     (its command stack, per-command callbacks and argument checks: about
     half of a short pipeline's CPU, bench/PROFILE.md round 6); elsewhere (a
     cluster client, a single-connection client) through redis-py's own
-    pipeline. ``transaction``: wrapped in MULTI/EXEC, as a redis-py
-    pipeline's default is. The replies are Redis's own, decoded as the
-    client decodes (without redis-py's per-command callbacks: PEXPIRE's 1,
-    not True); a command Redis refused raises its ``ResponseError`` once
-    every reply is read, so the connection stays in step."""
+    pipeline, or its ``execute_command`` for one command alone (a blocking
+    read must not wait inside a pipeline). ``transaction``: wrapped in
+    MULTI/EXEC, as a redis-py pipeline's default is. The replies are Redis's
+    own, decoded as the client decodes (on the plain path without redis-py's
+    per-command callbacks: PEXPIRE's 1, not True); a command Redis refused
+    raises its ``ResponseError`` once every reply is read, so the connection
+    stays in step."""
 
     __slots__ = ("commands", "transaction")
 
@@ -304,6 +306,12 @@ class Commands:
         self.commands.append(("LPUSH", name, *values))
         return self
 
+    def command(self, *args: Any) -> Commands:
+        """Any other command, as Redis names it; its reply is Redis's own
+        (HGETALL's a flat list, BLPOP's a list or None)."""
+        self.commands.append(args)
+        return self
+
     def _packed(self) -> list[bytes]:
         commands = [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else self.commands
         try:
@@ -332,6 +340,8 @@ class Commands:
         if not self.commands:
             return []
         if not (type(client) is redis.Redis and client.connection is None):
+            if len(self.commands) == 1 and not self.transaction:  # a blocking read must not go in a pipeline
+                return [client.execute_command(*self.commands[0])]
             return self._pipeline_of(client).execute()
         packed = self._packed()
         count = len(packed)
@@ -352,6 +362,8 @@ class Commands:
         if not self.commands:
             return []
         if not (type(client) is aioredis.Redis and not client.single_connection_client):
+            if len(self.commands) == 1 and not self.transaction:
+                return [await client.execute_command(*self.commands[0])]
             return await self._pipeline_of(client).execute()
         packed = self._packed()
         count = len(packed)

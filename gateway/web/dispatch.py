@@ -16,7 +16,7 @@ from django.conf import settings
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, get_async_redis
+from budgets.admission.redis_client import REDIS_UNAVAILABLE, Commands, get_async_redis
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
@@ -69,7 +69,7 @@ def _record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
 async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     blocking = get_async_redis(blocking=True)
     try:
-        popped = await blocking.blpop([result_key], timeout=max(0.01, timeout_s))
+        (popped,) = await Commands().command("BLPOP", result_key, max(0.01, timeout_s)).run_async(blocking)
     except REDIS_UNAVAILABLE as exc:
         raise _result_unavailable() from exc
     return Outcome.from_json(popped[1]) if popped else None

@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
-from budgets.admission.redis_client import get_redis, redis_now_ms, script_calls_run
+from budgets.admission.redis_client import Commands, get_redis, redis_now_ms, script_calls_run
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
@@ -278,7 +278,9 @@ def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
     if outcome.streamed:
         client.set(keys.request_response(record.request_id), outcome.to_json(), px=ttl_ms())
         return outcome
-    if client.set(keys.request_response(record.request_id), outcome.to_json(), nx=True, px=ttl_ms()):
+    (kept,) = Commands().command("SET", keys.request_response(record.request_id), outcome.to_json(),
+                                 "NX", "PX", int(ttl_ms())).run(client)
+    if kept:
         return outcome
     stored = client.get(keys.request_response(record.request_id))
     return Outcome.from_json(stored) if stored is not None else outcome

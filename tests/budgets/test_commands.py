@@ -125,3 +125,29 @@ def test_async_the_writes_replies_and_errors_are_the_sync_ones(redis_client, tra
     replies, after = asyncio.run(main())
     assert replies == [3, 1, 2, 2, 2, 1, 1] and after == [3]
     assert redis_client.hgetall(f"{KEY}:h") == {"a": "4", "b": "ü x"}
+
+
+def test_any_command_goes_as_redis_names_it_a_blocking_read_included(redis_client):
+    # SET NX: OK the first time, None after
+    assert Commands().command("SET", f"{KEY}:s", "v", "NX", "PX", 60_000).run(redis_client) == ["OK"]
+    assert Commands().command("SET", f"{KEY}:s", "w", "NX", "PX", 60_000).run(redis_client) == [None]
+    assert redis_client.get(f"{KEY}:s") == "v"
+    redis_client.delete(f"{KEY}:s")
+    blocking = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_timeout=None)
+
+    async def pop() -> list:
+        client = aioredis.Redis.from_url(settings.REDIS_URL, decode_responses=True, socket_timeout=None)
+        try:
+            waiting = asyncio.ensure_future(Commands().command("BLPOP", f"{KEY}:l", 5).run_async(client))
+            await asyncio.sleep(0.05)
+            await client.lpush(f"{KEY}:l", "answer")  # another connection of the same pool
+            woken = await waiting
+            empty = await Commands().command("BLPOP", f"{KEY}:l", 0.05).run_async(client)
+            return [woken, empty]
+        finally:
+            await client.aclose()
+
+    # a BLPOP wakes at the push with [key, value], and times out with None
+    assert asyncio.run(pop()) == [[[f"{KEY}:l", "answer"]], [None]]
+    assert Commands().command("BLPOP", f"{KEY}:l", 0.05).run(blocking) == [None]
+    blocking.close()
