@@ -315,7 +315,8 @@ class Commands:
     def _packed(self) -> list[bytes]:
         commands = [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else self.commands
         try:
-            return [hiredis.pack_command(command) for command in commands]
+            # One buffer, one write: redis-py sends each item of a list on its own.
+            return [b"".join([hiredis.pack_command(command) for command in commands])]
         except TypeError as exc:  # None, a dict: what redis-py refuses with DataError
             raise redis.exceptions.DataError(str(exc)) from exc
 
@@ -344,7 +345,7 @@ class Commands:
                 return [client.execute_command(*self.commands[0])]
             return self._pipeline_of(client).execute()
         packed = self._packed()
-        count = len(packed)
+        count = len(self.commands) + (2 if self.transaction else 0)
         pool = client.connection_pool
         conn = pool.get_connection()
 
@@ -366,7 +367,7 @@ class Commands:
                 return [await client.execute_command(*self.commands[0])]
             return await self._pipeline_of(client).execute()
         packed = self._packed()
-        count = len(packed)
+        count = len(self.commands) + (2 if self.transaction else 0)
         pool = client.connection_pool
         conn = await pool.get_connection()
 
