@@ -95,13 +95,16 @@ class Channel(kombu_redis.Channel):
     def _create_client(self, asynchronous: bool = False):
         if asynchronous:
             return super()._create_client(asynchronous=True)
-        pool = self.pool
-        client = self._sync_client
-        if client is None or client.connection_pool is not pool:
-            with self._sync_client_lock:
-                client = self._sync_client
-                if client is None or client.connection_pool is not pool:
-                    client = self._sync_client = super()._create_client(asynchronous=False)
+        client, pool = self._sync_client, self._pool
+        if client is not None and pool is not None and client.connection_pool is pool:
+            return client
+        # kombu's ``pool`` property builds the pool unlocked: threads racing
+        # for the first client would each build one. Built under the lock.
+        with self._sync_client_lock:
+            pool = self.pool
+            client = self._sync_client
+            if client is None or client.connection_pool is not pool:
+                client = self._sync_client = super()._create_client(asynchronous=False)
         return client
 
 
