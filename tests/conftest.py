@@ -22,6 +22,34 @@ def pytest_configure(config):
     # As in the platform's processes (below): tests steer the simulated pool
     # per request, here too where a test runs the request path in-process.
     settings.SLUICE_SIM_CONTROLS = True
+    _flush_retry_on_deadlock()
+
+
+def _flush_retry_on_deadlock(attempts: int = 5):
+    """A transactional test's teardown TRUNCATEs every table while the
+    session's lane workers may still be settling work that test queued (a
+    job's row update holds a row lock the TRUNCATE must wait for, and the
+    update then waits on the TRUNCATE). PostgreSQL breaks that deadlock by
+    failing one side; when the TRUNCATE is the one chosen, run it again: the
+    worker's transaction has ended by then. Only the deadlock is retried."""
+    import time as _time
+
+    from django.db import OperationalError
+    from django.db.backends.postgresql.operations import DatabaseOperations
+    from psycopg import errors as pg_errors
+
+    flush = DatabaseOperations.execute_sql_flush
+
+    def execute_sql_flush(self, sql_list):
+        for attempt in range(attempts):
+            try:
+                return flush(self, sql_list)
+            except OperationalError as exc:
+                if not isinstance(exc.__cause__, pg_errors.DeadlockDetected) or attempt == attempts - 1:
+                    raise
+                _time.sleep(0.1 * (attempt + 1))
+
+    DatabaseOperations.execute_sql_flush = execute_sql_flush
 
 
 def pytest_report_header(config):
