@@ -185,6 +185,21 @@ def profile_summary(path: Path, top: int = 15) -> dict:
             "inclusive": [(f, pct(c)) for f, c in inclusive.most_common(top * 2)]}
 
 
+def _commandstats(client, n: int) -> list[dict]:
+    """Redis's own count of each command over a phase (INFO commandstats,
+    reset before it), per request: which calls the path makes, and the
+    server time each costs. The INFO call itself is left out."""
+    rows = []
+    for name, stat in client.info("commandstats").items():
+        command = name.removeprefix("cmdstat_")
+        calls = stat["calls"] - (1 if command == "info" else 0)
+        if calls <= 0 or command == "config":
+            continue
+        rows.append({"command": command, "calls_per_request": calls / n, "usec_per_call": stat["usec_per_call"],
+                     "usec_per_request": stat["usec"] / n})
+    return sorted(rows, key=lambda row: -row["usec_per_request"])
+
+
 def main(seed: int = 1, quick: bool = False, services: Services | None = None, profile: bool | None = None) -> dict:
     own = services is None
     services = services or Services().up()
@@ -202,6 +217,7 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         if services.redis_process is not None:
             roots["redis"] = services.redis_process.popen.pid
         meter = CpuMeter(roots)
+        own_redis = services.redis_process is not None  # an external Redis's stats are not ours to reset
         sim = CpuMeter({"sim": next(c.popen.pid for c in platform.children if c.name == "sim")})
         open_auth = {"Authorization": f"Bearer {open_wl.api_key}"}
         tight_auth = {"Authorization": f"Bearer {tight_wl.api_key}"}
@@ -217,15 +233,19 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
 
         def phase(base: str, auth: dict, kind: str, targets: dict[str, int]) -> dict:
             profiler.start(kind, targets)
+            if own_redis:
+                services.redis.config_resetstat()
             before, sim_before = meter.read(), sim.read()
             calls, wall = asyncio.run(_fixed(base, auth, n, rng, kind))
             after, sim_after = meter.read(), sim.read()
+            commands = _commandstats(services.redis, len(calls)) if own_redis else []
             profiles.update(profiler.stop())
             cpu = _delta(after, before)
             net = {k: max(0.0, v - idle[k] * wall) for k, v in cpu.items()}
             return {"n": len(calls), "wall_s": wall, "statuses": dict(Counter(c.status for c in calls)),
                     "cpu_s": cpu, "net_cpu_s": net, "ms_per_request": 1000 * sum(net.values()) / len(calls),
-                    "sim_ms_per_request": 1000 * _delta(sim_after, sim_before)["sim"] / len(calls)}
+                    "sim_ms_per_request": 1000 * _delta(sim_after, sim_before)["sim"] / len(calls),
+                    "redis_commands": commands}
 
         admitted = phase(platform.sluice_url, open_auth, "admitted",
                          {"web": roots["web"], "worker": roots["worker-interactive"]})
@@ -277,6 +297,12 @@ def summarize(data: dict) -> str:
         f"Statuses: admitted {a['statuses']}, refused {r['statuses']}, direct {d['statuses']}; wall time "
         f"{a['wall_s']:.1f} / {r['wall_s']:.1f} / {d['wall_s']:.1f} s.",
     ]
+    commands = a.get("redis_commands") or []
+    if commands:
+        lines += ["", "Redis's own count of its commands in the admitted phase (INFO commandstats), per request:", "",
+                  md_table(["command", "calls per request", "µs per call", "µs per request"],
+                           [[f"`{c['command']}`", fmt(c["calls_per_request"], 2), fmt(c["usec_per_call"], 1),
+                             fmt(c["usec_per_request"], 1)] for c in commands[:12]])]
     for name, prof in (data.get("profiles") or {}).items():
         if not prof.get("samples"):
             continue
