@@ -482,7 +482,8 @@ def _reply(read: Callable[[], Any]) -> Any:
 # Several script calls in one round trip: each script's text becomes a local
 # function of one composed script (its KEYS and ARGV are the function's
 # parameters, so the text runs unchanged), called in order on its own slice
-# of the composed call's KEYS and ARGV. Atomic together, as one script is;
+# of the composed call's KEYS and ARGV; a step that answers an error ends it
+# there, with that error. Atomic together, as one script is;
 # every key must share a hash slot on a cluster (the callers' keys share
 # their pool's tag). Composed once per sequence of scripts.
 _COMPOSE_TAIL = """
@@ -496,6 +497,9 @@ for i = 1, n do
   for j = 1, na do a[j] = ARGV[ai]; ai = ai + 1 end
   local r = STEPS[i](k, a)
   if r == nil then r = false end
+  -- A step that answers an error ends the script with it: the calls after
+  -- it do not run, and the caller hears the error, as when run one by one.
+  if type(r) == 'table' and r.err then return r end
   out[i] = r
 end
 return out
@@ -515,6 +519,15 @@ def _composed_script(scripts: tuple[LuaScript, ...]) -> LuaScript:
     return composed
 
 
+def _composed_call(calls: list[ScriptCall] | tuple[ScriptCall, ...]) -> ScriptCall[list]:
+    counts: list[Any] = [len(calls)]
+    for call in calls:
+        counts += [len(call.keys), len(call.args)]
+    return ScriptCall(script=_composed_script(tuple(call.script for call in calls)),
+                      keys=[key for call in calls for key in call.keys],
+                      args=counts + [arg for call in calls for arg in call.args], parse=list)
+
+
 def script_calls_run(calls: list[ScriptCall], client: SyncRedis | None = None) -> list[Any]:
     """Run ``calls`` in order as one script (one round trip); each result
     parsed as its own call would parse it."""
@@ -522,20 +535,43 @@ def script_calls_run(calls: list[ScriptCall], client: SyncRedis | None = None) -
         return [calls[0].run(client)]
     if not calls:
         return []
-    counts: list[Any] = [len(calls)]
-    for call in calls:
-        counts += [len(call.keys), len(call.args)]
-    composed = ScriptCall(script=_composed_script(tuple(call.script for call in calls)),
-                          keys=[key for call in calls for key in call.keys],
-                          args=counts + [arg for call in calls for arg in call.args], parse=list)
-    return [call.parse(raw) for call, raw in zip(calls, composed.run(client))]
+    return [call.parse(raw) for call, raw in zip(calls, _composed_call(calls).run(client))]
+
+
+@dataclass(frozen=True)
+class Together:
+    """Script calls whose keys carry different hash tags (a pool's and a
+    request's, a pool's and a tenant's), run in order and each parsed as its
+    own call would be: in one round trip, one composed script, on a single
+    Redis; one after another on a cluster, where no script may touch two
+    slots. Callers count only on the order, never on the calls being atomic
+    together (they are on a single Redis, not on a cluster), and a call
+    that raises stops the ones after it either way."""
+
+    calls: tuple[ScriptCall, ...]
+
+    def run(self, client: SyncRedis | None = None) -> list[Any]:
+        client = client or get_redis()
+        if isinstance(client, redis.cluster.RedisCluster):
+            return [call.run(client) for call in self.calls]
+        return script_calls_run(list(self.calls), client)
+
+    async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
+        client = client or get_async_redis()
+        if isinstance(client, aioredis_cluster.RedisCluster) or len(self.calls) == 1:
+            return [await call.run_async(client) for call in self.calls]
+        if not self.calls:
+            return []
+        raws = await _composed_call(self.calls).run_async(client)
+        return [call.parse(raw) for call, raw in zip(self.calls, raws)]
 
 
 # A flow of script calls written once: a generator that yields each step and
 # receives its result (or has its exception thrown in at the yield), and
-# returns the flow's result. A step is a ScriptCall, or a plain callable for
-# blocking work between calls (rebuilding config from the database).
-Step = Union[ScriptCall, Callable[[], Any]]
+# returns the flow's result. A step is a ScriptCall, several calls run
+# Together (their results as a list), or a plain callable for blocking work
+# between calls (rebuilding config from the database).
+Step = Union[ScriptCall, Together, Callable[[], Any]]
 Plan = Generator[Step, Any, T]
 
 
@@ -550,7 +586,7 @@ def plan_run(plan: Plan[T], client: redis.Redis | None = None) -> T:
             return done.value
         result, error = None, None
         try:
-            result = step.run(client) if isinstance(step, ScriptCall) else step()
+            result = step.run(client) if isinstance(step, (ScriptCall, Together)) else step()
         except Exception as exc:  # noqa: BLE001 - the plan decides what it handles
             error = exc
 
@@ -566,7 +602,7 @@ async def plan_run_async(plan: Plan[T], client: aioredis.Redis | None = None) ->
             return done.value
         result, error = None, None
         try:
-            if isinstance(step, ScriptCall):
+            if isinstance(step, (ScriptCall, Together)):
                 result = await step.run_async(client)
             else:
                 result = await sync_to_async(step, thread_sensitive=False)()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from budgets.admission.redis_client import redis_now_ms
+from budgets.admission.redis_client import ScriptCall, Together, redis_now_ms
 from budgets.ledger.writer import usage_record_write
 from gateway.core.jobs import job_complete
-from gateway.core.metrics import departure_record
+from gateway.core.metrics import departure_call
 from gateway.core.observability import settlement_report
 from gateway.core.records import Outcome, RequestRecord, ledger_entry, publish_call
 from gateway.core.settlement import request_settle
@@ -20,12 +20,15 @@ from gateway.core.streams import stream_end
 
 
 def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
-                 now_ms: float | None = None) -> list[tuple[str, Callable[[], object]]]:
+                 now_ms: float | None = None, together: bool = False) -> list[tuple[str, Callable[[], object]]]:
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome, finish the job. Each step is idempotent on the request id, and
     built lazily so a failed request's settlement (request_fail in
     gateway/worker/execution.py) can run each one on its own. ``now_ms``:
-    the Redis clock now, when the caller knows it (read here otherwise)."""
+    the Redis clock now, when the caller knows it (read here otherwise).
+    ``together``: the departure and the publish as one step, in one round
+    trip on a single Redis (``Together``); a failed request keeps them apart,
+    so each runs even if the other fails."""
     total_ms = max(0, int((redis_now_ms() if now_ms is None else now_ms) - record.admitted_ms))
     written = {"s": 0.0}
 
@@ -40,20 +43,30 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
         ))
         written["s"] = time.monotonic() - writing
 
-    def departure() -> None:
-        if departure_record(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                            time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s):
+    def departure_call_() -> ScriptCall[bool]:
+        return departure_call(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
+                              time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s)
+
+    def departed(first: bool) -> None:
+        if first:
             # Reported by the first finish only: a redelivery replaying it counts nothing twice.
             settlement_report(record=record, outcome=outcome, pool_called=pool_called, total_ms=total_ms,
                               ledger_lag_s=total_ms / 1000 + written["s"])
+
+    def departure_and_publish() -> None:
+        first, _ = Together((departure_call_(), publish_call(record, outcome))).run()
+        departed(first)
 
     steps: list[tuple[str, Callable[[], object]]] = [
         ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,
                                           output_tokens=outcome.output_tokens, pool_called=pool_called)),
         ("ledger", ledger),
-        ("departure", departure),
-        ("publish", lambda: publish_call(record, outcome).run()),
     ]
+    if together:
+        steps.append(("departure+publish", departure_and_publish))
+    else:
+        steps += [("departure", lambda: departed(departure_call_().run())),
+                  ("publish", lambda: publish_call(record, outcome).run())]
     if record.stream:
         # After the publish: the web process relaying the stream wakes on it
         # and ends the caller's stream with the published outcome.
@@ -68,5 +81,6 @@ def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome. Each step is idempotent on the request id, so a replay changes
     nothing."""
-    for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called, now_ms=now_ms):
+    for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called, now_ms=now_ms,
+                                together=True):
         step()

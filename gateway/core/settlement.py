@@ -3,27 +3,31 @@ the tokens it used (or refund them: it never reached the pool) and its
 tenant's month-to-date to what it cost, then the caller writes the ledger
 row. Two atomic steps on two hash tags (the pool's, the tenant's), each
 idempotent on the request id, so a replay after a crash between them
-finishes the second and changes nothing else. The spend step runs before the
+finishes the second and changes nothing else. On a single Redis both go in
+one round trip (``Together``). The spend step runs before the
 ledger row is written: reconciliation counts on that order
 (budgets/admission/spend_reconcile.lua)."""
 
 from __future__ import annotations
 
 from budgets.admission.buckets import Settlement, settle_call
-from budgets.admission.redis_client import Plan, plan_run, plan_run_async
+from budgets.admission.redis_client import Plan, Together, plan_run, plan_run_async
 from budgets.admission.spend_holds import spend_settle_call
 from gateway.core.records import RequestRecord
 
 
 def settlement_plan(record: RequestRecord, *, input_tokens: int, output_tokens: int,
                     pool_called: bool) -> Plan[Settlement]:
-    settlement = yield settle_call(
+    """The pool's step, then the spend's: in one round trip on a single Redis
+    (``Together``), one after the other on a cluster."""
+    pool_step = settle_call(
         pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
         actual_input_tokens=input_tokens, actual_output_tokens=output_tokens, pool_called=pool_called)
-    if record.spend_month:
-        yield spend_settle_call(
-            tenant_id=record.tenant_id, month=record.spend_month, request_id=record.request_id,
-            actual_cost_micro=record.actual_cost_micro(input_tokens=input_tokens, output_tokens=output_tokens))
+    if not record.spend_month:
+        return (yield pool_step)
+    settlement, _ = yield Together((pool_step, spend_settle_call(
+        tenant_id=record.tenant_id, month=record.spend_month, request_id=record.request_id,
+        actual_cost_micro=record.actual_cost_micro(input_tokens=input_tokens, output_tokens=output_tokens))))
     return settlement
 
 

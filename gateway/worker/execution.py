@@ -24,7 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
-from budgets.admission.redis_client import Commands, get_redis, redis_now_ms, script_calls_run
+from budgets.admission.redis_client import LuaScript, ScriptCall, Together, get_redis, redis_now_ms, script_calls_run
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
@@ -44,6 +44,7 @@ from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_e
 from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
 
+ANSWER_KEEP = LuaScript(__package__, "answer_keep.lua")
 logger = logging.getLogger(__name__)
 
 # Infrastructure away: the request is fine, so the task waits for Redis or
@@ -173,9 +174,13 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
     ), False
 
 
-def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None) -> Outcome:
+def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None,
+              deferred: list[ScriptCall] | None = None) -> Outcome:
     """Call the pool, retrying only as the policy and the budgets allow, and
-    feed every answer to the pool's adaptive capacity."""
+    feed every answer to the pool's adaptive capacity. ``deferred``: a list
+    the caller runs after (``_answer_keep``'s ``along``, one round trip
+    fewer): an attempt that is surely the last (its answer is not retried, or
+    no attempt is left) puts its signals there instead of sending them."""
     rng = rng or random.Random()
     policy = policy or RetryPolicy.from_settings()
     attempts = 0
@@ -197,7 +202,10 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
             throttled += 1
             signals.append(capacity_signal_call(pool_id=record.pool_id, event="throttle",
                                                 retry_after_ms=outcome.retry_after_ms or 0))
-        script_calls_run(signals)
+        if deferred is not None and (not retryable or attempts + 1 >= policy.max_attempts):
+            deferred.extend(signals)
+        else:
+            script_calls_run(signals)
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
@@ -269,17 +277,19 @@ def interrupted_outcome(record: RequestRecord, *, queue_wait_ms: int) -> Outcome
     )
 
 
-def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
+def _answer_keep(client, record: RequestRecord, outcome: Outcome, *, along: list[ScriptCall] | None = None) -> Outcome:
     """Store the pool's answer once: the first stored wins, so whoever
     finishes the request (this worker, one that took it over, a late one)
     settles and publishes the same answer, and a pool's answer and an
     interruption never both count. A stream's own end replaces the answer
-    its first chunk stored (gateway/worker/streaming.py)."""
-    if outcome.streamed:
-        client.set(keys.request_response(record.request_id), outcome.to_json(), px=ttl_ms())
-        return outcome
-    (kept,) = Commands().command("SET", keys.request_response(record.request_id), outcome.to_json(),
-                                 "NX", "PX", int(ttl_ms())).run(client)
+    its first chunk stored (gateway/worker/streaming.py). ``along``: script
+    calls to run first in the same round trip (what the last attempt's
+    answer tells the lane limits and the circuit: ``pool_call``'s
+    ``deferred``)."""
+    store = ScriptCall(script=ANSWER_KEEP, keys=[keys.request_response(record.request_id)],
+                       args=[outcome.to_json(), int(ttl_ms()), "0" if outcome.streamed else "1"],
+                       parse=lambda raw: int(raw) == 1)
+    *_, kept = Together((*(along or ()), store)).run(client)
     if kept:
         return outcome
     stored = client.get(keys.request_response(record.request_id))
@@ -367,7 +377,8 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         else:
             try:
                 calling = time.monotonic()
-                outcome = replace(pool_call(record), queue_wait_ms=queue_wait_ms)
+                signals: list[ScriptCall] = []
+                outcome = replace(pool_call(record, deferred=signals), queue_wait_ms=queue_wait_ms)
                 if outcome.ttft_ms is not None:
                     # Earlier attempts and the wait between them count: the
                     # call's time less what followed the last attempt's first chunk.
@@ -379,7 +390,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
                     _answer_keep(client, record, interrupted_outcome(record, queue_wait_ms=queue_wait_ms))
                 raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
-            outcome = _answer_keep(client, record, outcome)
+            outcome = _answer_keep(client, record, outcome, along=signals)
         request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now())
     return outcome.status
 

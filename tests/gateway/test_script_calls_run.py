@@ -2,15 +2,18 @@
 script_calls_run): the worker reports a pool answer to the circuit, the lane
 limits, the pool's capacity and its retry budget as one composed script. The
 composed run must leave Redis exactly as the calls run one by one, and
-return what each would have returned."""
+return what each would have returned. ``Together``: calls under different
+hash tags, composed on a single Redis and one by one on a cluster."""
 
 from __future__ import annotations
 
 import pytest
+import redis
+from django.conf import settings
 
 from budgets.admission import keys as budget_keys
 from budgets.admission.capacity import capacity_signal_call
-from budgets.admission.redis_client import LuaScript, ScriptCall, script_calls_run
+from budgets.admission.redis_client import LuaScript, ScriptCall, Together, plan_run, raw_reply, script_calls_run
 from gateway.core import keys
 from gateway.core.circuit import circuit_record_call
 from gateway.core.concurrency import lane_limit_call
@@ -97,3 +100,65 @@ def test_the_worker_reports_an_answer_to_the_scripts_it_concerns(lane, answer, e
     calls = lane_signal_calls(record, answer, hold=SlotHold(held=True, in_use=1))
     assert [call.script.name.rsplit("/", 1)[1] for call in calls] == expected
     assert calls[0].args[0] == ("fail" if answer.upstream_status == 503 else "ok")
+
+
+ECHO = LuaScript.of_source("test/echo-keys", "return {KEYS[1], ARGV[1]}")
+BUMP = LuaScript.of_source("test/bump", "return redis.call('INCRBY', KEYS[1], ARGV[1])")
+REFUSE = LuaScript.of_source("test/refuse", "return redis.error_reply('refused here')")
+
+
+def _together_calls() -> tuple[ScriptCall, ...]:
+    # keys under three different hash tags: a pool's, a request's, a tenant's
+    return (ScriptCall(script=BUMP, keys=["sluice:test:{pool:9}:n"], args=[2], parse=int),
+            ScriptCall(script=ECHO, keys=["sluice:test:{req_x}:e"], args=["hi"], parse=tuple),
+            ScriptCall(script=BUMP, keys=["sluice:test:{tenant:9}:n"], args=[5], parse=lambda raw: -int(raw)))
+
+
+@pytest.mark.redis_cluster
+def test_together_runs_calls_of_different_hash_tags_in_order_each_parsed(redis_client):
+    # given calls whose keys a cluster keeps in different slots
+    # when they run Together, sync and async (on a cluster: one by one; on a single Redis: composed)
+    import asyncio
+
+    first = Together(_together_calls()).run()
+    second = asyncio.run(Together(_together_calls()).run_async())
+
+    # then each ran once per run, in order, and came back parsed by its own call
+    assert first == [2, ("sluice:test:{req_x}:e", "hi"), -5]
+    assert second == [4, ("sluice:test:{req_x}:e", "hi"), -10]
+    assert redis_client.get("sluice:test:{pool:9}:n") == "4"
+    assert redis_client.delete("sluice:test:{pool:9}:n", "sluice:test:{tenant:9}:n") == 2
+
+
+@pytest.mark.redis_cluster
+def test_together_a_call_that_fails_stops_the_ones_after_it(redis_client):
+    calls = (ScriptCall(script=BUMP, keys=["sluice:test:{pool:9}:m"], args=[1], parse=int),
+             ScriptCall(script=REFUSE, keys=["sluice:test:{req_x}:r"], args=[], parse=raw_reply),
+             ScriptCall(script=BUMP, keys=["sluice:test:{tenant:9}:m"], args=[1], parse=int))
+    with pytest.raises(redis.exceptions.ResponseError, match="refused here"):
+        Together(calls).run()
+    assert redis_client.get("sluice:test:{pool:9}:m") == "1"  # the one before ran
+    assert redis_client.get("sluice:test:{tenant:9}:m") is None  # the one after did not
+    redis_client.delete("sluice:test:{pool:9}:m")
+
+
+@pytest.mark.redis_cluster
+def test_a_plan_step_of_calls_together_gets_their_results(redis_client):
+    def plan():
+        bumped, echoed, negated = yield Together(_together_calls())
+        return bumped, echoed[1], negated
+
+    assert plan_run(plan()) == (2, "hi", -5)
+    redis_client.delete("sluice:test:{pool:9}:n", "sluice:test:{tenant:9}:n")
+
+
+def test_on_a_single_redis_together_is_one_round_trip(redis_client):
+    if settings.SLUICE_REDIS_CLUSTER:
+        pytest.skip("a cluster runs them one by one")
+    redis_client.config_resetstat()
+    Together(_together_calls()).run()
+    stats = redis_client.info("commandstats")
+    # one EVALSHA (the composed script), whose steps ran inside it
+    assert stats["cmdstat_evalsha"]["calls"] == 1
+    assert stats["cmdstat_incrby"]["calls"] == 2
+    redis_client.delete("sluice:test:{pool:9}:n", "sluice:test:{tenant:9}:n")
