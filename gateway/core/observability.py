@@ -73,6 +73,21 @@ for _lane in LANE_NAMES:
 
 _failed: set[str] = set()
 
+# A metric's child per label values, looked up once: prometheus_client's
+# ``labels()`` checks and orders its arguments and takes the metric's lock on
+# every call (about 1.6% of a lane worker's CPU, eight calls a request,
+# bench/PROFILE.md). The values are bounded (see above), so is this.
+_children: dict[tuple, object] = {}
+
+
+def _child(metric, *values: str):
+    """``metric.labels(*values)``, values in the metric's label order."""
+    key = (metric, values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*values)
+    return child
+
 
 def _never_raises(record_metric):
     @functools.wraps(record_metric)
@@ -96,26 +111,26 @@ def reason_label(code: object) -> str:
 
 @_never_raises
 def admission_observe(*, record: RequestRecord) -> None:
-    labels = {"pool_id": str(record.pool_id), "workload_id": str(record.workload_id), "lane": record.lane}
-    ADMISSIONS.labels(**labels, borrowed="true" if record.borrowed else "false").inc()
-    ESTIMATED_TOKENS.labels(**labels, direction="input").inc(record.estimated_input_tokens)
-    ESTIMATED_TOKENS.labels(**labels, direction="output").inc(record.estimated_output_tokens)
+    pool, workload, lane = str(record.pool_id), str(record.workload_id), record.lane
+    _child(ADMISSIONS, pool, workload, lane, "true" if record.borrowed else "false").inc()
+    _child(ESTIMATED_TOKENS, pool, workload, lane, "input").inc(record.estimated_input_tokens)
+    _child(ESTIMATED_TOKENS, pool, workload, lane, "output").inc(record.estimated_output_tokens)
 
 
 @_never_raises
 def refusal_observe(*, reason: object, workload_id: int | None, lane: str | None) -> None:
-    REFUSALS.labels(reason=reason_label(reason), workload_id=str(workload_id) if workload_id else NONE,
-                    lane=lane if lane in LANE_NAMES else NONE).inc()
+    _child(REFUSALS, reason_label(reason), str(workload_id) if workload_id else NONE,
+           lane if lane in LANE_NAMES else NONE).inc()
 
 
 @_never_raises
 def api_response_observe(*, route: str, status: int) -> None:
-    API_RESPONSES.labels(route=route, status=str(status)).inc()
+    _child(API_RESPONSES, route, str(status)).inc()
 
 
 @_never_raises
 def upstream_answer_observe(*, pool_id: int, status: str) -> None:
-    UPSTREAM_ANSWERS.labels(pool_id=str(pool_id), status=status).inc()
+    _child(UPSTREAM_ANSWERS, str(pool_id), status).inc()
 
 
 def settlement_report(*, record: RequestRecord, outcome: Outcome, pool_called: bool, total_ms: int,
@@ -141,15 +156,15 @@ def settlement_report(*, record: RequestRecord, outcome: Outcome, pool_called: b
 def _settlement_observe(*, record: RequestRecord, outcome: Outcome, pool_called: bool, total_ms: int,
                         ledger_lag_s: float) -> None:
     lane = record.lane
-    SETTLED.labels(lane=lane, status=outcome.status).inc()
-    QUEUE_WAIT.labels(lane=lane).observe(outcome.queue_wait_ms / 1000)
-    TOTAL_TIME.labels(lane=lane).observe(total_ms / 1000)
-    LEDGER_LAG.labels(lane=lane).observe(max(0.0, ledger_lag_s))
+    _child(SETTLED, lane, outcome.status).inc()
+    _child(QUEUE_WAIT, lane).observe(outcome.queue_wait_ms / 1000)
+    _child(TOTAL_TIME, lane).observe(total_ms / 1000)
+    _child(LEDGER_LAG, lane).observe(max(0.0, ledger_lag_s))
     if pool_called:
-        UPSTREAM_TIME.labels(lane=lane).observe(outcome.upstream_ms / 1000)
-        labels = {"pool_id": str(record.pool_id), "workload_id": str(record.workload_id), "lane": lane}
-        ACTUAL_TOKENS.labels(**labels, direction="input").inc(outcome.input_tokens)
-        ACTUAL_TOKENS.labels(**labels, direction="output").inc(outcome.output_tokens)
+        _child(UPSTREAM_TIME, lane).observe(outcome.upstream_ms / 1000)
+        pool, workload = str(record.pool_id), str(record.workload_id)
+        _child(ACTUAL_TOKENS, pool, workload, lane, "input").inc(outcome.input_tokens)
+        _child(ACTUAL_TOKENS, pool, workload, lane, "output").inc(outcome.output_tokens)
 
 
 def lease_expiry_report(*, record: RequestRecord, ledger_lag_s: float) -> None:
