@@ -483,23 +483,33 @@ def _reply(read: Callable[[], Any]) -> Any:
 # function of one composed script (its KEYS and ARGV are the function's
 # parameters, so the text runs unchanged), called in order on its own slice
 # of the composed call's KEYS and ARGV; a step that answers an error ends it
-# there, with that error. Atomic together, as one script is;
+# there, with that error. A step may be guarded: it runs only when the step
+# before it ran and answered a table whose first element is one of the
+# guard's values (comma-separated; admit.lua's 1, circuit.lua's 'go'), and
+# is skipped (false) otherwise. Atomic together, as one script is;
 # every key must share a hash slot on a cluster (the callers' keys share
 # their pool's tag). Composed once per sequence of scripts.
 _COMPOSE_TAIL = """
 local n = tonumber(ARGV[1])
-local ki, ai = 1, 2 + 2 * n
+local ki, ai = 1, 2 + 3 * n
 local out = {}
 for i = 1, n do
-  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local nk, na, guard = tonumber(ARGV[3 * i - 1]), tonumber(ARGV[3 * i]), ARGV[3 * i + 1]
   local k, a = {}, {}
   for j = 1, nk do k[j] = KEYS[ki]; ki = ki + 1 end
   for j = 1, na do a[j] = ARGV[ai]; ai = ai + 1 end
-  local r = STEPS[i](k, a)
-  if r == nil then r = false end
-  -- A step that answers an error ends the script with it: the calls after
-  -- it do not run, and the caller hears the error, as when run one by one.
-  if type(r) == 'table' and r.err then return r end
+  local go = guard == ''
+  if not go and i > 1 and type(out[i - 1]) == 'table' and out[i - 1][1] ~= nil then
+    go = string.find(',' .. guard .. ',', ',' .. tostring(out[i - 1][1]) .. ',', 1, true) ~= nil
+  end
+  local r = false
+  if go then
+    r = STEPS[i](k, a)
+    if r == nil then r = false end
+    -- A step that answers an error ends the script with it: the calls after
+    -- it do not run, and the caller hears the error, as when run one by one.
+    if type(r) == 'table' and r.err then return r end
+  end
   out[i] = r
 end
 return out
@@ -519,23 +529,53 @@ def _composed_script(scripts: tuple[LuaScript, ...]) -> LuaScript:
     return composed
 
 
-def _composed_call(calls: list[ScriptCall] | tuple[ScriptCall, ...]) -> ScriptCall[list]:
+Guards = tuple[str, ...] | None
+
+
+def _composed_call(calls: list[ScriptCall] | tuple[ScriptCall, ...], guards: Guards = None) -> ScriptCall[list]:
     counts: list[Any] = [len(calls)]
-    for call in calls:
-        counts += [len(call.keys), len(call.args)]
+    for i, call in enumerate(calls):
+        counts += [len(call.keys), len(call.args), guards[i] if guards else ""]
     return ScriptCall(script=_composed_script(tuple(call.script for call in calls)),
                       keys=[key for call in calls for key in call.keys],
                       args=counts + [arg for call in calls for arg in call.args], parse=list)
 
 
-def script_calls_run(calls: list[ScriptCall], client: SyncRedis | None = None) -> list[Any]:
+def _parsed(calls, raws: list[Any], guards: Guards) -> list[Any]:
+    # A guarded step that was skipped comes back as None, unparsed.
+    return [None if guards and guards[i] and raw is None else call.parse(raw)
+            for i, (call, raw) in enumerate(zip(calls, raws))]
+
+
+def _guard_passes(guard: str, previous_raw: Any) -> bool:
+    return (isinstance(previous_raw, list) and bool(previous_raw)
+            and str(previous_raw[0]) in guard.split(","))
+
+
+def _one_by_one(calls, guards: Guards, run) -> list[Any]:
+    """The calls as separate round trips, guards applied as the composed script does."""
+    results, previous = [], None
+    for i, call in enumerate(calls):
+        guard = guards[i] if guards else ""
+        if guard and not _guard_passes(guard, previous):
+            results.append(None)
+            previous = None
+            continue
+        previous = run(ScriptCall(script=call.script, keys=call.keys, args=call.args, parse=raw_reply))
+        results.append(call.parse(previous))
+    return results
+
+
+def script_calls_run(calls: list[ScriptCall], client: SyncRedis | None = None, *, guards: Guards = None) -> list[Any]:
     """Run ``calls`` in order as one script (one round trip); each result
-    parsed as its own call would parse it."""
+    parsed as its own call would parse it. ``guards``: per call, '' or the
+    values the previous call's first element must have for it to run (a
+    skipped call's result is None)."""
     if len(calls) == 1:
         return [calls[0].run(client)]
     if not calls:
         return []
-    return [call.parse(raw) for call, raw in zip(calls, _composed_call(calls).run(client))]
+    return _parsed(calls, _composed_call(calls, guards).run(client), guards)
 
 
 @dataclass(frozen=True)
@@ -546,24 +586,36 @@ class Together:
     Redis; one after another on a cluster, where no script may touch two
     slots. Callers count only on the order, never on the calls being atomic
     together (they are on a single Redis, not on a cluster), and a call
-    that raises stops the ones after it either way."""
+    that raises stops the ones after it either way. ``guards`` as for
+    ``script_calls_run``, applied the same way on both paths."""
 
     calls: tuple[ScriptCall, ...]
+    guards: Guards = None
 
     def run(self, client: SyncRedis | None = None) -> list[Any]:
         client = client or get_redis()
         if isinstance(client, redis.cluster.RedisCluster):
-            return [call.run(client) for call in self.calls]
-        return script_calls_run(list(self.calls), client)
+            return _one_by_one(self.calls, self.guards, lambda call: call.run(client))
+        return script_calls_run(list(self.calls), client, guards=self.guards)
 
     async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
         client = client or get_async_redis()
         if isinstance(client, aioredis_cluster.RedisCluster) or len(self.calls) == 1:
-            return [await call.run_async(client) for call in self.calls]
+            results, previous = [], None
+            for i, call in enumerate(self.calls):
+                guard = self.guards[i] if self.guards else ""
+                if guard and not _guard_passes(guard, previous):
+                    results.append(None)
+                    previous = None
+                    continue
+                previous = await ScriptCall(script=call.script, keys=call.keys, args=call.args,
+                                            parse=raw_reply).run_async(client)
+                results.append(call.parse(previous))
+            return results
         if not self.calls:
             return []
-        raws = await _composed_call(self.calls).run_async(client)
-        return [call.parse(raw) for call, raw in zip(self.calls, raws)]
+        raws = await _composed_call(self.calls, self.guards).run_async(client)
+        return _parsed(self.calls, raws, self.guards)
 
 
 # A flow of script calls written once: a generator that yields each step and

@@ -6,7 +6,8 @@ Redis being away turned into a clear 503.
 Two atomic steps, because a tenant's spend and a pool's buckets carry
 different Redis Cluster hash tags and no script may touch both
 (budgets/admission/spend_holds.py): admit on the pool, then hold the spend,
-and give the lease back when the spend refuses. The flow is written once
+and give the lease back when the spend refuses. On a single Redis the two
+go in one round trip (``Together``), the hold only if the pool admitted. The flow is written once
 (``admission_plan``); the sync caller (jobs: the API and the pacer) and the
 async one (the chat API) run it and differ only in the await."""
 
@@ -22,7 +23,8 @@ from django.conf import settings
 from budgets.admission.buckets import Admission, NotConfigured, admit_call, settle_call
 from budgets.admission.estimation import Estimate
 from budgets.admission.pool_config import pool_config_push
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, Plan, ScriptCall, plan_run, plan_run_async
+from budgets.admission.redis_client import (REDIS_UNAVAILABLE, Plan, ScriptCall, Together, plan_run, plan_run_async,
+                                            raw_reply)
 from budgets.admission.spend_holds import SpendHold, spend_hold_call
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.spend import spend_month, spend_tenant_restore
@@ -82,6 +84,25 @@ def admission_call(ctx: CallerContext, *, request_id: str, estimate: Estimate, l
                       input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms)
 
 
+def _raw(call: ScriptCall) -> ScriptCall:
+    return ScriptCall(script=call.script, keys=call.keys, args=call.args, parse=raw_reply)
+
+
+def _spend_held(hold: SpendHold, call: ScriptCall[bool], answered: object = None) -> Plan[bool]:
+    """The spend hold, read from the answer it already gave (``answered``)
+    or asked for now; the tenant's spend rebuilt once if Redis lacks it."""
+    try:
+        if answered is not None:
+            try:
+                return call.parse(answered)
+            except NotConfigured:
+                yield partial(spend_rebuild, hold)
+                return (yield call)
+        return (yield from _configured(call, partial(spend_rebuild, hold)))
+    except NotConfigured as exc:  # rebuilt, and gone again: Redis is not keeping what it is given
+        raise BudgetUnavailable(f"spend of tenant {hold.tenant_id}: {exc}") from exc
+
+
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
                    lease_ms: int) -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
@@ -89,24 +110,31 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     no_reservation) or BudgetUnavailable. The pool goes first because it is
     what refuses most (a workload over its rate): such a refusal costs one
     script, not a hold, the admission and the hold taken back
-    (bench/PROFILE.md)."""
+    (bench/PROFILE.md). Both go in one round trip (``Together``), the hold
+    run only if the pool admitted (its guard: admit.lua's 1 or 2); a config
+    to rebuild takes them apart again."""
+    admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms)
+    hold = spend_hold_for(ctx, model=model, estimate=estimate)
+    hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
+                                                          estimated_tokens=estimate.total_tokens)
+    answered = None
     try:
-        admission = yield from _configured(
-            admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms),
-            partial(pool_config_rebuild, ctx.pool_id))
+        if hold_call is None:
+            admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
+        else:
+            raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
+            try:
+                admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
+            except NotConfigured:
+                yield partial(pool_config_rebuild, ctx.pool_id)
+                admission = yield admit
+                answered = None  # the hold did not run: it is asked below
     except NotConfigured as exc:
         raise no_reservation() from exc
-    hold = spend_hold_for(ctx, model=model, estimate=estimate)
     if hold is None:
         return admission
     try:
-        try:
-            yield from _configured(
-                spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
-                                estimated_tokens=estimate.total_tokens),
-                partial(spend_rebuild, hold))
-        except NotConfigured as exc:  # rebuilt, and gone again: Redis is not keeping what it is given
-            raise BudgetUnavailable(f"spend of tenant {hold.tenant_id}: {exc}") from exc
+        yield from _spend_held(hold, hold_call, answered)
     except Exception:
         # The spend refused (or could not be asked): the request does not
         # exist, so neither does its lease. If Redis is away this fails too,

@@ -49,7 +49,12 @@ def _call(*, pool_id: int, event: str, holder: str = "", detail: str = "") -> Sc
 
 def circuit_gate(*, pool_id: int, holder: str) -> CircuitVerdict:
     """May this call go now (closed, or it is the half-open trial)?"""
-    return _call(pool_id=pool_id, event="gate", holder=holder).run()
+    return circuit_gate_call(pool_id=pool_id, holder=holder).run()
+
+
+def circuit_gate_call(*, pool_id: int, holder: str) -> ScriptCall[CircuitVerdict]:
+    """``circuit_gate`` as a call, to run with others (its answer's first element: 'go' or 'wait')."""
+    return _call(pool_id=pool_id, event="gate", holder=holder)
 
 
 def circuit_record(*, pool_id: int, holder: str, ok: bool, detail: str = "") -> str:

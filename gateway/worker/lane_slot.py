@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from budgets.admission.provider_limits import provider_take_call
 from budgets.admission.redis_client import ScriptCall, redis_now_ms, script_calls_run
-from gateway.core.circuit import circuit_gate, circuit_record_call
+from gateway.core.circuit import circuit_gate, circuit_gate_call, circuit_record_call
 from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
 from gateway.core.lanes import BATCH, SCHEDULED
 from gateway.core.records import Outcome, RequestRecord
@@ -73,8 +73,7 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
-        circuit_wait(record)
-        provider_room_wait(record)
+        call_gate_wait(record)
         yield hold
     finally:
         if hold.held:
@@ -84,6 +83,20 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
 CIRCUIT_POLL_MAX_S = 0.1
 # Work that gives way to protected work in the provider's window.
 SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
+
+
+def call_gate_wait(record: RequestRecord) -> None:
+    """The circuit's gate and the provider's room, asked in one round trip
+    (the room taken only if the gate said go); whichever says wait is then
+    waited for as ``circuit_wait`` and ``provider_room_wait`` wait."""
+    take = _provider_take(record)
+    verdict, wait_ms = script_calls_run([circuit_gate_call(pool_id=record.pool_id, holder=record.request_id), take],
+                                        guards=("", "go"))
+    if not verdict.go:
+        circuit_wait(record)
+        provider_room_wait(record)
+    elif wait_ms > 0:
+        provider_room_wait(record, first_wait_ms=wait_ms)
 
 
 def circuit_wait(record: RequestRecord) -> None:
@@ -108,16 +121,22 @@ def _pool_failed(outcome: Outcome) -> bool:
     return outcome.status == "upstream_error"
 
 
-def provider_room_wait(record: RequestRecord) -> None:
+def _provider_take(record: RequestRecord) -> ScriptCall[float]:
+    return provider_take_call(pool_id=record.pool_id,
+                              tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                              sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
+
+
+def provider_room_wait(record: RequestRecord, *, first_wait_ms: float | None = None) -> None:
     """Take the call's share of the room the provider said it has
     (budgets/admission/provider_take.lua), waiting for it if there is none,
     never past the request's deadline: a call sent into a full window is
-    refused, and the refusal counts against us at the provider."""
-    call = provider_take_call(pool_id=record.pool_id,
-                              tokens=record.estimated_input_tokens + record.estimated_output_tokens,
-                              sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
+    refused, and the refusal counts against us at the provider.
+    ``first_wait_ms``: what a take just answered (it is not asked again first)."""
+    call = _provider_take(record)
     while True:
-        wait_ms = call.run()
+        wait_ms = call.run() if first_wait_ms is None else first_wait_ms
+        first_wait_ms = None
         if wait_ms <= 0:
             return
         if record.deadline_ms:

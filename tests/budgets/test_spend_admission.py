@@ -370,6 +370,40 @@ def test_a_lost_month_to_date_is_rebuilt_before_admitting(make_caller, redis_cli
     assert month_to_date(redis_client, caller.tenant)[f"T{caller.tenant.id}"] == 3 * CENT
 
 
+def test_a_lost_pool_config_is_rebuilt_and_the_spend_held_once(make_caller, redis_client):
+    # given a priced workload whose pool config Redis lost
+    caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
+    SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("0.05"), hard_cap=True)
+    ctx = context_for_workload(caller.workload)
+    try_admit(ctx, "before")
+    redis_client.delete(keys.pool_config(caller.pool.id))
+    # when the next request arrives
+    admission = try_admit(ctx, "after")
+    # then the pool's config was rebuilt, the request leased, and its spend held once
+    assert admission.spend_month == this_month()
+    assert redis_client.exists(keys.pool_config(caller.pool.id))
+    assert sorted(holds(redis_client, caller.tenant)) == ["after", "before"]
+    assert month_to_date(redis_client, caller.tenant)[f"T{caller.tenant.id}"] == 2 * CENT
+
+
+def test_on_a_single_redis_admission_and_hold_are_one_round_trip(make_caller, redis_client, settings):
+    if settings.SLUICE_REDIS_CLUSTER:
+        pytest.skip("on a cluster the pool's and the tenant's keys are in different slots: two scripts")
+    caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
+    SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("0.02"), hard_cap=True)
+    ctx = context_for_workload(caller.workload)
+    try_admit(ctx, "warm")  # the tenant's spend is restored on first use
+    redis_client.config_resetstat()
+    try_admit(ctx, "one")
+    assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+    # a spend refusal still takes the lease back (a second script)
+    with pytest.raises(Rejected) as excinfo:
+        try_admit(ctx, "over")
+    assert excinfo.value.reason == "spend_budget"
+    assert not redis_client.exists(keys.lease(caller.pool.id, "over"))
+    assert sorted(holds(redis_client, caller.tenant)) == ["one", "warm"]
+
+
 def test_spend_caps_follow_budget_edits(make_caller, redis_client):
     caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
     budget = SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("0.01"), hard_cap=True)

@@ -162,3 +162,34 @@ def test_on_a_single_redis_together_is_one_round_trip(redis_client):
     assert stats["cmdstat_evalsha"]["calls"] == 1
     assert stats["cmdstat_incrby"]["calls"] == 2
     redis_client.delete("sluice:test:{pool:9}:n", "sluice:test:{tenant:9}:n")
+
+
+STATUS = LuaScript.of_source("test/status", "return {ARGV[1], 'detail'}")
+
+
+@pytest.mark.redis_cluster
+@pytest.mark.parametrize("first, runs", [("go", True), ("1", True), ("wait", False), ("0", False)])
+def test_a_guarded_call_runs_only_when_the_one_before_answered_a_guard_value(redis_client, first, runs):
+    import asyncio
+
+    calls = (ScriptCall(script=STATUS, keys=["sluice:test:{pool:9}:s"], args=[first], parse=tuple),
+             ScriptCall(script=BUMP, keys=["sluice:test:{tenant:9}:g"], args=[1], parse=int),
+             ScriptCall(script=BUMP, keys=["sluice:test:{tenant:9}:h"], args=[1], parse=int))
+    guards = ("", "go,1", "1,2")  # the third runs only after a bump that answered... never a table: skipped
+    runs_of = (Together(calls, guards=guards).run(), asyncio.run(Together(calls, guards=guards).run_async()))
+    for n, results in enumerate(runs_of, start=1):
+        assert results[0] == (first, "detail")
+        assert results[1] == (n if runs else None)
+        assert results[2] is None  # the step before it answered a number, not a table
+    assert redis_client.get("sluice:test:{tenant:9}:g") == ("2" if runs else None)
+    assert redis_client.get("sluice:test:{tenant:9}:h") is None
+    redis_client.delete("sluice:test:{tenant:9}:g")
+
+
+def test_script_calls_run_applies_guards_in_one_script(redis_client):
+    calls = [ScriptCall(script=STATUS, keys=["{t}:s"], args=["wait"], parse=tuple),
+             ScriptCall(script=BUMP, keys=["{t}:n"], args=[1], parse=int)]
+    assert script_calls_run(calls, guards=("", "go")) == [("wait", "detail"), None]
+    calls[0] = ScriptCall(script=STATUS, keys=["{t}:s"], args=["go"], parse=tuple)
+    assert script_calls_run(calls, guards=("", "go")) == [("go", "detail"), 1]
+    redis_client.delete("{t}:n")
