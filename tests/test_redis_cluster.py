@@ -25,7 +25,7 @@ from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reco
 from budgets.admission.redis_client import get_redis
 from budgets.ledger.rejections import rejection_count_call
 from gateway.core.metrics import departure_call
-from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call
+from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call, record_claim_calls
 from gateway.worker.lane_slot import SlotHold, lane_signal_calls
 from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
 from llm_platform.processes import ROOT
@@ -65,6 +65,10 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
                              retry_after_ms=1),
         departure_call(pool_id=3, lane="interactive", request_id="req_0123abcd", time_in_system_ms=1),
     ]
+    # A worker's read of the record and its claim run as one composed script.
+    read_and_claim = record_claim_calls("req_0123abcd", generation=0, holder="w")
+    assert len(_one_slot([key for call in read_and_claim for key in call.keys])) == 1
+    calls += read_and_claim
     for call in calls:
         assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)
     # What a worker reports of one pool answer runs as one composed script

@@ -17,8 +17,10 @@
 -- task; every finishing step is idempotent besides, so nothing is settled or
 -- published twice.
 --
--- KEYS: 1 owner, 2 heartbeat, 3 the pool's stored answer, 4 published marker
---       (all carry the request's hash tag)
+-- KEYS: 1 owner, 2 heartbeat, 3 the pool's stored answer, 4 published marker,
+--       5 (optional) the request's record: its deadline_ms and
+--       retry_deadline_ms replace ARGV[2] and ARGV[3] (all carry the
+--       request's hash tag)
 -- ARGV: 1 role ('worker' | 'watch' | 'reap'), 2 queue deadline (ms),
 --       3 retry deadline (ms: no delivery calls the pool after it),
 --       4 owner ttl (ms), 5 the delivery's generation (worker), 6 heartbeat
@@ -42,6 +44,14 @@ local role = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local queue_deadline, retry_deadline = tonumber(ARGV[2]), tonumber(ARGV[3])
+if KEYS[5] then
+  -- A worker's claim sent with its read of the record (records.py
+  -- record_claim_calls): the deadlines are the record's own.
+  local d = redis.call('HMGET', KEYS[5], 'deadline_ms', 'retry_deadline_ms')
+  queue_deadline = tonumber(d[1]) or 0
+  retry_deadline = tonumber(d[2]) or 0
+  if retry_deadline == 0 then retry_deadline = queue_deadline end
+end
 local holder = ARGV[7]
 
 local owner = redis.call('GET', KEYS[1])

@@ -25,6 +25,7 @@ from gateway.core import keys
 from gateway.core.errors import error_body
 
 CLAIM = LuaScript(__package__, "claim.lua")
+RECORD_READ = LuaScript(__package__, "record_read.lua")
 PUBLISH = LuaScript(__package__, "publish.lua")
 
 # Who asks claim.lua (its header has the states and verdicts).
@@ -218,6 +219,30 @@ def claim_call(role: str, record: RequestRecord, *, generation: int = 0, holder:
               int(settings.SLUICE_REDELIVERY_WAIT_S * 1000)],
         parse=_claim,
     )
+
+
+def record_claim_calls(request_id: str, *, generation: int, holder: str) -> list[ScriptCall]:
+    """A worker's first two steps of a delivery in one script: read the
+    record (its fields as a dict, empty when there is none) and, only if
+    there is one, claim it as WORKER with the record's own deadlines. Run
+    with ``script_calls_run(..., guards=RECORD_CLAIM_GUARDS)``; the claim's
+    result is None when there was no record. Both keys carry the request's
+    tag, so this is one script on a cluster too."""
+    record_key = keys.request_record(request_id)
+    read = ScriptCall(script=RECORD_READ, keys=[record_key],
+                      args=[], parse=lambda raw: dict(zip(raw[1::2], raw[2::2])) if int(raw[0]) == 1 else {})
+    claim = ScriptCall(
+        script=CLAIM,
+        keys=[keys.request_owner(request_id), keys.request_heartbeat(request_id), keys.request_response(request_id),
+              keys.request_result_published(request_id), record_key],
+        args=[WORKER, "", "", ttl_ms(), generation, int(settings.SLUICE_HEARTBEAT_TTL_S * 1000), holder,
+              int(settings.SLUICE_REDELIVERY_WAIT_S * 1000)],
+        parse=_claim,
+    )
+    return [read, claim]
+
+
+RECORD_CLAIM_GUARDS = ("", "1")
 
 
 def worker_lost_outcome(record: RequestRecord, *, queue_wait_ms: int = 0) -> Outcome:

@@ -33,8 +33,9 @@ from gateway.core.errors import error_body
 from gateway.core.finish import finish_steps, request_finish
 from gateway.core.log_context import log_annotate
 from gateway.core.observability import lease_expiry_report, upstream_answer_observe
-from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUNNING, WORKER, Outcome,
-                                  RequestRecord, claim_call, ledger_entry, ttl_ms, worker_lost_outcome)
+from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDELIVERED, REQUEUE, RUNNING, WORKER,
+                                  Claim, Outcome, RequestRecord, claim_call, ledger_entry, record_claim_calls, ttl_ms,
+                                  worker_lost_outcome)
 from gateway.core.settlement import request_settle
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
@@ -308,18 +309,26 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     that fails is settled and answered at once (``request_fail``)."""
     answered = {} if answered is None else answered
     client = get_redis()
-    data = client.hgetall(keys.request_record(request_id))
+    claim = None
+    if not shutdown_requested() and request_id not in HEARTBEATS.running():
+        # The usual delivery: the record read and claimed in one round trip
+        # (the claim skipped when there is no record).
+        data, claim = script_calls_run(
+            record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder),
+            client, guards=RECORD_CLAIM_GUARDS)
+    else:
+        data = client.hgetall(keys.request_record(request_id))
     if not data:
         logger.warning("request %s has no record (expired?); dropping", request_id)
         return "missing"
     record = RequestRecord.from_redis(data)
     log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
-    if shutdown_requested() and request_id not in answered:
+    if claim is None and shutdown_requested() and request_id not in answered:
         # Not claimed yet and the worker is stopping: the next worker runs it.
         raise HandBack(request_id)
     sent_before = pool_requests_sent()
     try:
-        return _request_run(record, generation=generation, client=client, answered=answered)
+        return _request_run(record, generation=generation, client=client, answered=answered, claim=claim)
     except (*INFRASTRUCTURE_AWAY, HandBack):
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
@@ -328,11 +337,14 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
         return WORKER_ERROR
 
 
-def _request_run(record: RequestRecord, *, generation: int, client, answered: dict[str, Outcome]) -> str:
+def _request_run(record: RequestRecord, *, generation: int, client, answered: dict[str, Outcome],
+                 claim: Claim | None = None) -> str:
+    """``claim``: this delivery's claim when it went with the record's read."""
     request_id = record.request_id
-    if request_id in HEARTBEATS.running():
-        return RUNNING  # a duplicate delivery, while this very process runs the request
-    claim = claim_call(WORKER, record, generation=generation, holder=HEARTBEATS.holder).run(client)
+    if claim is None:
+        if request_id in HEARTBEATS.running():
+            return RUNNING  # a duplicate delivery, while this very process runs the request
+        claim = claim_call(WORKER, record, generation=generation, holder=HEARTBEATS.holder).run(client)
     claimed = time.monotonic()
     queue_wait_ms = max(0, int(claim.now_ms - record.admitted_ms))
 
