@@ -32,10 +32,8 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
         "--host", host, "--port", str(port), "--workers", str(workers),
         "--no-access-log", "--timeout-keep-alive", "30",
         # What uvicorn[standard]'s "auto" picks already, named so a missing
-        # package fails the start instead of silently costing more CPU; the
-        # protocol is httptools' with each answer sent in one write
-        # (llm_platform/http_protocol.py).
-        "--loop", "uvloop", "--http", "llm_platform.http_protocol:HttpToolsProtocol",
+        # package fails the start instead of silently costing more CPU.
+        "--loop", "uvloop", "--http", "httptools",
         # No "server: uvicorn" header on every answer (bytes and a header
         # check per refusal).
         "--no-server-header",
