@@ -87,8 +87,19 @@ local function scale(name)
   if kind == 'Q' then return capacity[wid_part .. '.shed'] or 1 end
   return 1
 end
-local function rate_of(name) return (cfg[name .. '.rate'] or 0) * scale(name) end
-local function cap_of(name) return (cfg[name .. '.cap'] or 0) * scale(name) end
+-- Each bucket's scaled rate and capacity, worked out once per call (the
+-- levels, the waits and the debit ask for the same few buckets again).
+local rates, caps = {}, {}
+local function rate_of(name)
+  local r = rates[name]
+  if r == nil then r = (cfg[name .. '.rate'] or 0) * scale(name); rates[name] = r end
+  return r
+end
+local function cap_of(name)
+  local c = caps[name]
+  if c == nil then c = (cfg[name .. '.cap'] or 0) * scale(name); caps[name] = c end
+  return c
+end
 
 -- Level of a bucket now: last level plus refill since, capped. A bucket never
 -- seen starts full.
