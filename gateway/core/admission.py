@@ -26,7 +26,7 @@ from budgets.admission.pool_config import pool_config_push
 from budgets.admission.redis_client import (REDIS_UNAVAILABLE, Plan, ScriptCall, Together, plan_run, plan_run_async,
                                             raw_reply)
 from budgets.admission.spend_holds import SpendHold, spend_hold_call
-from budgets.errors import BudgetUnavailable
+from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
 from gateway.core.context import CallerContext
@@ -103,6 +103,14 @@ def _spend_held(hold: SpendHold, call: ScriptCall[bool], answered: object = None
         raise BudgetUnavailable(f"spend of tenant {hold.tenant_id}: {exc}") from exc
 
 
+# A workload the pool refused in the last second (in this process) is asked
+# the old way, admission alone, the hold after it only if admitted: a storm of
+# refusals pays one plain script each, not the composed pair (bench/PROFILE.md
+# round 7). Bounded by the number of workloads.
+REFUSED_RECENTLY_S = 1.0
+_refused_at: dict[int, float] = {}
+
+
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
                    lease_ms: int) -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
@@ -111,26 +119,37 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     what refuses most (a workload over its rate): such a refusal costs one
     script, not a hold, the admission and the hold taken back
     (bench/PROFILE.md). Both go in one round trip (``Together``), the hold
-    run only if the pool admitted (its guard: admit.lua's 1 or 2); a config
+    run only if the pool admitted (its guard: admit.lua's 1 or 2), unless
+    the pool refused this workload within ``REFUSED_RECENTLY_S``; a config
     to rebuild takes them apart again."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms)
-    hold = spend_hold_for(ctx, model=model, estimate=estimate)
+    together = time.monotonic() - _refused_at.get(ctx.workload_id, -REFUSED_RECENTLY_S) >= REFUSED_RECENTLY_S
+    hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                                           estimated_tokens=estimate.total_tokens)
     answered = None
     try:
-        if hold_call is None:
-            admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
-        else:
-            raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
-            try:
-                admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
-            except NotConfigured:
-                yield partial(pool_config_rebuild, ctx.pool_id)
-                admission = yield admit
-                answered = None  # the hold did not run: it is asked below
+        try:
+            if hold_call is None:
+                admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
+            else:
+                raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
+                try:
+                    admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
+                except NotConfigured:
+                    yield partial(pool_config_rebuild, ctx.pool_id)
+                    admission = yield admit
+                    answered = None  # the hold did not run: it is asked below
+        except Rejected:
+            _refused_at[ctx.workload_id] = time.monotonic()
+            raise
     except NotConfigured as exc:
         raise no_reservation() from exc
+    if not together:
+        hold = spend_hold_for(ctx, model=model, estimate=estimate)
+        if hold is not None:
+            hold_call = spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
+                                        estimated_tokens=estimate.total_tokens)
     if hold is None:
         return admission
     try:
