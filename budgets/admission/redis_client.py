@@ -485,7 +485,8 @@ def _reply(read: Callable[[], Any]) -> Any:
 # of the composed call's KEYS and ARGV; a step that answers an error ends it
 # there, with that error. A step may be guarded: it runs only when the step
 # before it ran and answered a table whose first element is one of the
-# guard's values (comma-separated; admit.lua's 1, circuit.lua's 'go'), and
+# guard's values (comma-separated: budgets/admission/admit.lua's 1,
+# gateway/core/circuit.lua's 'go'), and
 # is skipped (false) otherwise. Atomic together, as one script is;
 # every key must share a hash slot on a cluster (the callers' keys share
 # their pool's tag). Composed once per sequence of scripts.

@@ -119,7 +119,8 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     what refuses most (a workload over its rate): such a refusal costs one
     script, not a hold, the admission and the hold taken back
     (bench/PROFILE.md). Both go in one round trip (``Together``), the hold
-    run only if the pool admitted (its guard: admit.lua's 1 or 2), unless
+    run only if the pool admitted (its guard: budgets/admission/admit.lua's 1
+    or 2), unless
     the pool refused this workload within ``REFUSED_RECENTLY_S``; a config
     to rebuild takes them apart again."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms)
