@@ -30,14 +30,36 @@ local k_in, k_out = tonumber(lease['k_in']), tonumber(lease['k_out'])
 local a_in, a_out = tonumber(ARGV[2]), tonumber(ARGV[3])
 local refund_request = ARGV[4] == '1'
 
+-- The buckets this settlement corrects, in order, each with its delta.
+local delta_tok = (k_in + k_out) - (a_in + a_out)
+local names, deltas = {}, {}
+local function add(name, delta) names[#names + 1] = name; deltas[#deltas + 1] = delta end
+add(wid .. '.E.tok', delta_tok)
+add('P.tok', delta_tok)
+if lease['q_tok'] == '1' then add(wid .. '.Q.tok', delta_tok) end
+if refund_request then
+  add(wid .. '.E.req', 1)
+  add('P.req', 1)
+  if lease['q_req'] == '1' then add(wid .. '.Q.req', 1) end
+end
+add('P.in', k_in - a_in)
+add('P.out', k_out - a_out)
+
+-- Every bucket's rate and capacity, its level and the capacity factors it
+-- scales by, in three reads (one HGET each was four calls a bucket).
+local cfg_fields, level_fields = {}, {}
+for i, name in ipairs(names) do
+  cfg_fields[2 * i - 1] = name .. '.rate'; cfg_fields[2 * i] = name .. '.cap'
+  level_fields[2 * i - 1] = name .. '.l'; level_fields[2 * i] = name .. '.t'
+end
+local cfg = redis.call('HMGET', KEYS[1], unpack(cfg_fields))
+local levels = redis.call('HMGET', KEYS[2], unpack(level_fields))
+local factors = redis.call('HMGET', KEYS[7], 'factor', wid .. '.shed')
+local pool_factor, shed_factor = tonumber(factors[1]) or 1, tonumber(factors[2]) or 1
 local function scale(name)
-  local field = nil
-  if string.sub(name, 1, 2) == 'P.' then field = 'factor' else
-    local wid_part, kind = string.match(name, '^([^.]+)%.(%a)%.')
-    if kind == 'Q' then field = wid_part .. '.shed' end
-  end
-  if field == nil then return 1 end
-  return tonumber(redis.call('HGET', KEYS[7], field)) or 1
+  if string.sub(name, 1, 2) == 'P.' then return pool_factor end
+  if string.find(name, '.Q.', 1, true) then return shed_factor end
+  return 1
 end
 
 -- The protected sum follows any protected bucket this settlement corrects;
@@ -48,39 +70,26 @@ if lease['q_tok'] == '1' or (refund_request and lease['q_req'] == '1') then
 end
 
 local writes = {}
-local function adjust(name, delta)
-  local rate = tonumber(redis.call('HGET', KEYS[1], name .. '.rate'))
-  local cap = tonumber(redis.call('HGET', KEYS[1], name .. '.cap'))
-  if rate == nil or cap == nil then return end  -- bucket removed since admission
-  local factor = scale(name)
-  rate, cap = rate * factor, cap * factor
-  local vals = redis.call('HMGET', KEYS[2], name .. '.l', name .. '.t')
-  local l = tonumber(vals[1])
-  if l == nil then l = cap else
-    l = l + (now - tonumber(vals[2])) * rate
+for i, name in ipairs(names) do
+  local rate, cap = tonumber(cfg[2 * i - 1]), tonumber(cfg[2 * i])
+  if rate ~= nil and cap ~= nil then  -- nil: the bucket was removed since admission
+    local factor = scale(name)
+    rate, cap = rate * factor, cap * factor
+    local l = tonumber(levels[2 * i - 1])
+    if l == nil then l = cap else
+      l = l + (now - tonumber(levels[2 * i])) * rate
+      if l > cap then l = cap end
+    end
+    -- A refund never fills a bucket past its capacity; a charge (actual above
+    -- the estimate) may take it below zero: that debt is real usage.
+    local old = l
+    l = l + deltas[i]
     if l > cap then l = cap end
+    if agg ~= nil and string.find(name, '.Q.', 1, true) then ps_move(agg, KEYS[9], name, old, l, rate, cap, now) end
+    writes[#writes + 1] = name .. '.l'; writes[#writes + 1] = tostring(l)
+    writes[#writes + 1] = name .. '.t'; writes[#writes + 1] = tostring(now)
   end
-  -- A refund never fills a bucket past its capacity; a charge (actual above
-  -- the estimate) may take it below zero: that debt is real usage.
-  local old = l
-  l = l + delta
-  if l > cap then l = cap end
-  if agg ~= nil and string.find(name, '.Q.', 1, true) then ps_move(agg, KEYS[9], name, old, l, rate, cap, now) end
-  writes[#writes + 1] = name .. '.l'; writes[#writes + 1] = tostring(l)
-  writes[#writes + 1] = name .. '.t'; writes[#writes + 1] = tostring(now)
 end
-
-local delta_tok = (k_in + k_out) - (a_in + a_out)
-adjust(wid .. '.E.tok', delta_tok)
-adjust('P.tok', delta_tok)
-if lease['q_tok'] == '1' then adjust(wid .. '.Q.tok', delta_tok) end
-if refund_request then
-  adjust(wid .. '.E.req', 1)
-  adjust('P.req', 1)
-  if lease['q_req'] == '1' then adjust(wid .. '.Q.req', 1) end
-end
-adjust('P.in', k_in - a_in)
-adjust('P.out', k_out - a_out)
 if #writes > 0 then redis.call('HSET', KEYS[2], unpack(writes)) end
 if agg ~= nil then ps_save(KEYS[8], agg) end
 
