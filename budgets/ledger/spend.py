@@ -88,11 +88,23 @@ def spend_month_key(*, tenant_id: int, at: datetime) -> str:
     return keys.tenant_spend_month(tenant_id, month_of(at))
 
 
+# The month spend_month answered last: (its first ms, its end ms, YYYY-MM).
+_month_known: tuple[float, float, str] = (0.0, 0.0, "")
+
+
 def spend_month(*, at_ms: float) -> tuple[str, float]:
     """For admission: the month (``YYYY-MM``) of a moment in ms, and when that
-    month ends (ms): a request refused for its spend cap may retry then."""
+    month ends (ms): a request refused for its spend cap may retry then.
+    Every admission asks, so the month's bounds are kept until a moment
+    falls outside them (working them out was 3% of the web's samples)."""
+    global _month_known
+    start_ms, end_ms, month = _month_known
+    if start_ms <= at_ms < end_ms:
+        return month, end_ms
     at = datetime.fromtimestamp(at_ms / 1000, tz=dt_timezone.utc)
-    return month_of(at), month_bounds(at)[1].timestamp() * 1000
+    start, end = month_bounds(at)
+    _month_known = (start.timestamp() * 1000, end.timestamp() * 1000, month_of(at))
+    return _month_known[2], _month_known[1]
 
 
 def tenant_field(tenant_id: int) -> str:

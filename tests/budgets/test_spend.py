@@ -13,6 +13,7 @@ from budgets.models import InferencePool, Notification, SpendBudget, UsageRecord
 from budgets.ledger.spend import (
     from_micro,
     spend_caps_of_tenants,
+    spend_month,
     spend_month_key,
     spend_month_to_date,
     spend_projected_month_end,
@@ -25,6 +26,23 @@ from tests.people import build_world, ledger_add, world  # noqa: F401 (fixture)
 pytestmark = pytest.mark.django_db
 
 NOW = datetime(2026, 11, 16, 0, 0, tzinfo=dt_timezone.utc)  # half-way through a 30-day month
+
+
+def test_the_spend_month_is_right_on_each_side_of_a_boundary_in_any_order():
+    def ms(*args) -> float:
+        return datetime(*args, tzinfo=dt_timezone.utc).timestamp() * 1000
+
+    feb_end, mar_end = ms(2028, 3, 1), ms(2028, 4, 1)  # 2028: a leap year
+    asked = [
+        (ms(2028, 2, 29, 23, 59, 59, 999_000), ("2028-02", feb_end)),
+        (feb_end, ("2028-03", mar_end)),  # a month's first ms is its own
+        (feb_end - 0.5, ("2028-02", feb_end)),  # back across the boundary
+        (ms(2028, 2, 1), ("2028-02", feb_end)),
+        (ms(2028, 2, 1) - 1, ("2028-01", ms(2028, 2, 1))),
+        (ms(2028, 3, 15), ("2028-03", mar_end)),
+        (ms(2028, 3, 15), ("2028-03", mar_end)),  # asked twice, the same answer
+    ]
+    assert [spend_month(at_ms=at) for at, _ in asked] == [answer for _, answer in asked]
 
 
 def test_month_key_follows_the_contract():
