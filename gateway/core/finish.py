@@ -20,7 +20,8 @@ from gateway.core.streams import stream_end
 
 
 def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
-                 now_ms: float | None = None, together: bool = False) -> list[tuple[str, Callable[[], object]]]:
+                 now_ms: float | None = None, together: bool = False,
+                 settled: bool = False) -> list[tuple[str, Callable[[], object]]]:
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome, finish the job. Each step is idempotent on the request id, and
     built lazily so a failed request's settlement (request_fail in
@@ -28,7 +29,9 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     the Redis clock now, when the caller knows it (read here otherwise).
     ``together``: the departure and the publish as one step, in one round
     trip on a single Redis (``Together``); a failed request keeps them apart,
-    so each runs even if the other fails."""
+    so each runs even if the other fails. ``settled``: the buckets and the
+    spend were settled on this outcome already, in the round trip that
+    stored it (gateway/worker/execution.py ``_answer_keep_settled``)."""
     total_ms = max(0, int((redis_now_ms() if now_ms is None else now_ms) - record.admitted_ms))
     written = {"s": 0.0}
 
@@ -57,11 +60,11 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
         first, _ = Together((departure_call_(), publish_call(record, outcome))).run()
         departed(first)
 
-    steps: list[tuple[str, Callable[[], object]]] = [
+    steps: list[tuple[str, Callable[[], object]]] = [] if settled else [
         ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,
                                           output_tokens=outcome.output_tokens, pool_called=pool_called)),
-        ("ledger", ledger),
     ]
+    steps.append(("ledger", ledger))
     if together:
         steps.append(("departure+publish", departure_and_publish))
     else:
@@ -77,10 +80,10 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
 
 
 def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
-                   now_ms: float | None = None) -> None:
-    """Settle the buckets and the spend, write the ledger row, publish the
-    outcome. Each step is idempotent on the request id, so a replay changes
-    nothing."""
+                   now_ms: float | None = None, settled: bool = False) -> None:
+    """Settle the buckets and the spend (unless ``settled``: done already on
+    this outcome), write the ledger row, publish the outcome. Each step is
+    idempotent on the request id, so a replay changes nothing."""
     for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called, now_ms=now_ms,
-                                together=True):
+                                together=True, settled=settled):
         step()

@@ -11,23 +11,39 @@ ledger row is written: reconciliation counts on that order
 from __future__ import annotations
 
 from budgets.admission.buckets import Settlement, settle_call
-from budgets.admission.redis_client import Plan, Together, plan_run, plan_run_async
+from budgets.admission.redis_client import Plan, ScriptCall, Together, plan_run, plan_run_async
 from budgets.admission.spend_holds import spend_settle_call
 from gateway.core.records import RequestRecord
+
+
+# In a guarded composition (``Together``'s guards), the spend's step runs
+# after the pool's whenever the pool's step ran, whatever it answered: {1, ...}
+# settled now, {0} settled before (a replay finishing the spend's step).
+SPEND_AFTER_POOL_GUARD = "0,1"
+
+
+def settlement_calls(record: RequestRecord, *, input_tokens: int, output_tokens: int,
+                     pool_called: bool) -> tuple[ScriptCall, ...]:
+    """The pool's step, and the spend's when the request holds spend: to run
+    in this order (the first's result is the ``Settlement``)."""
+    pool_step = settle_call(
+        pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
+        actual_input_tokens=input_tokens, actual_output_tokens=output_tokens, pool_called=pool_called)
+    if not record.spend_month:
+        return (pool_step,)
+    return pool_step, spend_settle_call(
+        tenant_id=record.tenant_id, month=record.spend_month, request_id=record.request_id,
+        actual_cost_micro=record.actual_cost_micro(input_tokens=input_tokens, output_tokens=output_tokens))
 
 
 def settlement_plan(record: RequestRecord, *, input_tokens: int, output_tokens: int,
                     pool_called: bool) -> Plan[Settlement]:
     """The pool's step, then the spend's: in one round trip on a single Redis
     (``Together``), one after the other on a cluster."""
-    pool_step = settle_call(
-        pool_id=record.pool_id, workload_id=record.workload_id, request_id=record.request_id,
-        actual_input_tokens=input_tokens, actual_output_tokens=output_tokens, pool_called=pool_called)
-    if not record.spend_month:
-        return (yield pool_step)
-    settlement, _ = yield Together((pool_step, spend_settle_call(
-        tenant_id=record.tenant_id, month=record.spend_month, request_id=record.request_id,
-        actual_cost_micro=record.actual_cost_micro(input_tokens=input_tokens, output_tokens=output_tokens))))
+    calls = settlement_calls(record, input_tokens=input_tokens, output_tokens=output_tokens, pool_called=pool_called)
+    if len(calls) == 1:
+        return (yield calls[0])
+    settlement, _ = yield Together(calls)
     return settlement
 
 

@@ -5,10 +5,11 @@
 --
 -- KEYS: 1 the request's stored answer
 -- ARGV: 1 the answer (JSON), 2 ttl (ms), 3 '1': only if none is stored yet
--- Returns 1 when this answer is the one stored, 0 when another was first.
+-- Returns {1} when this answer is the one stored, {0} when another was first
+-- (a table: the settlement's steps after it are guarded on its first element).
 if ARGV[3] == '1' then
-  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-  return 0
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1} end
+  return {0}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+return {1}

@@ -36,7 +36,7 @@ from gateway.core.observability import lease_expiry_report, upstream_answer_obse
 from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDELIVERED, REQUEUE, RUNNING, WORKER,
                                   Claim, Outcome, RequestRecord, claim_call, ledger_entry, record_claim_calls, ttl_ms,
                                   worker_lost_outcome)
-from gateway.core.settlement import request_settle
+from gateway.core.settlement import SPEND_AFTER_POOL_GUARD, request_settle, settlement_calls
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import lane_signal_calls, lane_slot
@@ -179,7 +179,7 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
               deferred: list[ScriptCall] | None = None) -> Outcome:
     """Call the pool, retrying only as the policy and the budgets allow, and
     feed every answer to the pool's adaptive capacity. ``deferred``: a list
-    the caller runs after (``_answer_keep``'s ``along``, one round trip
+    the caller runs after (``_answer_keep_settled``'s ``along``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
     no attempt is left) puts its signals there instead of sending them."""
     rng = rng or random.Random()
@@ -287,14 +287,36 @@ def _answer_keep(client, record: RequestRecord, outcome: Outcome, *, along: list
     calls to run first in the same round trip (what the last attempt's
     answer tells the lane limits and the circuit: ``pool_call``'s
     ``deferred``)."""
-    store = ScriptCall(script=ANSWER_KEEP, keys=[keys.request_response(record.request_id)],
-                       args=[outcome.to_json(), int(ttl_ms()), "0" if outcome.streamed else "1"],
-                       parse=lambda raw: int(raw) == 1)
-    *_, kept = Together((*(along or ()), store)).run(client)
-    if kept:
-        return outcome
+    *_, kept = Together((*(along or ()), _answer_store_call(record, outcome))).run(client)
+    return outcome if kept else _answer_stored(client, record, outcome)
+
+
+def _answer_store_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
+    return ScriptCall(script=ANSWER_KEEP, keys=[keys.request_response(record.request_id)],
+                      args=[outcome.to_json(), int(ttl_ms()), "0" if outcome.streamed else "1"],
+                      parse=lambda raw: int(raw[0]) == 1)
+
+
+def _answer_stored(client, record: RequestRecord, outcome: Outcome) -> Outcome:
+    """The answer stored first (another's), or ``outcome`` when none is left."""
     stored = client.get(keys.request_response(record.request_id))
     return Outcome.from_json(stored) if stored is not None else outcome
+
+
+def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
+                         along: list[ScriptCall]) -> tuple[Outcome, bool]:
+    """``_answer_keep`` for this delivery's own call, with the buckets' and
+    the spend's settlement on it in the same round trip, each run only when
+    this answer is the one stored (guards). Returns the answer to finish on
+    and whether it is settled already; when another answer was first, the
+    finish settles on that one."""
+    settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
+                              pool_called=True)
+    guards = ("",) * len(along) + ("", "1") + (SPEND_AFTER_POOL_GUARD,) * (len(settle) - 1)
+    results = Together((*along, _answer_store_call(record, outcome), *settle), guards=guards).run(client)
+    if results[len(along)]:
+        return outcome, True
+    return _answer_stored(client, record, outcome), False
 
 
 def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None) -> str:
@@ -402,7 +424,9 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
                     _answer_keep(client, record, interrupted_outcome(record, queue_wait_ms=queue_wait_ms))
                 raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
-            outcome = _answer_keep(client, record, outcome, along=signals)
+            outcome, settled = _answer_keep_settled(client, record, outcome, along=signals)
+            request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now(), settled=settled)
+            return outcome.status
         request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now())
     return outcome.status
 

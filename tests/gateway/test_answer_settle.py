@@ -1,0 +1,84 @@
+"""A delivery's own pool answer is stored and settled in one round trip
+(gateway/worker/execution.py ``_answer_keep_settled``): the buckets' and the
+spend's settlement run only when this answer is the one stored, so a request
+another taker answered first is settled on that answer, never on both.
+Marked ``redis_cluster``: on a cluster the same calls run one by one, with
+the same guards."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from budgets.admission import keys as budget_keys
+from budgets.models import SpendBudget
+from gateway.core import keys
+from gateway.core.context import context_for_workload
+from gateway.core.enqueue import record_build
+from gateway.core.records import Outcome
+from gateway.core.settlement import request_settle
+from gateway.worker.execution import _answer_keep_settled
+from tests.budgets.test_spend_admission import MODEL, estimate, holds, price, try_admit  # noqa: F401 - price: the fixture
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_cluster]
+
+
+def _admitted(make_caller, request_id: str):
+    caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
+    SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("100"), hard_cap=True)
+    ctx = context_for_workload(caller.workload)
+    admission = try_admit(ctx, request_id, input_tokens=1_000, output_tokens=1_000)
+    record = record_build(ctx, request_id=request_id, model=MODEL, payload={},
+                          estimate=estimate(1_000, 1_000), admission=admission,
+                          deadline_ms=admission.admitted_ms + 10_000, retry_deadline_ms=admission.admitted_ms + 10_000)
+    assert record.spend_month, "the tenant's spend is held: the settlement has its second step"
+    return caller, record
+
+
+def _hold(redis_client, caller, request_id: str) -> tuple[str, str]:
+    """A spend hold's amount (micro-units) and state: 'e' estimate, 's' settled."""
+    fields = holds(redis_client, caller.tenant)[request_id].split("|")
+    return fields[1], fields[-1]
+
+
+def _used_tokens(redis_client, caller) -> int:
+    counters = redis_client.hgetall(budget_keys.pool_counters(caller.pool.id))
+    return int(counters.get(f"{caller.workload.id}.used_tok", 0))
+
+
+def test_this_answer_stored_is_settled_in_the_same_round_trip(make_caller, redis_client):
+    # given an admitted request holding a lease and a spend hold
+    caller, record = _admitted(make_caller, "ours")
+    answer = Outcome(status="ok", body={"id": "ours"}, input_tokens=400, output_tokens=100, usage_source="pool")
+    redis_client.config_resetstat()
+    # when the worker stores its answer
+    outcome, settled = _answer_keep_settled(redis_client, record, answer, along=[])
+    # then it is the answer, settled on its tokens: lease gone, the hold at the
+    # actual cost, usage counted
+    assert (outcome, settled) == (answer, True)
+    assert Outcome.from_json(redis_client.get(keys.request_response("ours"))) == answer
+    assert not redis_client.exists(budget_keys.lease(caller.pool.id, "ours"))
+    assert _hold(redis_client, caller, "ours") == ("1600", "s")  # 400 x $2 + 100 x $8 per million
+    assert _used_tokens(redis_client, caller) == 500
+    # and a second settlement (the finish's, were it run) finds nothing left
+    assert request_settle(record=record, input_tokens=400, output_tokens=100, pool_called=True).settled is False
+    assert _used_tokens(redis_client, caller) == 500
+
+
+def test_an_answer_stored_first_by_another_is_returned_and_nothing_is_settled(make_caller, redis_client):
+    # given a request another taker answered first
+    caller, record = _admitted(make_caller, "theirs")
+    first = Outcome(status="ok", body={"id": "first"}, input_tokens=700, output_tokens=300, usage_source="pool")
+    redis_client.set(keys.request_response("theirs"), first.to_json(), px=60_000)
+    late = Outcome(status="ok", body={"id": "late"}, input_tokens=10, output_tokens=10, usage_source="pool")
+    # when this delivery's own answer comes
+    outcome, settled = _answer_keep_settled(redis_client, record, late, along=[])
+    # then the first answer is the one to finish on, and nothing was settled on the late one
+    assert (outcome, settled) == (first, False)
+    assert redis_client.exists(budget_keys.lease(caller.pool.id, "theirs"))
+    assert _hold(redis_client, caller, "theirs") == ("10000", "e")  # still the estimate
+    assert _used_tokens(redis_client, caller) == 0
+    # and the finish settles on the first answer's tokens
+    assert request_settle(record=record, input_tokens=700, output_tokens=300, pool_called=True).settled is True
+    assert _used_tokens(redis_client, caller) == 1_000
