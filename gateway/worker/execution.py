@@ -278,16 +278,14 @@ def interrupted_outcome(record: RequestRecord, *, queue_wait_ms: int) -> Outcome
     )
 
 
-def _answer_keep(client, record: RequestRecord, outcome: Outcome, *, along: list[ScriptCall] | None = None) -> Outcome:
+def _answer_keep(client, record: RequestRecord, outcome: Outcome) -> Outcome:
     """Store the pool's answer once: the first stored wins, so whoever
     finishes the request (this worker, one that took it over, a late one)
     settles and publishes the same answer, and a pool's answer and an
     interruption never both count. A stream's own end replaces the answer
-    its first chunk stored (gateway/worker/streaming.py). ``along``: script
-    calls to run first in the same round trip (what the last attempt's
-    answer tells the lane limits and the circuit: ``pool_call``'s
-    ``deferred``)."""
-    *_, kept = Together((*(along or ()), _answer_store_call(record, outcome))).run(client)
+    its first chunk stored (gateway/worker/streaming.py). A delivery's own
+    call stores its answer with ``_answer_keep_settled`` instead."""
+    kept = _answer_store_call(record, outcome).run(client)
     return outcome if kept else _answer_stored(client, record, outcome)
 
 
@@ -305,9 +303,11 @@ def _answer_stored(client, record: RequestRecord, outcome: Outcome) -> Outcome:
 
 def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
                          along: list[ScriptCall]) -> tuple[Outcome, bool]:
-    """``_answer_keep`` for this delivery's own call, with the buckets' and
-    the spend's settlement on it in the same round trip, each run only when
-    this answer is the one stored (guards). Returns the answer to finish on
+    """``_answer_keep`` for this delivery's own call, in one round trip:
+    ``along`` first (what the last attempt's answer tells the lane limits
+    and the circuit: ``pool_call``'s ``deferred``), the answer's store, then
+    the buckets' and the spend's settlement on it, each run only when this
+    answer is the one stored (guards). Returns the answer to finish on
     and whether it is settled already; when another answer was first, the
     finish settles on that one."""
     settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
@@ -401,8 +401,9 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         return claim.verdict
     with HEARTBEATS.kept(request_id=request_id, generation=claim.generation):
         # Read only when gateway/core/claim.lua saw it stored (one round trip fewer on a
-        # first delivery); one stored after the claim wins at _answer_keep.
+        # first delivery); one stored after the claim wins at the answer's store (SET NX).
         stored = client.get(keys.request_response(request_id)) if claim.answered else None
+        settled = False  # only this delivery's own call settles as it stores its answer
         if stored is not None:
             outcome = Outcome.from_json(stored)  # a redelivery: the pool already answered
         elif request_id in answered:
@@ -425,9 +426,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
                 raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
             outcome, settled = _answer_keep_settled(client, record, outcome, along=signals)
-            request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now(), settled=settled)
-            return outcome.status
-        request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now())
+        request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now(), settled=settled)
     return outcome.status
 
 

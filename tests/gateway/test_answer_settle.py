@@ -51,7 +51,6 @@ def test_this_answer_stored_is_settled_in_the_same_round_trip(make_caller, redis
     # given an admitted request holding a lease and a spend hold
     caller, record = _admitted(make_caller, "ours")
     answer = Outcome(status="ok", body={"id": "ours"}, input_tokens=400, output_tokens=100, usage_source="pool")
-    redis_client.config_resetstat()
     # when the worker stores its answer
     outcome, settled = _answer_keep_settled(redis_client, record, answer, along=[])
     # then it is the answer, settled on its tokens: lease gone, the hold at the
