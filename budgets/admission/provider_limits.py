@@ -116,34 +116,63 @@ def _arg(value: float | None) -> str:
     return "" if value is None else str(value)
 
 
-def provider_limits_record_call(*, pool_id: int, limits: ProviderLimits) -> ScriptCall[tuple[bool, float | None]]:
+@dataclass(frozen=True)
+class SentMark:
+    """Where one call stands among the calls sent to its pool (provider_take.lua):
+    calls and tokens sent up to and with it, and when it went (Redis clock, ms)."""
+
+    sent: int
+    sent_tokens: int
+    at_ms: float
+
+
+@dataclass(frozen=True)
+class ProviderTake:
+    """A take's answer: how long to wait first (0.0: taken, go) and, when
+    taken, the call's mark (for its answer's statement)."""
+
+    wait_ms: float
+    mark: SentMark | None = None
+
+
+def _take_parse(raw: str) -> ProviderTake:
+    if raw.startswith("go "):
+        _, sent, sent_tokens, at_ms = raw.split(" ")
+        return ProviderTake(0.0, SentMark(int(sent), int(sent_tokens), float(at_ms)))
+    return ProviderTake(float(raw))
+
+
+def provider_limits_record_call(*, pool_id: int, limits: ProviderLimits,
+                                mark: SentMark | None = None) -> ScriptCall[tuple[bool, float | None]]:
     return ScriptCall(
         script=PROVIDER_LIMITS,
         keys=[keys.pool_capacity(pool_id), keys.pool_config(pool_id)],
         args=[_arg(limits.limit_requests), _arg(limits.limit_tokens), _arg(limits.remaining_requests),
               _arg(limits.remaining_tokens), _arg(limits.reset_requests_ms), _arg(limits.reset_tokens_ms),
-              PROVIDER_FACTOR_HOLD_MS, PROVIDER_RESERVE_SHARE],
+              PROVIDER_FACTOR_HOLD_MS, PROVIDER_RESERVE_SHARE,
+              *((mark.sent, mark.sent_tokens, mark.at_ms) if mark else ("", "", ""))],
         parse=lambda raw: (int(raw[0]) == 1, float(raw[1]) if raw[1] else None),
     )
 
 
-def provider_limits_record(*, pool_id: int, headers: Mapping[str, str]) -> ProviderLimits:
+def provider_limits_record(*, pool_id: int, headers: Mapping[str, str], mark: SentMark | None = None) -> ProviderLimits:
     """Keep what one answer's headers say about the provider's limits; when
-    its stated limit moved, the shed scales follow at once."""
+    its stated limit moved, the shed scales follow at once. ``mark``: the
+    call's, from its take (None: it went untaken, and its statement is taken
+    as news of now)."""
     limits = provider_limits_parse(headers)
     if limits.empty:
         return limits
-    changed, _ = provider_limits_record_call(pool_id=pool_id, limits=limits).run()
+    changed, _ = provider_limits_record_call(pool_id=pool_id, limits=limits, mark=mark).run()
     if changed:
         capacity_signal(pool_id=pool_id, event="recompute")
     return limits
 
 
-def provider_take_call(*, pool_id: int, tokens: int, sheddable: bool = False) -> ScriptCall[float]:
-    """Take a call's share of the provider's stated room as it goes out;
-    the result is how long to wait first (0.0: taken, go). A sheddable call
-    (a loan, batch or scheduled work) leaves PROVIDER_RESERVE_SHARE of the
-    limit to protected work."""
+def provider_take_call(*, pool_id: int, tokens: int, sheddable: bool = False) -> ScriptCall[ProviderTake]:
+    """Take a call's share of the provider's stated room as it goes out, or
+    learn how long to wait first. A sheddable call (a loan, batch or
+    scheduled work) leaves PROVIDER_RESERVE_SHARE of the limit to protected work."""
     return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)],
                       args=[max(0, int(tokens)), 1 if sheddable else 0],
-                      parse=lambda raw: float(raw))
+                      parse=_take_parse)

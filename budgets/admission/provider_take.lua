@@ -11,8 +11,14 @@
 -- ARGV: 1 tokens of the call (its estimate), 2 sheddable (1: a loan or a
 --       batch/scheduled call, which leaves the last prov_reserve of the
 --       provider's limit to protected work, as in admit.lua)
--- Returns wait in ms as text: '0' taken (or the provider states nothing),
--- otherwise how long until the room is there (the reset, or the refill)
+-- Every call that goes counts in prov_sent / prov_sent_tok (calls and tokens
+-- sent so far, whether or not the provider states anything): its answer's
+-- headers describe the provider's window as the call arrived, so
+-- provider_limits.lua orders statements by this count and takes off what
+-- was sent after the call (a call's answer may come seconds after it went).
+-- Returns text: 'go <sent> <sent_tok> <now_ms>' taken (or the provider
+-- states nothing), the counts after this call's own; otherwise the wait in
+-- ms until the room is there (the reset, or the refill)
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
 local t = redis.call('TIME')
@@ -39,4 +45,6 @@ end
 if wait > 0 then return tostring(wait) end
 if f[1] then redis.call('HINCRBYFLOAT', KEYS[1], 'prov_rem_tok', -k_tok) end
 if f[4] then redis.call('HINCRBYFLOAT', KEYS[1], 'prov_rem_req', -1) end
-return '0'
+local sent = redis.call('HINCRBY', KEYS[1], 'prov_sent', 1)
+local sent_tok = redis.call('HINCRBY', KEYS[1], 'prov_sent_tok', k_tok)
+return 'go ' .. sent .. ' ' .. sent_tok .. ' ' .. string.format('%.3f', now)

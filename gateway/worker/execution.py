@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
+from budgets.admission.provider_limits import SentMark
 from budgets.admission.redis_client import LuaScript, ScriptCall, Together, get_redis, redis_now_ms, script_calls_run
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
@@ -105,9 +106,10 @@ def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
     )
 
 
-def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
+def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tuple[Outcome, bool]:
     """One call to the pool with the SDK (its retries are off). Returns the
-    outcome and whether another attempt could help."""
+    outcome and whether another attempt could help. ``mark``: the call's,
+    from its take of the provider's room (gateway/worker/lane_slot.py)."""
     client = pool_client(base_url=record.pool_base_url, api_key_env=record.pool_api_key_env, pool_id=record.pool_id)
     payload = dict(record.payload)
     sim = payload.pop("sim", None)
@@ -116,13 +118,13 @@ def _single_call(record: RequestRecord) -> tuple[Outcome, bool]:
         if record.stream:
             # Relayed chunk by chunk; from the first chunk on, never retried.
             return pool_stream(client, record, payload=payload, extra_body={"sim": sim} if sim is not None else None,
-                               started=started), False
+                               started=started, mark=mark), False
         # The raw response: the pool's JSON is relayed as it came, without
         # the SDK's request building and model parsing (pool_chat_post, the
         # SDK's exceptions). The call may be cut off when the worker stops
         # (gateway/worker/shutdown.py).
         raw = pool_call_within_grace(lambda: pool_chat_post(
-            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id))
+            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id, mark=mark))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:
@@ -189,7 +191,7 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     throttled = 0
     while True:
         with lane_slot(record) as slot:
-            outcome, retryable = _single_call(record)
+            outcome, retryable = _single_call(record, mark=slot.mark)
         # What the answer tells the circuit, the lane limits and the pool's
         # capacity (and, on the first attempt, the pool's retry budget): one
         # round trip, one script.

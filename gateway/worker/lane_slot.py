@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from budgets.admission.provider_limits import provider_take_call
+from budgets.admission.provider_limits import ProviderTake, SentMark, provider_take_call
 from budgets.admission.redis_client import ScriptCall, redis_now_ms, script_calls_run
 from gateway.core.circuit import circuit_gate, circuit_gate_call, circuit_record_call
 from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
@@ -58,10 +58,14 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
 @dataclass
 class SlotHold:
     """One pool call's slot: whether it got one, and how many of the lane's
-    slots were in use when it ended (its own included; 0 without a slot)."""
+    slots were in use when it ended (its own included; 0 without a slot);
+    and the call's mark from its take of the provider's room (None: it went
+    untaken), which goes with the call: its answer's x-ratelimit-* statement
+    is ordered and corrected by it (budgets/admission/provider_limits.lua)."""
 
     held: bool = False
     in_use: int = 0
+    mark: SentMark | None = None
 
 
 @contextmanager
@@ -73,7 +77,7 @@ def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
-        call_gate_wait(record)
+        hold.mark = call_gate_wait(record)
         yield hold
     finally:
         if hold.held:
@@ -85,18 +89,20 @@ CIRCUIT_POLL_MAX_S = 0.1
 SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
 
 
-def call_gate_wait(record: RequestRecord) -> None:
+def call_gate_wait(record: RequestRecord) -> SentMark | None:
     """The circuit's gate and the provider's room, asked in one round trip
     (the room taken only if the gate said go); whichever says wait is then
-    waited for as ``circuit_wait`` and ``provider_room_wait`` wait."""
+    waited for as ``circuit_wait`` and ``provider_room_wait`` wait. Returns
+    the take's mark (None: the call goes untaken, past its deadline)."""
     take = _provider_take(record)
-    verdict, wait_ms = script_calls_run([circuit_gate_call(pool_id=record.pool_id, holder=record.request_id), take],
-                                        guards=("", "go"))
+    verdict, taken = script_calls_run([circuit_gate_call(pool_id=record.pool_id, holder=record.request_id), take],
+                                      guards=("", "go"))
     if not verdict.go:
         circuit_wait(record)
-        provider_room_wait(record)
-    elif wait_ms > 0:
-        provider_room_wait(record, first_wait_ms=wait_ms)
+        return provider_room_wait(record)
+    if taken.wait_ms > 0:
+        return provider_room_wait(record, first_wait_ms=taken.wait_ms)
+    return taken.mark
 
 
 def circuit_wait(record: RequestRecord) -> None:
@@ -121,31 +127,35 @@ def _pool_failed(outcome: Outcome) -> bool:
     return outcome.status == "upstream_error"
 
 
-def _provider_take(record: RequestRecord) -> ScriptCall[float]:
+def _provider_take(record: RequestRecord) -> ScriptCall[ProviderTake]:
     return provider_take_call(pool_id=record.pool_id,
                               tokens=record.estimated_input_tokens + record.estimated_output_tokens,
                               sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
 
 
-def provider_room_wait(record: RequestRecord, *, first_wait_ms: float | None = None) -> None:
+def provider_room_wait(record: RequestRecord, *, first_wait_ms: float | None = None) -> SentMark | None:
     """Take the call's share of the room the provider said it has
     (budgets/admission/provider_take.lua), waiting for it if there is none,
     never past the request's deadline: a call sent into a full window is
     refused, and the refusal counts against us at the provider.
-    ``first_wait_ms``: what a take just answered (it is not asked again first)."""
+    ``first_wait_ms``: what a take just answered (it is not asked again
+    first). Returns the take's mark, None when the call goes untaken."""
     call = _provider_take(record)
     while True:
-        wait_ms = call.run() if first_wait_ms is None else first_wait_ms
-        first_wait_ms = None
-        if wait_ms <= 0:
-            return
+        if first_wait_ms is None:
+            taken = call.run()
+            if taken.wait_ms <= 0:
+                return taken.mark
+            wait_ms = taken.wait_ms
+        else:
+            wait_ms, first_wait_ms = first_wait_ms, None
         if record.deadline_ms:
             left_ms = record.deadline_ms - redis_now_ms()
             if left_ms <= 0:
-                return  # past its deadline it goes anyway: the limit delays, never fails
+                return None  # past its deadline it goes anyway: the limit delays, never fails
             wait_ms = min(wait_ms, left_ms)
         if not pause(max(0.005, wait_ms / 1000)):
-            return
+            return None
 
 
 def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:

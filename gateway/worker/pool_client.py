@@ -43,7 +43,7 @@ import httpx
 from django.conf import settings
 from openai import APIConnectionError, APITimeoutError, OpenAI
 
-from budgets.admission.provider_limits import provider_limits_record
+from budgets.admission.provider_limits import SentMark, provider_limits_record
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +71,22 @@ def pool_api_key(*, api_key_env: str) -> str:
     return os.environ.get(api_key_env, "") if api_key_env else ""
 
 
-def _limits_note(pool_id: int, headers: Mapping[str, str]) -> None:
+def _limits_note(pool_id: int, headers: Mapping[str, str], mark: SentMark | None) -> None:
     """Every answer of the pool, errors included, tells the pool's admission
     what the provider's x-ratelimit-* headers say
-    (budgets/admission/provider_limits.py); a failure to record them never
-    fails the call."""
+    (budgets/admission/provider_limits.py), in the order the calls went
+    (``mark``: the call's, from its take; gateway/worker/lane_slot.py); a
+    failure to record them never fails the call."""
     try:
-        provider_limits_record(pool_id=pool_id, headers=headers)
+        provider_limits_record(pool_id=pool_id, headers=headers, mark=mark)
     except Exception:  # noqa: BLE001 - the answer matters more than the bookkeeping
         logger.warning("pool %s: could not record its rate-limit headers", pool_id, exc_info=True)
 
 
 def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
-    """``_limits_note`` as an httpx response hook: it runs when the headers arrive."""
-    return lambda response: _limits_note(pool_id, response.headers)
+    """``_limits_note`` as an httpx response hook: it runs when the headers
+    arrive (the call's mark rides in its request's extensions)."""
+    return lambda response: _limits_note(pool_id, response.headers, response.request.extensions.get(_MARK))
 
 
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
@@ -124,9 +126,13 @@ def _chat_headers(client: OpenAI, *, accept: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {client.api_key}", "Content-Type": "application/json", "Accept": accept}
 
 
-def _chat_request(client: OpenAI, *, body: dict, accept: str) -> httpx.Request:
+_MARK = "sluice_sent_mark"
+
+
+def _chat_request(client: OpenAI, *, body: dict, accept: str, mark: SentMark | None = None) -> httpx.Request:
     return client._client.build_request("POST", _chat_url(client), content=_json_bytes(body),
-                                        headers=_chat_headers(client, accept=accept), timeout=client.timeout)
+                                        headers=_chat_headers(client, accept=accept), timeout=client.timeout,
+                                        extensions={_MARK: mark})
 
 
 def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx.Response:
@@ -233,7 +239,8 @@ def _plain_connections(client: OpenAI) -> _PlainConnections | None:
     return connections
 
 
-def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int) -> PoolAnswer:
+def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
+                mark: SentMark | None) -> PoolAnswer:
     """The plain path's POST: one kept-alive connection, the SDK's exceptions
     as ``_chat_send`` raises them."""
     content = _json_bytes(body)
@@ -265,7 +272,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     else:
         connections.give_back(conn)
     if pool_id:
-        _limits_note(pool_id, answer.headers)
+        _limits_note(pool_id, answer.headers, mark)
     if answer.status_code >= 400:
         raise client._make_status_error_from_response(httpx.Response(
             answer.status_code, headers=list(answer.headers.items()), content=answer.content,
@@ -273,18 +280,20 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     return answer
 
 
-def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0) -> httpx.Response | PoolAnswer:
+def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0,
+                   mark: SentMark | None = None) -> httpx.Response | PoolAnswer:
     """POST ``body`` to the pool's chat/completions; the answer (status < 400,
     read: its ``text``), or the SDK's exception. On the plain path when the
-    pool allows it (above), else with ``client``'s httpx client."""
+    pool allows it (above), else with ``client``'s httpx client. ``mark``:
+    the call's, from its take (for the answer's x-ratelimit-* statement)."""
     connections = _plain_connections(client)
     if connections is not None:
-        return _plain_post(client, connections, body=body, pool_id=pool_id)
-    return _chat_send(client, _chat_request(client, body=body, accept="application/json"), stream=False)
+        return _plain_post(client, connections, body=body, pool_id=pool_id, mark=mark)
+    return _chat_send(client, _chat_request(client, body=body, accept="application/json", mark=mark), stream=False)
 
 
-def pool_chat_stream_open(client: OpenAI, *, body: dict) -> httpx.Response:
+def pool_chat_stream_open(client: OpenAI, *, body: dict, mark: SentMark | None = None) -> httpx.Response:
     """Open a streamed chat completion (``body`` asks for ``stream``): the
     answer once its headers came (status < 400, its events still to read;
     the caller closes it), or the SDK's exception, as ``pool_chat_post``."""
-    return _chat_send(client, _chat_request(client, body=body, accept="text/event-stream"), stream=True)
+    return _chat_send(client, _chat_request(client, body=body, accept="text/event-stream", mark=mark), stream=True)

@@ -34,6 +34,7 @@ import httpx
 import openai
 
 import llm_tokens
+from budgets.admission.provider_limits import SentMark
 from budgets.admission.redis_client import get_redis
 from gateway.core.errors import error_body
 from gateway.core.records import Outcome, RequestRecord, worker_lost_outcome
@@ -109,14 +110,14 @@ def _first_chunk_answer(record: RequestRecord) -> str:
 
 
 def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_body: dict | None,
-                started: float) -> Outcome:
+                started: float, mark: SentMark | None = None) -> Outcome:
     """One streamed attempt. Errors before the pool's first byte raise (the
     caller, ``_single_call``, turns them into a retryable outcome or not);
     everything after is this function's outcome."""
     body = {**payload, **extra_body} if extra_body else payload
     # The SDK client's own httpx client, without the SDK's request building
     # (gateway/worker/pool_client.py): errors are the SDK's exceptions.
-    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body))
+    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body, mark=mark))
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False

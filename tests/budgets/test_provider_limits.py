@@ -85,8 +85,8 @@ def test_a_worker_takes_its_share_of_the_room_as_it_sends_or_waits_for_the_reset
         "x-ratelimit-reset-tokens": "7s", "x-ratelimit-remaining-requests": "10"})
 
     # when two calls go out, 400 tokens then 200
-    first = provider_take_call(pool_id=pool_id, tokens=400).run()
-    second = provider_take_call(pool_id=pool_id, tokens=200).run()
+    first = provider_take_call(pool_id=pool_id, tokens=400).run().wait_ms
+    second = provider_take_call(pool_id=pool_id, tokens=200).run().wait_ms
 
     # then the first takes its share; the second waits for the reset and takes nothing
     assert first == 0.0
@@ -97,7 +97,7 @@ def test_a_worker_takes_its_share_of_the_room_as_it_sends_or_waits_for_the_reset
 
 def test_a_provider_that_states_nothing_never_holds_a_call(make_caller):
     caller = make_caller()
-    assert provider_take_call(pool_id=caller.pool.id, tokens=10**9).run() == 0.0
+    assert provider_take_call(pool_id=caller.pool.id, tokens=10**9).run().wait_ms == 0.0
 
 
 def test_hundred_threads_share_the_stated_room_exactly(make_caller):
@@ -109,7 +109,7 @@ def test_hundred_threads_share_the_stated_room_exactly(make_caller):
 
     # when 100 workers try to send at once
     results = _hammer(threads=100, attempts=1, barrier_at=time.time() + 0.2,
-                      attempt=lambda n: (n, provider_take_call(pool_id=caller.pool.id, tokens=1).run()))
+                      attempt=lambda n: (n, provider_take_call(pool_id=caller.pool.id, tokens=1).run().wait_ms))
 
     # then exactly 5 go
     assert sum(1 for _, wait in results if wait == 0.0) == 5
@@ -190,5 +190,78 @@ def test_loans_and_sheddable_work_leave_the_last_tenth_of_the_providers_limit_to
     refused = _admit(batch, 100)
     assert isinstance(refused, Rejected) and refused.reason == "provider_tpm"
     assert not isinstance(_admit(chat, 100), Rejected)
-    assert provider_take_call(pool_id=pool.id, tokens=100, sheddable=True).run() > 3_000_000
-    assert provider_take_call(pool_id=pool.id, tokens=100).run() == 0.0
+    assert provider_take_call(pool_id=pool.id, tokens=100, sheddable=True).run().wait_ms > 3_000_000
+    assert provider_take_call(pool_id=pool.id, tokens=100).run().wait_ms == 0.0
+
+
+def _sent(pool_id: int, tokens: int):
+    taken = provider_take_call(pool_id=pool_id, tokens=tokens).run()
+    assert taken.wait_ms == 0.0 and taken.mark is not None
+    return taken.mark
+
+
+def test_a_late_answer_to_an_earlier_call_does_not_bring_its_old_limits_back(make_caller):
+    # given a long call sent before the provider halved its limit, and a later call
+    # whose answer (limit halved, nothing left for 10 s) came back first
+    caller = make_caller(pool=make_caller.pool(provider_tpm=1_000_000), reserved_tpm=300_000)
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={"x-ratelimit-limit-tokens": "1000000",
+                                                      "x-ratelimit-remaining-tokens": "900000"})
+    early, late = _sent(pool_id, 100), _sent(pool_id, 100)
+    provider_limits_record(pool_id=pool_id, mark=late, headers={
+        "x-ratelimit-limit-tokens": "500000", "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "10s"})
+
+    # when the long call's answer arrives, stating the window as it was when that call went
+    provider_limits_record(pool_id=pool_id, mark=early, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "800000"})
+
+    # then the newer statement stands: admission still refuses until the reset, the pool runs at half
+    refused = _admit(caller, 10)
+    assert isinstance(refused, Rejected) and refused.reason == "provider_tpm"
+    assert 8_000 < refused.retry_after_ms <= 10_000
+    assert capacity_state(pool_id=pool_id).provider_factor == pytest.approx(0.5)
+
+
+def test_a_statement_counts_what_was_sent_after_its_call_and_its_reset_from_when_the_call_went(
+        make_caller, redis_client):
+    # given a call that went, then two more (300 and 200 tokens) while it ran
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={"x-ratelimit-limit-tokens": "1000000",
+                                                      "x-ratelimit-remaining-tokens": "900000",
+                                                      "x-ratelimit-limit-requests": "1000",
+                                                      "x-ratelimit-remaining-requests": "900"})
+    first = _sent(pool_id, 100)
+    _sent(pool_id, 300)
+    _sent(pool_id, 200)
+    time.sleep(0.3)
+
+    # when the first call's answer says 1,000 tokens and 50 requests remained, resetting 1 s after it arrived
+    provider_limits_record(pool_id=pool_id, mark=first, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "1000",
+        "x-ratelimit-reset-tokens": "1s", "x-ratelimit-limit-requests": "1000",
+        "x-ratelimit-remaining-requests": "50", "x-ratelimit-reset-requests": "1s"})
+
+    # then the two later calls are taken off, and the resets count from when the first call went
+    capacity = redis_client.hgetall(keys.pool_capacity(pool_id))
+    assert float(capacity["prov_rem_tok"]) == 500.0
+    assert float(capacity["prov_rem_req"]) == 48.0
+    assert float(capacity["prov_reset_tok_ms"]) == pytest.approx(first.at_ms + 1000, abs=1)
+    assert float(capacity["prov_reset_req_ms"]) == pytest.approx(first.at_ms + 1000, abs=1)
+
+
+def test_a_statement_without_a_mark_is_news_of_now(make_caller, redis_client):
+    # given calls sent and a statement kept from one of them
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={"x-ratelimit-limit-tokens": "1000000",
+                                                      "x-ratelimit-remaining-tokens": "900000"})
+    provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, 100), headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "5000"})
+
+    # when a call that went untaken (past its deadline) brings a statement
+    provider_limits_record(pool_id=pool_id, headers={
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "7000"})
+
+    # then it is kept as it says
+    assert float(redis_client.hget(keys.pool_capacity(pool_id), "prov_rem_tok")) == 7000.0

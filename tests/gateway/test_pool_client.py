@@ -204,3 +204,50 @@ def test_the_setting_off_keeps_httpx_for_every_pool(settings):
     settings.SLUICE_POOL_PLAIN_HTTP = False
     client = pc.pool_client(base_url="http://127.0.0.1:9/v1", api_key_env="")
     assert pc._plain_connections(client) is None
+
+
+@pytest.fixture(scope="module")
+def limited_sim_url(tmp_path_factory) -> Iterator[str]:
+    """A simulator that states its limits (x-ratelimit-* on every answer)."""
+    import os
+
+    port = free_port()
+    sim = Process("sim-pool-client-limits",
+                  sim_command(port=port, extra=["--zero-latency", "--seed", "3", "--tpm", "1000000", "--rpm", "1000"]),
+                  dict(os.environ), tmp_path_factory.mktemp("sim-pool-client-limits")).start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", sim)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        sim.stop()
+
+
+@pytest.mark.parametrize("path", ["plain", "httpx", "stream"])
+def test_each_path_keeps_the_answers_statement_in_the_order_its_call_went(limited_sim_url, redis_client, path):
+    # given a pool whose kept statement came from a call that went after an earlier one
+    from budgets.admission import keys
+    from budgets.admission.provider_limits import provider_limits_record, provider_take_call
+
+    pool_id = 9_000_001
+    capacity = keys.pool_capacity(pool_id)
+    client = pc.pool_client(base_url=limited_sim_url, api_key_env="", pool_id=pool_id)
+    if path != "plain":
+        pc._plain[str(client.base_url)] = None
+    early = provider_take_call(pool_id=pool_id, tokens=10).run().mark
+    late = provider_take_call(pool_id=pool_id, tokens=10).run().mark
+    provider_limits_record(pool_id=pool_id, mark=late, headers={"x-ratelimit-limit-tokens": "1000000",
+                                                                 "x-ratelimit-remaining-tokens": "7"})
+
+    def call(mark) -> None:
+        if path == "stream":
+            pc.pool_chat_stream_open(client, body={**BODY, "stream": True}, mark=mark).close()
+        else:
+            pc.pool_chat_post(client, body=BODY, pool_id=pool_id, mark=mark)
+
+    # when the earlier call's answer comes back: older news, it changes nothing
+    call(early)
+    assert float(redis_client.hget(capacity, "prov_rem_tok")) == 7.0
+
+    # and when a call that went after them answers, its statement is kept
+    call(provider_take_call(pool_id=pool_id, tokens=10).run().mark)
+    assert float(redis_client.hget(capacity, "prov_rem_tok")) > 900_000
