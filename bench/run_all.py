@@ -174,7 +174,10 @@ old rate, so it has no room for anyone until enough slides out (the drain, about
 Sluice reads the headers: from the first answer after the change its pool runs at the stated
 limit (shedding batch before chat), it refuses at its own door (`provider_tpm`, Retry-After = the
 provider's reset) what the provider would refuse, and its workers take the provider's room as
-calls go out, so the provider sees almost no call it must refuse. After the drain chat is served
+calls go out, so the provider sees almost no call it must refuse. A provider states its window as
+a call arrives and the answer comes when the call is done, so answers are kept in the order their
+calls went: a long call sent before the halving does not bring the old limit back when it ends,
+and what went after a call is taken off the room its answer states. After the drain chat is served
 at its reservation; when the provider's limit returns, the next answer says so and admission is
 back at the full rate.""",
     "retry_storm": """**Reading it.** Direct, every naive operation during the outage makes its 3 attempts and
