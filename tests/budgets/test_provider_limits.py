@@ -5,6 +5,7 @@ real Redis and, end to end, the simulated provider behind the real gateway."""
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 
@@ -265,3 +266,29 @@ def test_a_statement_without_a_mark_is_news_of_now(make_caller, redis_client):
 
     # then it is kept as it says
     assert float(redis_client.hget(keys.pool_capacity(pool_id), "prov_rem_tok")) == 7000.0
+
+
+def test_answers_recorded_at_once_in_any_order_keep_the_statement_of_the_last_call_sent(make_caller, redis_client):
+    # given 60 calls sent one after another, each answer stating 10,000 tokens
+    # less than the one before it
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, headers={"x-ratelimit-limit-tokens": "1000000",
+                                                      "x-ratelimit-remaining-tokens": "900000"})
+    marks = [_sent(pool_id, 10) for _ in range(60)]
+    order = list(range(60))
+    random.Random(7).shuffle(order)
+
+    # when 60 threads record the answers at once, in a shuffled order
+    def record(n: int):
+        k = order[n]
+        provider_limits_record(pool_id=pool_id, mark=marks[k], headers={
+            "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": str(800_000 - 10_000 * k)})
+        return (k,)
+
+    _hammer(threads=60, attempts=1, barrier_at=time.time() + 0.2, attempt=record)
+
+    # then the last call's statement is the one kept, nothing taken off (none went after it)
+    capacity = redis_client.hgetall(keys.pool_capacity(pool_id))
+    assert int(capacity["prov_obs"]) == marks[-1].sent
+    assert float(capacity["prov_rem_tok"]) == 800_000 - 10_000 * 59
