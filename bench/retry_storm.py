@@ -28,7 +28,9 @@ from bench.load import Sampler, open_loop
 from bench.platform import Platform, Services, time_scaled_env
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import short_call
+from budgets.admission.keys import pool_leases as pool_leases_key
 from gateway.core.keys import pool_circuit as pool_circuit_key
+from gateway.core.lanes import queue_for_lane
 
 NAME = "retry_storm"
 SCALE = TimeScale(4.0)
@@ -101,6 +103,14 @@ async def _drive(base: str, sim_url: str, headers: dict, seed: int, total_sim: f
             capacity = redis_client.hgetall(f"sluice:{{pool:{pool_id}}}:capacity")
             sample["capacity_factor"] = float(capacity.get("factor", 1.0)) if capacity else 1.0
             sample["circuit"] = redis_client.hget(pool_circuit_key(pool_id), "state") or "closed"
+            # The backlog: admitted requests not yet answered (a lease each), those
+            # of them still in the lane's queue, and the room the gateway counts
+            # in the provider's window.
+            seconds, micros = redis_client.time()
+            sample["queued"] = redis_client.llen(queue_for_lane("interactive"))
+            sample["in_flight"] = redis_client.zcount(pool_leases_key(pool_id), seconds * 1000 + micros / 1000, "+inf")
+            room = (capacity or {}).get("prov_rem_req")
+            sample["provider_room_req"] = float(room) if room is not None else None
         return sample
 
     sampler = Sampler(probe, 0.25, t0).start()
@@ -202,7 +212,26 @@ def _analyse_run(run: dict, timeline: Timeline) -> dict:
                 last[code] = last.get(code, 0) + 1
         failed_by_phase[phase] = {"ops": len(of_phase), "failed": sum(not op.ok for op in of_phase),
                                   "last_refusal": last}
+    # At the circuit's close: the backlog, what the pool took in the 30 s
+    # after, and how long the gateway then counted no room in the provider's
+    # window (its door refuses provider_rpm meanwhile).
+    after_close = [s for s in samples if "queued" in s and s["t"] * f >= outage_end and s.get("circuit") == "closed"]
+    at_close = after_close[0] if after_close else None
+    took = None
+    full_from = full_to = None
+    if at_close:
+        later = [s for s in samples if s["t"] >= at_close["t"] and (s["t"] - at_close["t"]) * f <= 30.0]
+        took = later[-1]["sim_requests"] - at_close["sim_requests"] if later else None
+        for s in after_close:
+            if s.get("provider_room_req") is not None and s["provider_room_req"] <= 0:
+                full_from = full_from if full_from is not None else s["t"] * f
+                full_to = s["t"] * f
+            elif full_from is not None:
+                break
+    backlog = {"queued": at_close["queued"], "in_flight": at_close["in_flight"], "at_s": round(at_close["t"] * f, 1),
+               "pool_calls_next_30s": took, "provider_full_s": [full_from, full_to]} if at_close else None
     return {
+        "backlog_at_close": backlog,
         "ops": n, "attempts": attempts, "attempts_per_op": attempts / n if n else None,
         "pool_requests": pool_requests, "pool_attempts_per_op": pool_requests / n if n else None,
         "failed_ops": failed, "failed_fraction": failed / n if n else None,
@@ -288,14 +317,26 @@ def summarize(data: dict) -> str:
         after = [(t, r) for t, r in zip(sb["t"], sb["success_rate"]) if t >= end and r is not None]
         worst = min(after, key=lambda x: x[1]) if after else None
         spare = POOL_RPM - OPS_PER_S * 60
-        lines += ["", f"Why recovery misses: Sluice held the operations of the outage in their workers and "
+        backlog = s.get("backlog_at_close")
+        measured = ""
+        if backlog:
+            full_from, full_to = backlog["provider_full_s"]
+            measured = (f" Measured: at the close ({backlog['at_s']:.0f} s) {backlog['in_flight']} admitted requests "
+                        f"were unanswered, {backlog['queued']} of them still in the lane's queue; the pool took "
+                        f"{backlog['pool_calls_next_30s']} calls in the 30 s after the close (its window holds "
+                        f"{POOL_RPM} a minute)"
+                        + (f", and from {full_from:.0f} s to {full_to:.0f} s the gateway counted no room left in "
+                           f"the provider's window, its door refusing new operations (provider_rpm)."
+                           if full_from is not None else "."))
+        lines += ["", f"Why recovery misses: Sluice held the operations of the outage (in the lane's queue and "
+                  f"in its workers) and "
                   f"{held_ok} of the {started} that started during it succeeded once the circuit closed "
                   f"({fmt(s.get('circuit_closed_after_s'), 1)} s after the provider recovered). That backlog then "
                   f"competes with new operations for the provider's {POOL_RPM} RPM, of which new operations alone "
                   f"take {OPS_PER_S * 60:.0f}: {spare:.0f} RPM are left to drain it, so new operations meet "
                   f"provider_rpm and workload_rpm refusals meanwhile (worst bin after the outage: "
                   + (f"{worst[1]:.0%} of the operations starting at {worst[0]:.0f} s succeeded" if worst else "n/a")
-                  + "). Direct clients fail those operations instead and recover at once."]
+                  + "). Direct clients fail those operations instead and recover at once." + measured]
     phases = s.get("failed_by_phase")
     if phases and (failed_ratio is None or failed_ratio > 0.5 or recover_gap is None or recover_gap > 5):
         total_sim = data["total_sim_s"]
