@@ -39,6 +39,9 @@ local limit_req, limit_tok = tonumber(ARGV[1]), tonumber(ARGV[2])
 local rem_req, rem_tok = tonumber(ARGV[3]), tonumber(ARGV[4])
 local reset_req, reset_tok = tonumber(ARGV[5]), tonumber(ARGV[6])
 local mark, mark_tok, stated_at = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local writes = {'prov_at_ms', tostring(now), 'prov_reserve', ARGV[8]}
+local function put(field, value) writes[#writes + 1] = field; writes[#writes + 1] = tostring(value) end
+
 local at = now
 if mark and mark_tok and stated_at then
   local seen = redis.call('HMGET', KEYS[1], 'prov_obs', 'prov_sent', 'prov_sent_tok')
@@ -48,12 +51,9 @@ if mark and mark_tok and stated_at then
     if rem_req then rem_req = rem_req - (sent - mark) end
     if rem_tok then rem_tok = rem_tok - math.max(0, sent_tok - mark_tok) end
     at = math.min(now, stated_at)
-    redis.call('HSET', KEYS[1], 'prov_obs', mark)
+    put('prov_obs', mark)
   end
 end
-
-local writes = {'prov_at_ms', tostring(now), 'prov_reserve', ARGV[8]}
-local function put(field, value) writes[#writes + 1] = field; writes[#writes + 1] = tostring(value) end
 
 if limit_req then put('prov_limit_req', limit_req) end
 if limit_tok then put('prov_limit_tok', limit_tok) end

@@ -100,9 +100,7 @@ def call_gate_wait(record: RequestRecord) -> SentMark | None:
     if not verdict.go:
         circuit_wait(record)
         return provider_room_wait(record)
-    if taken.wait_ms > 0:
-        return provider_room_wait(record, first_wait_ms=taken.wait_ms)
-    return taken.mark
+    return provider_room_wait(record, first=taken)
 
 
 def circuit_wait(record: RequestRecord) -> None:
@@ -133,22 +131,21 @@ def _provider_take(record: RequestRecord) -> ScriptCall[ProviderTake]:
                               sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
 
 
-def provider_room_wait(record: RequestRecord, *, first_wait_ms: float | None = None) -> SentMark | None:
+def provider_room_wait(record: RequestRecord, *, first: ProviderTake | None = None) -> SentMark | None:
     """Take the call's share of the room the provider said it has
     (budgets/admission/provider_take.lua), waiting for it if there is none,
     never past the request's deadline: a call sent into a full window is
     refused, and the refusal counts against us at the provider.
-    ``first_wait_ms``: what a take just answered (it is not asked again
-    first). Returns the take's mark, None when the call goes untaken."""
+    ``first``: what a take just answered (it is not asked again first).
+    Returns the take's mark, None when the call goes untaken."""
     call = _provider_take(record)
+    taken = first
     while True:
-        if first_wait_ms is None:
+        if taken is None:
             taken = call.run()
-            if taken.wait_ms <= 0:
-                return taken.mark
-            wait_ms = taken.wait_ms
-        else:
-            wait_ms, first_wait_ms = first_wait_ms, None
+        if taken.wait_ms <= 0:
+            return taken.mark
+        wait_ms, taken = taken.wait_ms, None
         if record.deadline_ms:
             left_ms = record.deadline_ms - redis_now_ms()
             if left_ms <= 0:
