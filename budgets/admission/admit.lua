@@ -14,17 +14,24 @@
 --       8 capacity hash (adaptive factor of the pool, shed scale per workload,
 --         the prober's down mark: down_until_ms, probe_next_ms; probe.lua;
 --         and the provider's stated limits: prov_*, provider_limits.lua)
---       9 protected-sum hash, 10 protected fill zset (protected_sum.lua)
+--       9 protected-sum hash, 10 protected fill zset (protected_sum.lua),
+--       11 the request body's held mark (keys.held_body: set while a request
+--          with this body is held, for the lease's ttl)
 -- Cost: O(log n) in the pool's workloads (every read names its fields; the
 -- protected sum S is an aggregate), except the wait hint of a refused loan
 -- (a walk over the fill times until the loan fits) and a rebuild of S after a
 -- config push or a shed change (O(n), once).
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
---       5 lease ttl (ms)
+--       5 lease ttl (ms), 6 '1' when KEYS[11] names the body's mark
+-- Held: an admitted request is held (not put on its lane until the provider
+-- has room for it above what new work needs: gateway/core/held.py) while the
+-- pool's circuit is not closed (capacity 'hold', circuit.lua), and when its
+-- body was held before: a client's retry of a held request, which must not
+-- take the room of the work that arrives after the outage.
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
 -- and lives under the tenant's hash tag (spend_hold.lua runs first).
--- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms} admitted
---         {2, borrowed, ...}                                          already admitted
+-- Returns {1, borrowed, e_tok, e_req, e_tok_full_ms, e_req_full_ms, now_ms, held} admitted
+--         {2, borrowed, ...}                                                already admitted
 --         {0, reason, wait_ms, e_tok, e_req, e_tok_full_ms, e_req_full_ms} rejected
 --         {-1, why}                                                   not configured
 -- A pool marked down by its prober admits nothing: reason 'pool_unavailable',
@@ -64,15 +71,15 @@ local cfg = hmget(KEYS[1], cfg_fields)
 if cfg['P.tok.rate'] == nil then return {-1, 'unconfigured'} end
 if cfg[E_TOK .. '.rate'] == nil then return {-1, 'no_reservation'} end
 
-local lease_existing = redis.call('HGET', KEYS[6], 'borrowed')
-if lease_existing then
-  return {2, tonumber(lease_existing), '0', '0', '0', '0', redis.call('HGET', KEYS[6], 'admitted_ms')}
+local lease_existing = redis.call('HMGET', KEYS[6], 'borrowed', 'admitted_ms', 'held')
+if lease_existing[1] then
+  return {2, tonumber(lease_existing[1]), '0', '0', '0', '0', lease_existing[2], lease_existing[3] or '0'}
 end
 
 local st = hmget(KEYS[3], st_fields)
 local capacity = hmget(KEYS[8], {'factor', wid .. '.shed', 'down_until_ms', 'probe_next_ms', 'blocked_until_ms',
   'prov_factor', 'prov_until_ms', 'prov_reserve', 'prov_rem_tok', 'prov_rem_req', 'prov_limit_tok', 'prov_limit_req',
-  'prov_reset_tok_ms', 'prov_reset_req_ms'})
+  'prov_reset_tok_ms', 'prov_reset_req_ms', 'hold', 'fresh_m', 'fresh_req', 'fresh_tok'})
 
 -- Capacity that moves: the pool's buckets run at the adaptive factor of their
 -- configured rate, and when that no longer covers every reservation the
@@ -345,10 +352,30 @@ if levels['P.in'] ~= nil then debit('P.in', k_in) end
 if levels['P.out'] ~= nil then debit('P.out', k_out) end
 redis.call('HSET', KEYS[3], unpack(writes))
 
+local held, retried = '0', ARGV[6] == '1' and redis.call('EXISTS', KEYS[11]) == 1
+if capacity['hold'] or retried then held = '1' end
+if held == '1' and ARGV[6] == '1' then redis.call('SET', KEYS[11], '1', 'PX', math.ceil(lease_ttl)) end
+-- Fresh arrivals (not a held body's retry), requests and tokens in this
+-- minute and the last: the rate of new work, which held work leaves room
+-- for when it is released (gateway/core/held_release.lua).
+if not retried then
+  local minute = math.floor(now / 60000)
+  local m = capacity['fresh_m']
+  if m == minute then
+    redis.call('HSET', KEYS[8], 'fresh_req', (capacity['fresh_req'] or 0) + 1,
+               'fresh_tok', (capacity['fresh_tok'] or 0) + k_in + k_out)
+  else
+    local last = (m == minute - 1)
+    redis.call('HSET', KEYS[8], 'fresh_m', minute, 'fresh_req', 1, 'fresh_tok', k_in + k_out,
+               'fresh_prev_req', last and (capacity['fresh_req'] or 0) or 0,
+               'fresh_prev_tok', last and (capacity['fresh_tok'] or 0) or 0)
+  end
+end
+
 local expires = now + lease_ttl
 redis.call('HSET', KEYS[6], 'wid', wid, 'k_in', k_in, 'k_out', k_out,
            'q_tok', plan['tok'] and 1 or 0, 'q_req', plan['req'] and 1 or 0,
-           'borrowed', borrowed, 'admitted_ms', tostring(now))
+           'borrowed', borrowed, 'admitted_ms', tostring(now), 'held', held)
 redis.call('PEXPIRE', KEYS[6], math.ceil(lease_ttl * 4))
 redis.call('ZADD', KEYS[4], expires, ARGV[2])
 redis.call('ZADD', KEYS[5], expires, ARGV[2])
@@ -362,4 +389,4 @@ local function full_ms(name)
   return tostring(math.ceil(ms))
 end
 return {1, borrowed, tostring(math.floor(levels[wid .. '.E.tok'])), tostring(math.floor(levels[wid .. '.E.req'])),
-        full_ms(wid .. '.E.tok'), full_ms(wid .. '.E.req'), tostring(now)}
+        full_ms(wid .. '.E.tok'), full_ms(wid .. '.E.req'), tostring(now), held}

@@ -51,6 +51,9 @@ class Admission:
     # YYYY-MM of the tenant's month-to-date its estimated cost is held against
     # ('' when it has no price): settlement corrects that month (spend_holds.py).
     spend_month: str = ""
+    # Held outside its lane until the provider has room for it (admit.lua:
+    # the pool's circuit is open, or its body was held before).
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,11 @@ def _lease_keys(*, pool_id: int, workload_id: int, request_id: str) -> list[str]
 
 
 def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens: int, output_tokens: int,
-               lease_ttl_ms: int) -> ScriptCall[Admission]:
+               lease_ttl_ms: int, body_digest: str = "") -> ScriptCall[Admission]:
     """Admit or raise Rejected (NotConfigured when Redis lost the pool's
     config); one atomic Redis round trip. Spend caps are a separate step on
-    the tenant's keys (spend_holds.py)."""
+    the tenant's keys (spend_holds.py). ``body_digest``: the request body's
+    (gateway/core/chat.py), so a client's retry of a held request is held too."""
 
     def parse(raw) -> Admission:
         status = int(raw[0])
@@ -104,7 +108,8 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
         if status in (1, 2):
             return Admission(request_id=request_id, pool_id=pool_id, workload_id=workload_id,
                              input_tokens=input_tokens, output_tokens=output_tokens, borrowed=bool(int(raw[1])),
-                             rate_limits=_snapshot(raw, 2), admitted_ms=float(raw[6]))
+                             rate_limits=_snapshot(raw, 2), admitted_ms=float(raw[6]),
+                             held=len(raw) > 7 and raw[7] == "1")
         reason = raw[1]
         wait_ms = int(float(raw[2]))
         too_large = reason == "request_too_large"
@@ -124,8 +129,9 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
     return ScriptCall(
         script=ADMIT,
         keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id),
-              *_lease_keys(pool_id=pool_id, workload_id=workload_id, request_id=request_id)],
-        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms],
+              *_lease_keys(pool_id=pool_id, workload_id=workload_id, request_id=request_id),
+              keys.held_body(pool_id, workload_id, body_digest or "-")],
+        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, "1" if body_digest else "0"],
         parse=parse,
     )
 

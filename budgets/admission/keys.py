@@ -53,6 +53,12 @@ def pool_capacity(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:capacity"
 
 
+def held_body(pool_id: int, workload_id: int, body_digest: str) -> str:
+    """String, expiring: the workload's request with this body (its digest)
+    was held (admit.lua), so the same body again, a client's retry, is held too."""
+    return f"{pool_tag(pool_id)}:held-body:{workload_id}:{body_digest[:32]}"
+
+
 def pool_protected_sum(pool_id: int) -> str:
     """Hash: the pool's protected sum S (every workload's protected level added
     up) as an incremental aggregate, per dimension (protected_sum.lua)."""

@@ -375,6 +375,10 @@ class Commands:
         self.commands.append(("ZADD", name, *items))
         return self
 
+    def sadd(self, name: str, *members: Any) -> Commands:
+        self.commands.append(("SADD", name, *members))
+        return self
+
     def zrem(self, name: str, *members: Any) -> Commands:
         self.commands.append(("ZREM", name, *members))
         return self

@@ -79,9 +79,11 @@ def _configured(call: ScriptCall, rebuild) -> Plan:
     return (yield call)
 
 
-def admission_call(ctx: CallerContext, *, request_id: str, estimate: Estimate, lease_ms: int) -> ScriptCall[Admission]:
+def admission_call(ctx: CallerContext, *, request_id: str, estimate: Estimate, lease_ms: int,
+                   body_digest: str = "") -> ScriptCall[Admission]:
     return admit_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                      input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms)
+                      input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, lease_ttl_ms=lease_ms,
+                      body_digest=body_digest)
 
 
 def _raw(call: ScriptCall) -> ScriptCall:
@@ -112,7 +114,7 @@ _refused_at: dict[int, float] = {}
 
 
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                   lease_ms: int) -> Plan[Admission]:
+                   lease_ms: int, body_digest: str = "") -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
     if the spend refuses. Raises Rejected (the pool's reasons, spend_budget,
     no_reservation) or BudgetUnavailable. The pool goes first because it is
@@ -122,8 +124,9 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     run only if the pool admitted (its guard: budgets/admission/admit.lua's 1
     or 2), unless
     the pool refused this workload within ``REFUSED_RECENTLY_S``; a config
-    to rebuild takes them apart again."""
-    admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms)
+    to rebuild takes them apart again. ``body_digest``: the request body's,
+    which tells a client's retry of a held request (budgets/admission/admit.lua)."""
+    admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms, body_digest=body_digest)
     together = time.monotonic() - _refused_at.get(ctx.workload_id, -REFUSED_RECENTLY_S) >= REFUSED_RECENTLY_S
     hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
@@ -168,19 +171,21 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     return replace(admission, spend_month=hold.month)
 
 
-def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate, lease_ms: int) -> Admission:
+def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate, lease_ms: int,
+                  body_digest: str = "") -> Admission:
     """Admit or raise Rejected (budget refusals, no_reservation, budget_unavailable)."""
     try:
-        return plan_run(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms))
+        return plan_run(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms,
+                                       body_digest=body_digest))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc
 
 
 async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                              lease_ms: int) -> Admission:
+                              lease_ms: int, body_digest: str = "") -> Admission:
     """``request_admit`` for the async API views."""
     try:
         return await plan_run_async(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
-                                                   lease_ms=lease_ms))
+                                                   lease_ms=lease_ms, body_digest=body_digest))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc

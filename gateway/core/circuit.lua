@@ -12,7 +12,11 @@
 --         additive climb from a floor); its failure opens it again.
 --
 -- KEYS: 1 circuit hash (state, failures, open_until_ms, trial_until_ms,
---       trial_holder, opened, last_change_ms, why)
+--       trial_holder, opened, last_change_ms, why), 2 the pool's capacity
+--       hash: its 'hold' field is set while the circuit is not closed, so
+--       admission (budgets/admission/admit.lua) holds new work outside the
+--       lanes (gateway/core/held.py) instead of queueing it in front of the
+--       work that arrives after the provider is back
 -- ARGV: 1 event ('gate' | 'ok' | 'fail'), 2 holder (request id),
 --       3 what happened (text, 'fail'), 4 failures in a row that open it,
 --       5 how long it stays open before a trial (ms), 6 a trial's lease (ms)
@@ -35,6 +39,7 @@ local function open(why)
   redis.call('HSET', KEYS[1], 'state', 'open', 'open_until_ms', tostring(now + open_ms), 'trial_until_ms', '0',
              'trial_holder', '', 'last_change_ms', tostring(now), 'why', why)
   redis.call('HINCRBY', KEYS[1], 'opened', 1)
+  redis.call('HSET', KEYS[2], 'hold', '1')
   return 'open'
 end
 
@@ -52,6 +57,7 @@ elseif event == 'ok' then
   if state ~= 'closed' then
     redis.call('HSET', KEYS[1], 'state', 'closed', 'trial_holder', '', 'trial_until_ms', '0',
                'last_change_ms', tostring(now), 'why', 'the pool answered again')
+    redis.call('HDEL', KEYS[2], 'hold')
   end
   redis.call('HSET', KEYS[1], 'failures', '0')
   return {'go', '0', 'closed'}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from budgets.admission import keys as budget_keys
 from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
 from gateway.core import keys
 
@@ -40,7 +41,7 @@ class CircuitState:
 
 def _call(*, pool_id: int, event: str, holder: str = "", detail: str = "") -> ScriptCall[CircuitVerdict]:
     return ScriptCall(
-        script=CIRCUIT, keys=[keys.pool_circuit(pool_id)],
+        script=CIRCUIT, keys=[keys.pool_circuit(pool_id), budget_keys.pool_capacity(pool_id)],
         args=[event, holder, detail[:200], settings.SLUICE_CIRCUIT_FAILURES, int(settings.SLUICE_CIRCUIT_OPEN_S * 1000),
               int(settings.SLUICE_UPSTREAM_TIMEOUT_S * 1000) + 5_000],
         parse=lambda raw: CircuitVerdict(go=raw[0] == "go", wait_ms=float(raw[1]), state=raw[2]),

@@ -21,6 +21,7 @@ from budgets.admission.redis_client import Commands, get_redis
 from gateway.core import keys
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
+from gateway.core.held import held_commands
 from gateway.core.lanes import lane_for, queue_for_lane
 from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
@@ -55,7 +56,7 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         price_input_per_million=str(price.input_per_million) if price else "",
         price_output_per_million=str(price.output_per_million) if price else "",
         price_id=(price.price_id or 0) if price else 0,
-        spend_month=admission.spend_month, api_key_id=ctx.api_key_id or 0,
+        spend_month=admission.spend_month, api_key_id=ctx.api_key_id or 0, held=admission.held,
     )
 
 
@@ -68,7 +69,9 @@ def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: boo
     pipe.pexpire(keys.request_record(record.request_id), max(ttl_ms(), lease_ms))
     arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
                      expires_ms=record.admitted_ms + lease_ms)
-    if publish:
+    if record.held:
+        held_commands(pipe, record)  # not on its lane yet: gateway/core/held.py
+    elif publish:
         queue = queue_for_lane(record.lane)
         pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
                                        args=[record.request_id]))
@@ -82,7 +85,7 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
         commands = Commands()
         _record_commands(commands, record, lease_ms=lease_ms, publish=direct)
         commands.run()
-        if not direct:
+        if not direct and not record.held:
             current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
                                   task_id=record.request_id)
     except Exception as exc:  # Redis or the broker
@@ -99,7 +102,7 @@ async def record_enqueue_async(record: RequestRecord, *, lease_ms: int) -> None:
     """``record_enqueue`` for the async web side: with the lane's message in
     the record's pipeline, one await on the async client and no thread hop;
     through Celery's (blocking) send_task otherwise."""
-    if not direct_publish():
+    if not direct_publish() and not record.held:
         await sync_to_async(record_enqueue, thread_sensitive=False)(record, lease_ms=lease_ms)
         return
     try:
@@ -121,15 +124,21 @@ def record_requeue(record: RequestRecord, *, generation: int) -> bool:
     (claim.lua moved it to ``queued:<generation>``). A failed send is only
     logged: the request then misses its start-by time and is settled as
     lost by whoever watches it next."""
-    queue, task_id = queue_for_lane(record.lane), f"{record.request_id}.{generation}"
     try:
-        if direct_publish():
-            get_redis().lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=task_id, queue=queue,
-                                                  args=[record.request_id], kwargs={"generation": generation}))
-        else:
-            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], kwargs={"generation": generation},
-                                  queue=queue, task_id=task_id)
+        lane_publish(request_id=record.request_id, lane=record.lane, task_id=f"{record.request_id}.{generation}",
+                     kwargs={"generation": generation})
     except Exception:  # the broker
         logger.warning("could not requeue %s (delivery %s)", record.request_id, generation, exc_info=True)
         return False
     return True
+
+
+def lane_publish(*, request_id: str, lane: str, task_id: str, kwargs: dict) -> None:
+    """Put a request already admitted and recorded on its lane: a lost
+    worker's next delivery, a held request released (gateway/core/held.py)."""
+    queue = queue_for_lane(lane)
+    if direct_publish():
+        get_redis().lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=task_id, queue=queue,
+                                              args=[request_id], kwargs=kwargs))
+    else:
+        current_app.send_task(EXECUTE_REQUEST_TASK, args=[request_id], kwargs=kwargs, queue=queue, task_id=task_id)

@@ -85,6 +85,17 @@ def pool_pacer(pool_id: int) -> str:
     return f"{pool_tag(pool_id)}:pace"
 
 
+def pool_held(pool_id: int) -> str:
+    """Sorted set: 'request_id|lane|tokens' of requests held through an outage
+    (gateway/core/held.py), scored by their queue deadline (ms)."""
+    return f"{pool_tag(pool_id)}:held"
+
+
+HELD_POOLS = "sluice:held:pools"
+"""Set: ids of pools that may have held requests, for the pacer to look at
+(gateway/core/held.py; single-key commands only, no hash tag needed)."""
+
+
 CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
 """Sorted set: '<job id>:<attempt>' of job callbacks waiting to be tried
 again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""

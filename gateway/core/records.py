@@ -79,6 +79,9 @@ class RequestRecord:
     stream: bool = False
     stream_usage: bool = False
     tokenizer: str = ""
+    # Admitted while the pool's circuit was open, or a retry of such a
+    # request: it waits in the pool's held set, not on its lane (gateway/core/held.py).
+    held: bool = False
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -99,6 +102,7 @@ class RequestRecord:
         data["borrowed"] = int(self.borrowed)
         data["stream"] = int(self.stream)
         data["stream_usage"] = int(self.stream_usage)
+        data["held"] = int(self.held)
         return {k: str(v) for k, v in data.items()}
 
     @classmethod
@@ -129,6 +133,7 @@ class RequestRecord:
             stream=data.get("stream") == "1",
             stream_usage=data.get("stream_usage") == "1",
             tokenizer=data.get("tokenizer", ""),
+            held=data.get("held") == "1",
         )
 
 

@@ -198,15 +198,17 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord,
 
 
 async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: str = "",
-                          request_id: str | None = None) -> Dispatched:
+                          request_id: str | None = None, body_digest: str = "") -> Dispatched:
     """Admit and run one chat completion; raises Rejected for every refusal.
-    ``request_id``: the id the API gave the call (its logs, its ledger row)."""
+    ``request_id``: the id the API gave the call (its logs, its ledger row);
+    ``body_digest``: its body's (gateway/core/chat.py), which tells a client's
+    retry of a request held through an outage (gateway/core/held.py)."""
     estimate = chat_estimate(ctx, chat)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
     try:
         admission = await request_admit_async(ctx, request_id=request_id, model=chat.model, estimate=estimate,
-                                              lease_ms=lease_ms)
+                                              lease_ms=lease_ms, body_digest=body_digest)
     except Rejected as rejected:
         rejected.estimated_tokens = rejected.estimated_tokens or estimate.total_tokens  # for rejection stats
         raise

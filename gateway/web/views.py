@@ -161,7 +161,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
     try:
         dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=request.headers.get("X-Session-Id", "")[:128],
-                                           request_id=getattr(request, "request_id", None))
+                                           request_id=getattr(request, "request_id", None), body_digest=digest)
     except Rejected as rejected:
         if idem_key:
             await idempotency_release(workload_id=ctx.workload_id, key=idem_key)

@@ -178,20 +178,23 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
 
 
 def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None,
-              deferred: list[ScriptCall] | None = None) -> Outcome:
+              deferred: list[ScriptCall] | None = None, taken: SentMark | None = None) -> Outcome:
     """Call the pool, retrying only as the policy and the budgets allow, and
     feed every answer to the pool's adaptive capacity. ``deferred``: a list
     the caller runs after (``_answer_keep_settled``'s ``along``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
-    no attempt is left) puts its signals there instead of sending them."""
+    no attempt is left) puts its signals there instead of sending them.
+    ``taken``: the provider room its release took for the first attempt
+    (a held request: gateway/core/held.py)."""
     rng = rng or random.Random()
     policy = policy or RetryPolicy.from_settings()
     attempts = 0
     upstream_ms = 0
     throttled = 0
     while True:
-        with lane_slot(record) as slot:
+        with lane_slot(record, taken=taken) as slot:
             outcome, retryable = _single_call(record, mark=slot.mark)
+        taken = None  # a retry takes its own
         # What the answer tells the circuit, the lane limits and the pool's
         # capacity (and, on the first attempt, the pool's retry budget): one
         # round trip, one script.
@@ -321,7 +324,8 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     return _answer_stored(client, record, outcome), False
 
 
-def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None) -> str:
+def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None,
+                    taken: SentMark | None = None) -> str:
     """Run one delivery of an admitted request (``generation`` 0 is the first;
     a request taken over from a lost worker is delivered again as the next).
     Returns what happened, for logs and tests.
@@ -330,7 +334,9 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     while Redis is away (gateway/worker/tasks.py): a call whose answer could
     not be stored yet is not made a second time. A stopping worker hands a
     request back (``HandBack``: gateway/worker/shutdown.py); anything else
-    that fails is settled and answered at once (``request_fail``)."""
+    that fails is settled and answered at once (``request_fail``).
+    ``taken``: the provider room taken for it when it was released from the
+    held set (gateway/core/held.py)."""
     answered = {} if answered is None else answered
     client = get_redis()
     claim = None
@@ -352,7 +358,8 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
         raise HandBack(request_id)
     sent_before = pool_requests_sent()
     try:
-        return _request_run(record, generation=generation, client=client, answered=answered, claim=claim)
+        return _request_run(record, generation=generation, client=client, answered=answered, claim=claim,
+                            taken=taken)
     except (*INFRASTRUCTURE_AWAY, HandBack):
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
@@ -362,7 +369,7 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
 
 
 def _request_run(record: RequestRecord, *, generation: int, client, answered: dict[str, Outcome],
-                 claim: Claim | None = None) -> str:
+                 claim: Claim | None = None, taken: SentMark | None = None) -> str:
     """``claim``: this delivery's claim when it went with the record's read."""
     request_id = record.request_id
     if claim is None:
@@ -415,7 +422,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
             try:
                 calling = time.monotonic()
                 signals: list[ScriptCall] = []
-                outcome = replace(pool_call(record, deferred=signals), queue_wait_ms=queue_wait_ms)
+                outcome = replace(pool_call(record, deferred=signals, taken=taken), queue_wait_ms=queue_wait_ms)
                 if outcome.ttft_ms is not None:
                     # Earlier attempts and the wait between them count: the
                     # call's time less what followed the last attempt's first chunk.

@@ -69,15 +69,16 @@ class SlotHold:
 
 
 @contextmanager
-def lane_slot(record: RequestRecord) -> Iterator[SlotHold]:
+def lane_slot(record: RequestRecord, *, taken: SentMark | None = None) -> Iterator[SlotHold]:
     """Hold one of the record's lane slots on its pool during a pool call
-    (nothing for lanes that are not limited)."""
+    (nothing for lanes that are not limited). ``taken``: the mark of the
+    provider's room already taken for this call (a held request's release)."""
     hold = SlotHold()
     if lane_limited(record.lane):
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
-        hold.mark = call_gate_wait(record)
+        hold.mark = call_gate_wait(record, taken=taken)
         yield hold
     finally:
         if hold.held:
@@ -89,11 +90,19 @@ CIRCUIT_POLL_MAX_S = 0.1
 SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
 
 
-def call_gate_wait(record: RequestRecord) -> SentMark | None:
+def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None) -> SentMark | None:
     """The circuit's gate and the provider's room, asked in one round trip
     (the room taken only if the gate said go); whichever says wait is then
     waited for as ``circuit_wait`` and ``provider_room_wait`` wait. Returns
-    the take's mark (None: the call goes untaken, past its deadline)."""
+    the take's mark (None: the call goes untaken, past its deadline).
+    ``taken``: room already taken for this call when it was released from
+    the held set (gateway/core/held.py): only the gate is asked, unless it
+    says wait (the circuit opened again), and then the room is taken anew."""
+    if taken is not None:
+        if circuit_gate(pool_id=record.pool_id, holder=record.request_id).go:
+            return taken
+        circuit_wait(record)
+        return provider_room_wait(record)
     take = _provider_take(record)
     verdict, taken = script_calls_run([circuit_gate_call(pool_id=record.pool_id, holder=record.request_id), take],
                                       guards=("", "go"))

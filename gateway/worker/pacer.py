@@ -1,5 +1,7 @@
 """The pacer: moves due jobs from the delayed sorted set onto their lanes,
-and due job-callback retries onto the housekeeping lane.
+due job-callback retries onto the housekeeping lane, and requests held
+through an outage onto their lanes as the provider makes room for them
+(gateway/core/held.py).
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them. It sleeps until the earliest release, never
@@ -24,6 +26,8 @@ from budgets.admission.redis_client import get_redis, redis_now_ms
 
 from gateway.core import keys
 from gateway.core.callbacks import callback_retries_release
+from gateway.core.enqueue import lane_publish
+from gateway.core.held import held_release_call, mark_text
 from gateway.core.jobs import job_release
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,30 @@ def pacer_step() -> int:
                 # Put it back a second later rather than lose it.
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
-    return released + callback_retries_release(now_ms=now_ms)
+    return released + callback_retries_release(now_ms=now_ms) + held_step(client)
+
+
+def held_step(client) -> int:
+    """Release held requests on every pool that may have some; returns how
+    many went onto their lanes. A pool with none left leaves the set of
+    pools to look at (admission puts it back with its next held request)."""
+    released = 0
+    for pool_id in client.smembers(keys.HELD_POOLS):
+        left, out = held_release_call(pool_id=int(pool_id)).run(client)
+        for item in out:
+            try:
+                lane_publish(request_id=item.request_id, lane=item.lane, task_id=item.request_id,
+                             kwargs={"taken": mark_text(item.mark)} if item.mark else {})
+                released += 1
+            except Exception:  # the broker: its caller hears queue_timeout at its deadline
+                logger.exception("releasing held request %s failed", item.request_id)
+        if left == 0 and not out:
+            client.srem(keys.HELD_POOLS, pool_id)
+            # A request held between the script and the SREM put its pool
+            # back before the SREM took it out: look once more.
+            if client.zcard(keys.pool_held(int(pool_id))):
+                client.sadd(keys.HELD_POOLS, pool_id)
+    return released
 
 
 def pacer_sleep_s() -> float:

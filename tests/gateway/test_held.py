@@ -1,0 +1,250 @@
+"""Work held through an outage (gateway/core/held.py) against a real Redis:
+admission holds what it admits while the pool's circuit is open, and a
+retry of a held body after; the release gives held work only the provider's
+room above its reserve, each entry once however many pacers ask, one at a
+time as the circuit's trial while it is open, and never past its deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from budgets.admission import keys as budget_keys
+from budgets.admission.buckets import admit_call
+from budgets.admission.redis_client import redis_now_ms
+from gateway.core import keys
+from gateway.core.circuit import circuit_gate, circuit_record
+from gateway.core.held import held_release_call, mark_parse, mark_text
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+POOL = 61
+
+
+@pytest.fixture
+def breaker(settings):
+    settings.SLUICE_CIRCUIT_FAILURES = 3
+    settings.SLUICE_CIRCUIT_OPEN_S = 600.0
+    return settings
+
+
+def _open_circuit(pool_id: int) -> None:
+    for n in range(3):
+        circuit_record(pool_id=pool_id, holder=f"f{n}", ok=False, detail="HTTP 503")
+
+
+def _admit(caller, request_id: str, digest: str = ""):
+    return admit_call(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id=request_id,
+                      input_tokens=10, output_tokens=10, lease_ttl_ms=60_000, body_digest=digest).run()
+
+
+def test_admission_holds_while_the_circuit_is_open_and_a_retried_body_after(make_caller, redis_client, breaker):
+    caller = make_caller()
+    pool_id = caller.pool.id
+    # given a closed circuit: nothing is held, whatever the body
+    assert not _admit(caller, "req_a", digest="d1").held
+    assert not redis_client.exists(budget_keys.held_body(pool_id, caller.workload.id, "d1"))
+    # when the circuit opens
+    _open_circuit(pool_id)
+    assert redis_client.hget(budget_keys.pool_capacity(pool_id), "hold") == "1"
+    # then what is admitted is held, and its body is remembered for a lease's length
+    assert _admit(caller, "req_b", digest="d2").held
+    ttl = redis_client.pttl(budget_keys.held_body(pool_id, caller.workload.id, "d2"))
+    assert 59_000 < ttl <= 60_000
+    assert _admit(caller, "req_c").held  # no digest (a job): held while open too
+    # when the trial succeeds and the circuit closes
+    assert circuit_record(pool_id=pool_id, holder="trial", ok=True) == "closed"
+    assert not redis_client.hexists(budget_keys.pool_capacity(pool_id), "hold")
+    # then the same body again (a client's retry) is still held, another is not
+    assert _admit(caller, "req_d", digest="d2").held
+    assert not _admit(caller, "req_e", digest="d3").held
+    assert not _admit(caller, "req_f").held
+    # and admitting the same request again answers as the first time did
+    assert _admit(caller, "req_d", digest="zz").held
+    assert not _admit(caller, "req_e", digest="d2").held
+
+
+def _hold(redis_client, request_id: str, *, tokens: int = 100, deadline_ms: float | None = None) -> None:
+    deadline_ms = deadline_ms if deadline_ms is not None else redis_now_ms() + 60_000
+    redis_client.zadd(keys.pool_held(POOL), {f"{request_id}|interactive|{tokens}": deadline_ms})
+
+
+def _provider_says(redis_client, *, remaining_requests: int, limit_requests: int = 100,
+                   remaining_tokens: int | None = None, limit_tokens: int = 100_000, sent: int = 40) -> None:
+    """The provider's last statement, as provider_limits.lua keeps it, with its resets a minute away."""
+    reset_ms = redis_now_ms() + 60_000
+    fields = {"prov_rem_req": remaining_requests, "prov_limit_req": limit_requests, "prov_reset_req_ms": reset_ms,
+              "prov_reserve": 0.1, "prov_sent": sent, "prov_sent_tok": sent * 100}
+    if remaining_tokens is not None:
+        fields.update(prov_rem_tok=remaining_tokens, prov_limit_tok=limit_tokens, prov_reset_tok_ms=reset_ms)
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping=fields)
+
+
+def test_release_takes_only_the_room_above_the_providers_reserve(redis_client, breaker):
+    # given 8 held requests and a provider with 15 calls of room, 10 of them its reserve
+    for n in range(8):
+        _hold(redis_client, f"req_{n}", deadline_ms=redis_now_ms() + 60_000 + n)
+    _provider_says(redis_client, remaining_requests=15)
+    # when the pacer releases
+    left, released = held_release_call(pool_id=POOL).run()
+    # then 5 go, earliest deadline first, each with its own mark after the last sent
+    assert [r.request_id for r in released] == [f"req_{n}" for n in range(5)]
+    assert [(r.mark.sent, r.mark.sent_tokens) for r in released] == [(41 + n, 4_000 + 100 * (n + 1)) for n in range(5)]
+    assert left == 3
+    capacity = redis_client.hgetall(budget_keys.pool_capacity(POOL))
+    assert float(capacity["prov_rem_req"]) == 10
+    assert (int(capacity["prov_sent"]), int(capacity["prov_sent_tok"])) == (45, 4_500)
+    # and nothing more until the provider states more room
+    assert held_release_call(pool_id=POOL).run() == (3, [])
+    _provider_says(redis_client, remaining_requests=12, sent=45)
+    assert [r.request_id for r in held_release_call(pool_id=POOL).run()[1]] == ["req_5", "req_6"]
+
+
+def test_release_keeps_the_token_reserve_too(redis_client, breaker):
+    _hold(redis_client, "req_big", tokens=5_000, deadline_ms=redis_now_ms() + 60_000)
+    _hold(redis_client, "req_small", tokens=100, deadline_ms=redis_now_ms() + 60_001)
+    # 14,000 tokens of room, 10,000 of them the reserve: the 5,000-token call does not fit
+    _provider_says(redis_client, remaining_requests=100, remaining_tokens=14_000)
+    assert held_release_call(pool_id=POOL).run() == (2, [])
+    _provider_says(redis_client, remaining_requests=100, remaining_tokens=15_100)
+    left, released = held_release_call(pool_id=POOL).run()
+    assert ([r.request_id for r in released], left) == (["req_big", "req_small"], 0)
+
+
+def test_release_leaves_the_rate_of_fresh_arrivals_to_them(redis_client, breaker):
+    # given ample room in the provider's window (limit 1,000 a minute, 10% its
+    # reserve) and fresh work arriving at 840 a minute: 60 a minute are spare
+    now_ms = redis_now_ms()
+    if now_ms % 60_000 > 55_000:  # the count's minute must not turn during the test
+        time.sleep((60_000 - now_ms % 60_000) / 1000 + 0.05)
+        now_ms = redis_now_ms()
+    for n in range(50):
+        _hold(redis_client, f"req_{n}", deadline_ms=now_ms + 60_000 + n)
+    _provider_says(redis_client, remaining_requests=1_000, limit_requests=1_000)
+    redis_client.hset(budget_keys.pool_capacity(POOL),
+                      mapping={"fresh_m": int(now_ms // 60_000), "fresh_req": 840, "fresh_prev_req": 0})
+    # then the first release takes the pace's 5 s (5 calls), and then nothing
+    assert len(held_release_call(pool_id=POOL).run()[1]) == 5
+    assert held_release_call(pool_id=POOL).run()[1] == []
+    # and 3 s later, 3 more (1 a second)
+    level_at = float(redis_client.hget(budget_keys.pool_capacity(POOL), "held_t"))
+    redis_client.hset(budget_keys.pool_capacity(POOL), "held_t", level_at - 3_000)
+    assert len(held_release_call(pool_id=POOL).run()[1]) == 3
+    # and when fresh work takes the provider's whole limit less its reserve, nothing goes
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_req": 900, "held_t": 0})
+    assert held_release_call(pool_id=POOL).run() == (42, [])
+
+
+def test_a_provider_that_states_nothing_gets_the_held_work_at_once(redis_client, breaker):
+    for n in range(3):
+        _hold(redis_client, f"req_{n}")
+    left, released = held_release_call(pool_id=POOL).run()
+    assert (left, len(released)) == (0, 3)
+    assert [r.mark.sent for r in released] == [1, 2, 3]
+
+
+def test_entries_past_their_deadline_are_dropped_not_released(redis_client, breaker):
+    _hold(redis_client, "req_late", deadline_ms=redis_now_ms() - 1)
+    _hold(redis_client, "req_live")
+    left, released = held_release_call(pool_id=POOL).run()
+    assert ([r.request_id for r in released], left) == (["req_live"], 0)
+
+
+def test_while_open_one_held_request_goes_as_the_trial_when_one_is_due(redis_client, breaker):
+    # given an open circuit with held work
+    _open_circuit(POOL)
+    _hold(redis_client, "req_1", deadline_ms=redis_now_ms() + 60_000)
+    _hold(redis_client, "req_2", deadline_ms=redis_now_ms() + 60_001)
+    # then nothing goes while it is open
+    assert held_release_call(pool_id=POOL).run() == (2, [])
+    # when its open period ends
+    redis_client.hset(keys.pool_circuit(POOL), "open_until_ms", 0)
+    left, released = held_release_call(pool_id=POOL).run()
+    # then one goes, untaken (its worker's gate makes it the trial), and no second meanwhile
+    assert ([(r.request_id, r.mark) for r in released], left) == ([("req_1", None)], 1)
+    assert held_release_call(pool_id=POOL).run() == (1, [])
+    assert circuit_gate(pool_id=POOL, holder="req_1").go
+    assert held_release_call(pool_id=POOL).run() == (1, [])
+    # and once the trial succeeds, the rest is released as room allows
+    circuit_record(pool_id=POOL, holder="req_1", ok=True)
+    assert [r.request_id for r in held_release_call(pool_id=POOL).run()[1]] == ["req_2"]
+
+
+def test_pacers_releasing_at_once_release_each_entry_once_within_the_room(redis_client, breaker):
+    # given 200 held requests and room for 30 above the reserve
+    for n in range(200):
+        _hold(redis_client, f"req_{n}", deadline_ms=redis_now_ms() + 60_000 + n)
+    _provider_says(redis_client, remaining_requests=130, limit_requests=1_000)
+    released: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(20)
+
+    def pacer() -> None:
+        start.wait()
+        for _ in range(5):
+            _, out = held_release_call(pool_id=POOL, most=4).run()
+            with lock:
+                released.extend(r.request_id for r in out)
+
+    threads = [threading.Thread(target=pacer) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # then exactly 30 went, each once, the earliest deadlines
+    assert sorted(released, key=lambda r: int(r.split("_")[1])) == [f"req_{n}" for n in range(30)]
+    assert redis_client.zcard(keys.pool_held(POOL)) == 170
+    assert float(redis_client.hget(budget_keys.pool_capacity(POOL), "prov_rem_req")) == 100
+
+
+def test_a_mark_travels_as_text_and_back():
+    released = held_release_call(pool_id=POOL).parse([1, "req_x|batch|12", "7 900 1234.500"])
+    assert released[0] == 1
+    mark = released[1][0].mark
+    assert mark_parse(mark_text(mark)) == mark
+    assert (released[1][0].lane, mark.sent, mark.sent_tokens, mark.at_ms) == ("batch", 7, 900, 1234.5)
+    assert mark_parse("") is None
+
+
+def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_when_it_closes(
+        platform, make_caller, redis_client, breaker):
+    import concurrent.futures
+
+    import httpx
+
+    from budgets.models import UsageRecord
+    from gateway.core.lanes import queue_for_lane
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, queue_timeout_s=30.0)
+    platform.sim_reset()
+    # given the pool's circuit open, its trial not due for 4 s
+    _open_circuit(pool.id)
+    redis_client.hset(keys.pool_circuit(pool.id), "open_until_ms", redis_now_ms() + 4_000)
+
+    def chat(n: int) -> httpx.Response:
+        return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {caller.api_key}"},
+                          json={"model": "sim-small", "max_tokens": 8, "sim": {"output_tokens": 4},
+                                "messages": [{"role": "user", "content": f"Question {n}."}]})
+
+    with concurrent.futures.ThreadPoolExecutor(6) as executor:
+        # when six requests arrive while it is open
+        futures = [executor.submit(chat, n) for n in range(6)]
+        deadline = redis_now_ms() + 3_000
+        while redis_client.zcard(keys.pool_held(pool.id)) < 6:
+            assert redis_now_ms() < deadline, "the requests were not held"
+            time.sleep(0.02)
+        # then they wait in the pool's held set, none on its lane, none at the pool
+        assert redis_client.llen(queue_for_lane("interactive")) == 0
+        assert platform.sim_stats()["requests_total"] == 0
+        # and when the trial is due, one goes as the trial, its success closes
+        # the circuit, and the rest follow: every caller answered, each call made once
+        statuses = [future.result().status_code for future in futures]
+    assert statuses == [200] * 6
+    assert platform.sim_stats()["requests_total"] == 6
+    assert redis_client.zcard(keys.pool_held(pool.id)) == 0
+    rows = UsageRecord.objects.filter(workload=caller.workload)
+    assert sorted((r.status, r.attempts) for r in rows) == [("ok", 1)] * 6
