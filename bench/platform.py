@@ -275,7 +275,8 @@ def time_scaled_env(factor: float) -> dict[str, str]:
     running ``factor`` times faster, the same policy in simulated time needs
     its rates multiplied and its durations divided by ``factor``; otherwise
     a 2 s cooldown would last 2 x factor simulated seconds. Defaults are the
-    gateway's own (budgets/admission/capacity.py, gateway/worker/retry.py)."""
+    gateway's own (budgets/admission/capacity.py, gateway/worker/retry.py,
+    llm_platform/settings.py)."""
     def env(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
 
@@ -287,4 +288,5 @@ def time_scaled_env(factor: float) -> dict[str, str]:
         "SLUICE_RETRY_CAP_MS": str(env("SLUICE_RETRY_CAP_MS", 8000) / factor),
         "SLUICE_RETRY_SESSION_TTL_MS": str(int(env("SLUICE_RETRY_SESSION_TTL_MS", 600_000) / factor)),
         "SLUICE_CIRCUIT_OPEN_S": str(env("SLUICE_CIRCUIT_OPEN_S", 1.0) / factor),
+        "SLUICE_HELD_PACE_S": str(env("SLUICE_HELD_PACE_S", 10.0) / factor),
     }

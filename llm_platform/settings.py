@@ -361,6 +361,10 @@ SLUICE_LANE_LIMIT_MEMORY_MS = env_int("SLUICE_LANE_LIMIT_MEMORY_MS", 60_000)
 SLUICE_CIRCUIT_FAILURES = env_int("SLUICE_CIRCUIT_FAILURES", 5)
 # Seconds the circuit stays open before one trial call (half-open) may go.
 SLUICE_CIRCUIT_OPEN_S = env_float("SLUICE_CIRCUIT_OPEN_S", 1.0)
+# Work held through an outage (gateway/core/held.py): the seconds over which
+# the rate of fresh arrivals is averaged, and how many seconds of the
+# provider's spare rate held work may take at once when it is released.
+SLUICE_HELD_PACE_S = env_float("SLUICE_HELD_PACE_S", 10.0)
 
 # --- the worker's retry policy (gateway/worker/retry.py) ---------------------------
 # Attempts per call, the first included; the SDK's own retries are off.

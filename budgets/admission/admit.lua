@@ -22,10 +22,11 @@
 -- (a walk over the fill times until the loan fits) and a rebuild of S after a
 -- config push or a shed change (O(n), once).
 -- ARGV: 1 workload id, 2 request id, 3 input tokens, 4 output tokens,
---       5 lease ttl (ms), 6 '1' when KEYS[11] names the body's mark
+--       5 lease ttl (ms), 6 '1' when KEYS[11] names the body's mark,
+--       7 the time over which the rate of fresh arrivals is averaged (ms)
 -- Held: an admitted request is held (not put on its lane until the provider
 -- has room for it above what new work needs: gateway/core/held.py) while the
--- pool's circuit is not closed (capacity 'hold', circuit.lua), and when its
+-- pool's circuit is not closed (capacity 'hold', gateway/core/circuit.lua), and when its
 -- body was held before: a client's retry of a held request, which must not
 -- take the room of the work that arrives after the outage.
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
@@ -79,7 +80,7 @@ end
 local st = hmget(KEYS[3], st_fields)
 local capacity = hmget(KEYS[8], {'factor', wid .. '.shed', 'down_until_ms', 'probe_next_ms', 'blocked_until_ms',
   'prov_factor', 'prov_until_ms', 'prov_reserve', 'prov_rem_tok', 'prov_rem_req', 'prov_limit_tok', 'prov_limit_req',
-  'prov_reset_tok_ms', 'prov_reset_req_ms', 'hold', 'fresh_m', 'fresh_req', 'fresh_tok'})
+  'prov_reset_tok_ms', 'prov_reset_req_ms', 'hold', 'fresh_r', 'fresh_rt', 'fresh_t'})
 
 -- Capacity that moves: the pool's buckets run at the adaptive factor of their
 -- configured rate, and when that no longer covers every reservation the
@@ -268,6 +269,13 @@ end
 -- refuse is refused here instead, with the provider's reset as the wait.
 -- Loans and sheddable classes leave the last prov_reserve of the provider's
 -- limit to protected work (I2 holds inside the provider's window too).
+-- Held work (see the header) goes to the provider only when it has room
+-- (gateway/core/held_release.lua): its room is not asked here.
+local retried_memo
+local function retried()
+  if retried_memo == nil then retried_memo = ARGV[6] == '1' and redis.call('EXISTS', KEYS[11]) == 1 end
+  return retried_memo
+end
 local provider_room = {}
 local provider_sheddable = borrowed == 1 or (cfg[wid .. '.prio'] or 0) > 0
 for _, d in ipairs({'tok', 'req'}) do
@@ -279,7 +287,7 @@ for _, d in ipairs({'tok', 'req'}) do
     local limit = capacity['prov_limit_' .. d] or 0
     if now > reset_at and limit > 0 then room = math.min(limit, room + (now - reset_at) * limit / 60000) end
     provider_room[d] = room
-    if room < k and (limit == 0 or k <= limit) then
+    if room < k and (limit == 0 or k <= limit) and not (capacity['hold'] or retried()) then
       local w = reset_at - now
       if w <= 0 then w = (limit > 0) and (k - room) * 60000 / limit or 1000 end
       fail('provider_' .. (d == 'tok' and 'tpm' or 'rpm'), w)
@@ -352,24 +360,17 @@ if levels['P.in'] ~= nil then debit('P.in', k_in) end
 if levels['P.out'] ~= nil then debit('P.out', k_out) end
 redis.call('HSET', KEYS[3], unpack(writes))
 
-local held, retried = '0', ARGV[6] == '1' and redis.call('EXISTS', KEYS[11]) == 1
-if capacity['hold'] or retried then held = '1' end
+local held = '0'
+if retried() or capacity['hold'] then held = '1' end
 if held == '1' and ARGV[6] == '1' then redis.call('SET', KEYS[11], '1', 'PX', math.ceil(lease_ttl)) end
--- Fresh arrivals (not a held body's retry), requests and tokens in this
--- minute and the last: the rate of new work, which held work leaves room
--- for when it is released (gateway/core/held_release.lua).
-if not retried then
-  local minute = math.floor(now / 60000)
-  local m = capacity['fresh_m']
-  if m == minute then
-    redis.call('HSET', KEYS[8], 'fresh_req', (capacity['fresh_req'] or 0) + 1,
-               'fresh_tok', (capacity['fresh_tok'] or 0) + k_in + k_out)
-  else
-    local last = (m == minute - 1)
-    redis.call('HSET', KEYS[8], 'fresh_m', minute, 'fresh_req', 1, 'fresh_tok', k_in + k_out,
-               'fresh_prev_req', last and (capacity['fresh_req'] or 0) or 0,
-               'fresh_prev_tok', last and (capacity['fresh_tok'] or 0) or 0)
-  end
+-- The rate of fresh arrivals (not a held body's retry), requests and tokens
+-- per ms, averaged over ARGV[7] ms (exponentially): the new work that held
+-- work leaves room for when it is released (gateway/core/held_release.lua).
+if not retried() then
+  local tau = tonumber(ARGV[7])
+  local decay = math.exp(-math.max(0, now - (capacity['fresh_t'] or now)) / tau)
+  redis.call('HSET', KEYS[8], 'fresh_r', tostring((capacity['fresh_r'] or 0) * decay + 1 / tau),
+             'fresh_rt', tostring((capacity['fresh_rt'] or 0) * decay + (k_in + k_out) / tau), 'fresh_t', tostring(now))
 end
 
 local expires = now + lease_ttl

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from django.conf import settings
+
 from budgets.admission import keys
 from budgets.admission.redis_client import LuaScript, ScriptCall
 from budgets.errors import RateLimitSnapshot, Rejected
@@ -131,7 +133,8 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
         keys=[keys.pool_config(pool_id), keys.pool_workloads(pool_id),
               *_lease_keys(pool_id=pool_id, workload_id=workload_id, request_id=request_id),
               keys.held_body(pool_id, workload_id, body_digest or "-")],
-        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, "1" if body_digest else "0"],
+        args=[workload_id, request_id, input_tokens, output_tokens, lease_ttl_ms, "1" if body_digest else "0",
+              int(settings.SLUICE_HELD_PACE_S * 1000)],
         parse=parse,
     )
 

@@ -81,6 +81,6 @@ def held_release_call(*, pool_id: int, most: int = RELEASE_BATCH) -> ScriptCall[
     return ScriptCall(
         script=HELD_RELEASE,
         keys=[keys.pool_held(pool_id), budget_keys.pool_capacity(pool_id), keys.pool_circuit(pool_id)],
-        args=[most, int(settings.SLUICE_CIRCUIT_OPEN_S * 1000)],
+        args=[most, int(settings.SLUICE_CIRCUIT_OPEN_S * 1000), int(settings.SLUICE_HELD_PACE_S * 1000)],
         parse=_released,
     )

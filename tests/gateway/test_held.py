@@ -82,59 +82,82 @@ def _provider_says(redis_client, *, remaining_requests: int, limit_requests: int
     redis_client.hset(budget_keys.pool_capacity(POOL), mapping=fields)
 
 
-def test_release_takes_only_the_room_above_the_providers_reserve(redis_client, breaker):
-    # given 8 held requests and a provider with 15 calls of room, 10 of them its reserve
-    for n in range(8):
+def test_release_takes_the_providers_room_less_what_fresh_work_needs(redis_client, breaker):
+    # given 20 held requests, a provider with 15 calls of room, and fresh work
+    # arriving at 30 a minute: the next 10 s of it (5 calls) stay for it
+    breaker.SLUICE_HELD_PACE_S = 10.0
+    for n in range(20):
         _hold(redis_client, f"req_{n}", deadline_ms=redis_now_ms() + 60_000 + n)
-    _provider_says(redis_client, remaining_requests=15)
+    _provider_says(redis_client, remaining_requests=15, limit_requests=1_000)
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 30 / 60_000, "fresh_t": redis_now_ms()})
     # when the pacer releases
     left, released = held_release_call(pool_id=POOL).run()
-    # then 5 go, earliest deadline first, each with its own mark after the last sent
-    assert [r.request_id for r in released] == [f"req_{n}" for n in range(5)]
-    assert [(r.mark.sent, r.mark.sent_tokens) for r in released] == [(41 + n, 4_000 + 100 * (n + 1)) for n in range(5)]
-    assert left == 3
+    # then 10 go, earliest deadline first, each with its own mark after the last sent
+    assert [r.request_id for r in released] == [f"req_{n}" for n in range(10)]
+    assert [(r.mark.sent, r.mark.sent_tokens) for r in released] == [(41 + n, 4_000 + 100 * (n + 1))
+                                                                     for n in range(10)]
+    assert left == 10
     capacity = redis_client.hgetall(budget_keys.pool_capacity(POOL))
-    assert float(capacity["prov_rem_req"]) == 10
-    assert (int(capacity["prov_sent"]), int(capacity["prov_sent_tok"])) == (45, 4_500)
+    assert float(capacity["prov_rem_req"]) == 5
+    assert (int(capacity["prov_sent"]), int(capacity["prov_sent_tok"])) == (50, 5_000)
     # and nothing more until the provider states more room
-    assert held_release_call(pool_id=POOL).run() == (3, [])
-    _provider_says(redis_client, remaining_requests=12, sent=45)
-    assert [r.request_id for r in held_release_call(pool_id=POOL).run()[1]] == ["req_5", "req_6"]
+    assert held_release_call(pool_id=POOL).run() == (10, [])
+    _provider_says(redis_client, remaining_requests=7, limit_requests=1_000, sent=50)
+    assert [r.request_id for r in held_release_call(pool_id=POOL).run()[1]] == ["req_10", "req_11"]
 
 
-def test_release_keeps_the_token_reserve_too(redis_client, breaker):
+def test_release_takes_the_token_room_too(redis_client, breaker):
     _hold(redis_client, "req_big", tokens=5_000, deadline_ms=redis_now_ms() + 60_000)
     _hold(redis_client, "req_small", tokens=100, deadline_ms=redis_now_ms() + 60_001)
-    # 14,000 tokens of room, 10,000 of them the reserve: the 5,000-token call does not fit
-    _provider_says(redis_client, remaining_requests=100, remaining_tokens=14_000)
+    # 4,900 tokens of room: the 5,000-token call does not fit, and nothing passes it
+    _provider_says(redis_client, remaining_requests=100, remaining_tokens=4_900)
     assert held_release_call(pool_id=POOL).run() == (2, [])
-    _provider_says(redis_client, remaining_requests=100, remaining_tokens=15_100)
+    _provider_says(redis_client, remaining_requests=100, remaining_tokens=5_100)
     left, released = held_release_call(pool_id=POOL).run()
     assert ([r.request_id for r in released], left) == (["req_big", "req_small"], 0)
 
 
 def test_release_leaves_the_rate_of_fresh_arrivals_to_them(redis_client, breaker):
-    # given ample room in the provider's window (limit 1,000 a minute, 10% its
-    # reserve) and fresh work arriving at 840 a minute: 60 a minute are spare
+    # given ample room in the provider's window (1,000 a minute) and fresh
+    # work arriving at 840 a minute: 160 a minute are spare
+    breaker.SLUICE_HELD_PACE_S = 10.0
     now_ms = redis_now_ms()
-    if now_ms % 60_000 > 55_000:  # the count's minute must not turn during the test
-        time.sleep((60_000 - now_ms % 60_000) / 1000 + 0.05)
-        now_ms = redis_now_ms()
     for n in range(50):
         _hold(redis_client, f"req_{n}", deadline_ms=now_ms + 60_000 + n)
     _provider_says(redis_client, remaining_requests=1_000, limit_requests=1_000)
-    redis_client.hset(budget_keys.pool_capacity(POOL),
-                      mapping={"fresh_m": int(now_ms // 60_000), "fresh_req": 840, "fresh_prev_req": 0})
-    # then the first release takes the pace's 5 s (5 calls), and then nothing
-    assert len(held_release_call(pool_id=POOL).run()[1]) == 5
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 840 / 60_000, "fresh_t": now_ms})
+    # then the first release takes the pace's 10 s of spare (26 calls), and then nothing
+    assert len(held_release_call(pool_id=POOL).run()[1]) == 26
     assert held_release_call(pool_id=POOL).run()[1] == []
-    # and 3 s later, 3 more (1 a second)
+    # and 3 s later, 8 more (2.67 a second)
     level_at = float(redis_client.hget(budget_keys.pool_capacity(POOL), "held_t"))
     redis_client.hset(budget_keys.pool_capacity(POOL), "held_t", level_at - 3_000)
-    assert len(held_release_call(pool_id=POOL).run()[1]) == 3
-    # and when fresh work takes the provider's whole limit less its reserve, nothing goes
-    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_req": 900, "held_t": 0})
-    assert held_release_call(pool_id=POOL).run() == (42, [])
+    assert len(held_release_call(pool_id=POOL).run()[1]) == 8
+    # and when fresh work takes the provider's whole limit, nothing goes
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 1_000 / 60_000, "held_t": 0})
+    assert held_release_call(pool_id=POOL).run() == (16, [])
+
+
+def test_admission_averages_the_rate_of_fresh_arrivals_and_leaves_retries_out(make_caller, redis_client, breaker):
+    # given a pool whose fresh rate is averaged over 10 s
+    breaker.SLUICE_HELD_PACE_S = 10.0
+    caller = make_caller()
+    capacity = budget_keys.pool_capacity(caller.pool.id)
+    # when 30 requests of 20 tokens are admitted at once, one of them a held body
+    redis_client.set(budget_keys.held_body(caller.pool.id, caller.workload.id, "seen"), "1")
+    for n in range(30):
+        _admit(caller, f"req_{n}", digest="seen" if n == 7 else f"d{n}")
+    # then the fresh rate is 29 arrivals over 10 s, in requests and in tokens, per ms
+    fresh = redis_client.hgetall(capacity)
+    assert float(fresh["fresh_r"]) == pytest.approx(29 / 10_000, rel=0.01)
+    assert float(fresh["fresh_rt"]) == pytest.approx(29 * 20 / 10_000, rel=0.01)
+    # and while the circuit is open, what arrives fresh still counts (it is
+    # held, but it is new work), and a retry of it does not
+    _open_circuit(caller.pool.id)
+    for n in range(30, 40):
+        assert _admit(caller, f"req_{n}", digest=f"d{n}").held
+    assert _admit(caller, "req_again", digest="d31").held
+    assert float(redis_client.hget(capacity, "fresh_r")) == pytest.approx(39 / 10_000, rel=0.01)
 
 
 def test_a_provider_that_states_nothing_gets_the_held_work_at_once(redis_client, breaker):
@@ -173,10 +196,10 @@ def test_while_open_one_held_request_goes_as_the_trial_when_one_is_due(redis_cli
 
 
 def test_pacers_releasing_at_once_release_each_entry_once_within_the_room(redis_client, breaker):
-    # given 200 held requests and room for 30 above the reserve
+    # given 200 held requests and room for 30
     for n in range(200):
         _hold(redis_client, f"req_{n}", deadline_ms=redis_now_ms() + 60_000 + n)
-    _provider_says(redis_client, remaining_requests=130, limit_requests=1_000)
+    _provider_says(redis_client, remaining_requests=30, limit_requests=1_000)
     released: list[str] = []
     lock = threading.Lock()
     start = threading.Barrier(20)
@@ -196,7 +219,7 @@ def test_pacers_releasing_at_once_release_each_entry_once_within_the_room(redis_
     # then exactly 30 went, each once, the earliest deadlines
     assert sorted(released, key=lambda r: int(r.split("_")[1])) == [f"req_{n}" for n in range(30)]
     assert redis_client.zcard(keys.pool_held(POOL)) == 170
-    assert float(redis_client.hget(budget_keys.pool_capacity(POOL), "prov_rem_req")) == 100
+    assert float(redis_client.hget(budget_keys.pool_capacity(POOL), "prov_rem_req")) == 0
 
 
 def test_a_mark_travels_as_text_and_back():
