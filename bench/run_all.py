@@ -182,11 +182,15 @@ at its reservation; when the provider's limit returns, the next answer says so a
 back at the full rate.""",
     "retry_storm": """**Reading it.** Direct, every naive operation during the outage makes its 3 attempts and
 all of them reach the pool. Through Sluice, a circuit breaker fed by the workers' calls opens
-after a few failures; admitted calls then wait in their workers (bounded by their deadline)
-instead of failing, one half-open trial call goes per open period, and its success closes the
-circuit at once. The pool sees about one attempt per operation, and most operations of the
-outage complete once it ends. The price is the backlog: it competes with new operations for the
-provider's window after the outage (the scenario's own prose gives the numbers).""",
+after a few failures; what the door admits while it is open, and the clients' retries of it
+(the same body again), is held off the lanes (`gateway/core/held.py`) instead of failing: the
+pool sees about one attempt per operation. One held request goes as the half-open trial per
+open period, and its success closes the circuit at once. The backlog is then released
+earliest deadline first into what the provider's window has spare beside the new work (its
+stated room less what fresh arrivals need, at its limit less their rate), so new operations
+succeed from the provider's first second back and the backlog drains behind them. Before this
+(stop 20), the backlog waited in the lane's FIFO queue and went out at the close all at once:
+recovery took 60 s longer than direct, at 0.77x direct's failures.""",
     "overhead": """**Reading it.** The API runs on a middleware-free ASGI handler (`llm_platform/asgi.py`):
 Django's session/CSRF/auth middleware each cost a thread hop per request in an async stack.
 Unloaded (the 20 req/s row), what Sluice adds is its path's own time: the web's admission and

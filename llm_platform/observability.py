@@ -117,6 +117,9 @@ class LiveCollector:
         circuit = GaugeMetricFamily("sluice_pool_circuit_state",
                                     "1 for the pool's circuit breaker state (closed, open, half-open).",
                                     labels=["pool_id", "state"])
+        held = GaugeMetricFamily("sluice_pool_held_requests",
+                                 "Requests admitted through an outage and held until the provider has room.",
+                                 labels=["pool_id"])
         client = get_redis()
         for workload_id, workload_slug, tenant_slug in Workload.objects.values_list("id", "slug", "tenant__slug"):
             workload_info.add_metric([str(workload_id), workload_slug, tenant_slug], 1)
@@ -134,6 +137,7 @@ class LiveCollector:
                 provider_remaining.add_metric([pid, unit], float("nan") if remaining is None else remaining)
             for state in ("closed", "open", "half-open"):
                 circuit.add_metric([pid, state], 1 if live["circuit"]["state"] == state else 0)
+            held.add_metric([pid], live["circuit"].get("held", 0))
             pool_in_flight.add_metric([pid], live["in_flight"])
             for lane, numbers in live["lanes"].items():
                 lane_in_flight.add_metric([pid, lane], numbers["in_flight"])
@@ -148,7 +152,7 @@ class LiveCollector:
             retry_tokens.add_metric([pid], float(budget.get("tokens", 0)))
         yield from (pool_info, workload_info, capacity, pool_in_flight, lane_in_flight, lambda_w, arrival_rate,
                     time_in_system, first_attempts, retries, retry_refusals, retry_tokens, lane_limit,
-                    lane_limit_in_use, provider_remaining, circuit)
+                    lane_limit_in_use, provider_remaining, circuit, held)
         try:
             depths = queue_depths()
         except Exception as exc:  # noqa: BLE001 - the broker may live elsewhere and be down

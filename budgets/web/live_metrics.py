@@ -39,6 +39,7 @@ class PoolLiveMetrics:
     lane_limit_reason: str = ""  # the last decrease's reason
     circuit_state: str = "closed"
     circuit_why: str = ""
+    held: int = 0  # requests admitted through an outage, not yet released to the pool
 
 
 LiveMetricsProvider = Callable[..., dict]  # provider(pool_id=...) -> the gateway's numbers
@@ -75,6 +76,7 @@ def pool_live_metrics(*, pool_id: int) -> PoolLiveMetrics:
             lane_limit_reason=str(raw.get("lane_limit_reason") or ""),
             circuit_state=str((raw.get("circuit") or {}).get("state") or "closed"),
             circuit_why=str((raw.get("circuit") or {}).get("why") or ""),
+            held=int((raw.get("circuit") or {}).get("held") or 0),
         )
     except Exception:  # noqa: BLE001 - a dashboard must not fail with the thing it watches
         unavailable_note(f"live metrics of pool {pool_id}")

@@ -134,7 +134,9 @@ def pool_live_metrics(*, pool_id: int) -> dict:
         "lane_limits": {lane: {"limit": round(limit, 3), "in_use": lane_limits.in_use[lane]}
                         for lane, limit in lane_limits.limits.items()},
         "lane_limit_reason": lane_limits.last_decrease_why,
-        "circuit": {"state": circuit.state, "why": circuit.why, "opened": circuit.opened},
+        # "held": requests admitted through an outage and not yet released (gateway/core/held.py).
+        "circuit": {"state": circuit.state, "why": circuit.why, "opened": circuit.opened,
+                    "held": client.zcard(keys.pool_held(pool_id))},
         "blocked_until_ms": state.blocked_until_ms,
         "in_flight": client.zcount(budget_keys.pool_leases(pool_id), now_ms, "+inf"),
         "lane_in_flight": total_in_flight,

@@ -67,7 +67,7 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
     from tests.test_observability import scrape, value
 
     # given a learned long-lane limit with one call in it, a provider stating half
-    # the configured limit, and a circuit opened by a failed call
+    # the configured limit, and a circuit opened by a failed call, with two requests held
     pool = make_caller.pool(provider_tpm=1_000_000)
     make_caller(pool=pool)
     redis_client.hset(keys.lane_limits(pool.id), mapping={"interactive-long.limit": 3.5,
@@ -78,6 +78,7 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
                                                       "x-ratelimit-remaining-requests": "77"})
     settings.SLUICE_CIRCUIT_FAILURES = 1
     circuit_record(pool_id=pool.id, holder="r2", ok=False, detail="HTTP 503")
+    redis_client.zadd(keys.pool_held(pool.id), {"req_h1|interactive|10": 9e12, "req_h2|interactive|10": 9e12})
 
     # when
     metrics = pool_live_metrics(pool_id=pool.id)
@@ -91,7 +92,8 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
     assert metrics["effective_capacity_factor"] == 0.5
     assert metrics["capacity_reason"] == ("the provider states a limit of 500,000 tokens per minute in its "
                                           "x-ratelimit headers: 50% of the configured limits")
-    assert metrics["circuit"] == {"state": "open", "why": "1 calls in a row failed, the last: HTTP 503", "opened": 1}
+    assert metrics["circuit"] == {"state": "open", "why": "1 calls in a row failed, the last: HTTP 503", "opened": 1,
+                                  "held": 2}
     # ...and /metrics
     pid = pool.id
     assert value(samples, "sluice_lane_concurrency_limit", pool_id=pid, lane="interactive-long") == 3.5
@@ -101,3 +103,4 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
     assert value(samples, "sluice_pool_capacity_factor", pool_id=pid) == 0.5
     assert value(samples, "sluice_pool_circuit_state", pool_id=pid, state="open") == 1
     assert value(samples, "sluice_pool_circuit_state", pool_id=pid, state="closed") == 0
+    assert value(samples, "sluice_pool_held_requests", pool_id=pid) == 2
