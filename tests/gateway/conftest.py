@@ -10,3 +10,12 @@ def caller(platform, make_caller):
     """A workload (and its key) on a pool that is the platform's simulator."""
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     return make_caller(pool=pool)
+
+
+@pytest.fixture
+def breaker(settings):
+    """A circuit that three failures in a row open, for ten minutes (the
+    circuit and held-work tests move its times themselves)."""
+    settings.SLUICE_CIRCUIT_FAILURES = 3
+    settings.SLUICE_CIRCUIT_OPEN_S = 600.0
+    return settings

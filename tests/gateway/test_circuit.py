@@ -8,21 +8,12 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-
 from budgets.admission.redis_client import redis_now_ms
 from gateway.core.circuit import circuit_gate, circuit_record, circuit_state
 from gateway.core.records import RequestRecord
 from gateway.worker.lane_slot import circuit_wait
 
 POOL = 57
-
-
-@pytest.fixture
-def breaker(settings):
-    settings.SLUICE_CIRCUIT_FAILURES = 3
-    settings.SLUICE_CIRCUIT_OPEN_S = 600.0
-    return settings
 
 
 def _open(breaker) -> None:

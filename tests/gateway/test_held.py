@@ -23,13 +23,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 POOL = 61
 
 
-@pytest.fixture
-def breaker(settings):
-    settings.SLUICE_CIRCUIT_FAILURES = 3
-    settings.SLUICE_CIRCUIT_OPEN_S = 600.0
-    return settings
-
-
 def _open_circuit(pool_id: int) -> None:
     for n in range(3):
         circuit_record(pool_id=pool_id, holder=f"f{n}", ok=False, detail="HTTP 503")
