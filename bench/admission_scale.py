@@ -29,7 +29,7 @@ NAME = "admission_scale"
 SIZES = (10, 100, 1_000)
 BASELINE_REV = "5a4493b"  # the last commit with the O(n) admission script
 TARGET_US = 200.0
-# admit.lua's last arguments as the chat API passes them: a body digest is
+# budgets/admission/admit.lua's last arguments as the chat API passes them: a body digest is
 # given (its held mark is looked up), and the fresh arrivals' averaging time
 # (SLUICE_HELD_PACE_S). The script before BASELINE_REV ignores them.
 ADMIT_TAIL = ("1", 10_000)
