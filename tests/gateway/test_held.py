@@ -82,7 +82,8 @@ def test_release_takes_the_providers_room_less_what_fresh_work_needs(redis_clien
     for n in range(20):
         _hold(redis_client, f"req_{n}", deadline_ms=redis_now_ms() + 60_000 + n)
     _provider_says(redis_client, remaining_requests=15, limit_requests=1_000)
-    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 30 / 60_000, "fresh_t": redis_now_ms()})
+    redis_client.hset(budget_keys.pool_capacity(POOL),
+                      mapping={"fresh_r": 30 / 60_000, "fresh_t": redis_now_ms() + 60_000})
     # when the pacer releases
     left, released = held_release_call(pool_id=POOL).run()
     # then 10 go, earliest deadline first, each with its own mark after the last sent
@@ -118,7 +119,8 @@ def test_release_leaves_the_rate_of_fresh_arrivals_to_them(redis_client, breaker
     for n in range(50):
         _hold(redis_client, f"req_{n}", deadline_ms=now_ms + 60_000 + n)
     _provider_says(redis_client, remaining_requests=1_000, limit_requests=1_000)
-    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 840 / 60_000, "fresh_t": now_ms})
+    # (its time a minute ahead of the clock: the rate does not decay while the test runs)
+    redis_client.hset(budget_keys.pool_capacity(POOL), mapping={"fresh_r": 840 / 60_000, "fresh_t": now_ms + 60_000})
     # then the first release takes the pace's 10 s of spare (26 calls), and then nothing
     assert len(held_release_call(pool_id=POOL).run()[1]) == 26
     assert held_release_call(pool_id=POOL).run()[1] == []
