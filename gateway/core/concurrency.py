@@ -39,6 +39,7 @@ class SlotGrant:
     held: int  # slots of the lane held on the pool now
     limit: float  # the lane's limit when asked
     now_ms: float
+    spacing_wait_ms: float = 0.0  # a free slot waits this long for the spacing of long starts
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class LaneLimits:
     decreases: int
     last_decrease_ms: float
     last_decrease_why: str
+    # The spacing of long calls' starts (slot_acquire.lua): its two terms
+    # (None until known) and the gap each lane's next start keeps.
+    short_call_ms: float | None = None
+    long_call_ms: dict[str, float | None] | None = None
+    start_gap_ms: dict[str, float] | None = None
 
 
 def lane_limited(lane: str) -> bool:
@@ -69,7 +75,7 @@ def slot_acquire_call(*, pool_id: int, lane: str, holder: str, lease_ms: int | N
         keys=[keys.lane_slots(pool_id, lane), keys.lane_limits(pool_id)],
         args=[holder, lease_ms if lease_ms is not None else slot_lease_ms(), lane, settings.SLUICE_LANE_LIMIT_INITIAL],
         parse=lambda raw: SlotGrant(taken=int(raw[0]) == 1, held=int(raw[1]), limit=float(raw[2]),
-                                    now_ms=float(raw[3])),
+                                    now_ms=float(raw[3]), spacing_wait_ms=float(raw[4])),
     )
 
 
@@ -83,8 +89,16 @@ def slot_release(*, pool_id: int, lane: str, holder: str, client=None) -> int:
     return int(pipe.execute()[1])
 
 
+def start_gap_ms(*, short_call_ms: float | None, long_call_ms: float | None, limit: float) -> float:
+    """The spacing slot_acquire.lua keeps between long calls' starts (its
+    header says why): 0 while either duration is unknown."""
+    if short_call_ms is None or long_call_ms is None:
+        return 0.0
+    return min(short_call_ms, long_call_ms / (2 * max(1, int(limit))))
+
+
 def lane_limit_call(*, pool_id: int, event: str, value: str | float,
-                    extra: str | float) -> ScriptCall[tuple[str, dict]]:
+                    extra: str | float, duration_ms: float = 0) -> ScriptCall[tuple[str, dict]]:
     return ScriptCall(
         script=LANE_LIMIT,
         keys=[keys.lane_limits(pool_id)],
@@ -93,20 +107,23 @@ def lane_limit_call(*, pool_id: int, event: str, value: str | float,
               settings.SLUICE_LANE_LIMIT_CONGESTION_RATIO, settings.SLUICE_LANE_LIMIT_DECREASE,
               settings.SLUICE_LANE_LIMIT_COOLDOWN_MS, settings.SLUICE_LANE_LIMIT_WARMUP_SAMPLES,
               settings.SLUICE_LANE_LIMIT_BASELINE_DRIFT, settings.SLUICE_LANE_LIMIT_EWMA_WEIGHT,
-              settings.SLUICE_LANE_LIMIT_MEMORY_MS],
+              settings.SLUICE_LANE_LIMIT_MEMORY_MS, duration_ms],
         parse=lambda raw: (raw[0], {lane: float(v) for lane, v in zip(LIMITED_LANES, raw[1:])}),
     )
 
 
-def lane_limit_short_sample(*, pool_id: int, ms_per_token: float, admitted_ms: float) -> tuple[str, dict]:
-    """A short call answered: its latency per output token feeds the signal."""
-    return lane_limit_call(pool_id=pool_id, event="short", value=ms_per_token, extra=admitted_ms).run()
+def lane_limit_short_sample(*, pool_id: int, ms_per_token: float, admitted_ms: float,
+                            duration_ms: float = 0) -> tuple[str, dict]:
+    """A short call answered: its latency per output token feeds the signal,
+    its duration the spacing of long starts."""
+    return lane_limit_call(pool_id=pool_id, event="short", value=ms_per_token, extra=admitted_ms,
+                           duration_ms=duration_ms).run()
 
 
-def lane_limit_long_done(*, pool_id: int, lane: str, in_use: int) -> tuple[str, dict]:
+def lane_limit_long_done(*, pool_id: int, lane: str, in_use: int, duration_ms: float = 0) -> tuple[str, dict]:
     """A limited lane's call succeeded with ``in_use`` of its slots held
     (its own included): a full lane without congestion may grow."""
-    return lane_limit_call(pool_id=pool_id, event="long", value=lane, extra=in_use).run()
+    return lane_limit_call(pool_id=pool_id, event="long", value=lane, extra=in_use, duration_ms=duration_ms).run()
 
 
 def lane_limit_throttle(*, pool_id: int) -> tuple[str, dict]:
@@ -121,11 +138,18 @@ def lane_limits_read(*, pool_id: int, client=None) -> LaneLimits:
     for lane in LIMITED_LANES:
         pipe.zcard(keys.lane_slots(pool_id, lane))
     raw, *held = pipe.execute()
-    base = float(raw["base"]) if raw.get("base") else None
-    fast = float(raw["fast"]) if raw.get("fast") else None
+    def number(name: str) -> float | None:
+        return float(raw[name]) if raw.get(name) else None
+
+    base, fast, short_ms = number("base"), number("fast"), number("short_ms")
+    limits = {lane: float(raw.get(f"{lane}.limit") or settings.SLUICE_LANE_LIMIT_INITIAL) for lane in LIMITED_LANES}
+    long_ms = {lane: number(f"{lane}.call_ms") for lane in LIMITED_LANES}
     return LaneLimits(
-        limits={lane: float(raw.get(f"{lane}.limit") or settings.SLUICE_LANE_LIMIT_INITIAL) for lane in LIMITED_LANES},
+        limits=limits,
         in_use=dict(zip(LIMITED_LANES, (int(h) for h in held))),
         baseline_ms_per_token=base, recent_ms_per_token=fast, decreases=int(raw.get("decreases") or 0),
         last_decrease_ms=float(raw.get("last_decrease_ms") or 0), last_decrease_why=raw.get("last_decrease_why", ""),
+        short_call_ms=short_ms, long_call_ms=long_ms,
+        start_gap_ms={lane: start_gap_ms(short_call_ms=short_ms, long_call_ms=long_ms[lane], limit=limits[lane])
+                      for lane in LIMITED_LANES},
     )

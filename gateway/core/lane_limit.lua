@@ -28,6 +28,11 @@
 --     is remembered, only up to just below it (the level that hurt is not
 --     probed again until the memory fades).
 --
+-- Durations (ARGV[15], the call's time in the pool, ms): each successful
+-- short call moves ``short_ms`` and each successful long call its lane's
+-- ``<lane>.call_ms``, EWMAs with weight DURATION_WEIGHT. slot_acquire.lua
+-- spaces long calls' starts by them (its header says why).
+--
 -- KEYS: 1 lane-limits hash
 -- ARGV: 1 event ('short' | 'long' | 'throttle'), 2 latency per token (ms,
 --       'short') or lane ('long'), 3 the call's admission time (ms, Redis
@@ -35,7 +40,8 @@
 --       'long'), 4 limited lanes (comma-separated), 5 initial limit, 6 min,
 --       7 max, 8 congestion ratio, 9 decrease factor, 10 decrease cooldown
 --       (ms), 11 samples before the baseline counts, 12 baseline drift per
---       sample, 13 EWMA weight, 14 congestion memory (ms)
+--       sample, 13 EWMA weight, 14 congestion memory (ms), 15 the call's
+--       duration (ms, 'short' and 'long'; 0 or absent: not known)
 -- Returns {'decreased' | 'increased' | 'held', limit of each limited lane
 --          (as text, in ARGV[4]'s order)...}
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -49,6 +55,9 @@ for lane in string.gmatch(ARGV[4], '[^,]+') do lanes[#lanes + 1] = lane end
 local initial, min_limit, max_limit = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local ratio, beta, cooldown = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local warmup, drift, weight, memory = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+local duration = tonumber(ARGV[15] or '') or 0
+-- A typical duration, not the latest one: one slow call moves it a tenth.
+local DURATION_WEIGHT = 0.1
 
 local st = {}
 local flat = redis.call('HGETALL', KEYS[1])
@@ -59,6 +68,13 @@ local base, fast, samples = num('base', nil), num('fast', nil), num('samples', 0
 local last_decrease = num('last_decrease_ms', 0)
 local writes = {}
 local verdict = 'held'
+
+local function track_duration(name)
+  if duration <= 0 then return end
+  local old = num(name, nil)
+  local new = old == nil and duration or old + DURATION_WEIGHT * (duration - old)
+  writes[#writes + 1] = name; writes[#writes + 1] = tostring(new)
+end
 
 local function congested()
   return samples >= warmup and base ~= nil and fast ~= nil and fast > ratio * base
@@ -102,6 +118,7 @@ if event == 'short' then
     end
     writes[#writes + 1] = 'base'; writes[#writes + 1] = tostring(base)
     writes[#writes + 1] = 'samples'; writes[#writes + 1] = tostring(samples)
+    track_duration('short_ms')
     if fresh and congested() then
       decrease('short latency ' .. string.format('%.2f', fast / base) .. 'x its idle baseline')
     end
@@ -119,6 +136,7 @@ elseif event == 'long' then
   local lane = ARGV[2]
   local limit = num(lane .. '.limit', initial)
   local in_use = tonumber(ARGV[3]) or 0
+  track_duration(lane .. '.call_ms')
   if in_use >= math.floor(limit) and not congested() then
     local ceiling = max_limit
     local hint = num(lane .. '.hint', nil)

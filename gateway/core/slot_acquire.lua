@@ -3,11 +3,28 @@
 -- Every slot is a lease: a worker that dies mid-call never releases its
 -- slot, so a slot whose lease ended is taken back here, before counting.
 --
+-- Long calls' starts are also spaced. A long prompt's prefill stalls every
+-- decode step of the pool's batch while it runs (vLLM's default scheduler),
+-- so a short call that overlaps two prefills pays both; the short tail is
+-- made of those. Long calls started close together finish close together,
+-- and their successors start close together again: the clustering persists.
+-- So a long call starts no sooner than ``gap`` after the pool's last long
+-- start (any limited lane):
+--   gap = min(a short call's typical duration,
+--             this lane's typical long call / (2 x its slots))
+-- The first term puts at most about one long prefill in any short call's
+-- life; the second keeps the spacing at half the interval at which the
+-- lane's slots turn over, so it staggers starts without starving the
+-- slots. Both durations are EWMAs lane_limit.lua keeps (``short_ms``,
+-- ``<lane>.call_ms``); while either is unknown (no short traffic to
+-- protect, no long call finished yet) there is no gap.
+--
 -- KEYS: 1 slots zset (request id -> lease end, ms), 2 lane-limits hash
 -- ARGV: 1 holder (request id), 2 lease (ms), 3 lane, 4 initial limit (a
 --       lane whose limit was never set starts here)
--- Returns {1 taken | 0 full, slots held now (this one included when taken),
---          the limit in force, now_ms}
+-- Returns {1 taken | 0 full or spaced, slots held now (this one included
+--          when taken), the limit in force, now_ms, ms until the spacing
+--          lets a long call start (0: it does now)}
 -- A holder that already holds a slot (a retried attempt, a redelivery) gets
 -- it back with a fresh lease: one request never holds two.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -16,16 +33,26 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local limit = tonumber(redis.call('HGET', KEYS[2], ARGV[3] .. '.limit')) or tonumber(ARGV[4])
+local st = redis.call('HMGET', KEYS[2], ARGV[3] .. '.limit', 'short_ms', ARGV[3] .. '.call_ms', 'long_start_ms')
+local limit = tonumber(st[1]) or tonumber(ARGV[4])
 local whole = math.max(1, math.floor(limit))
 local until_ms = now + tonumber(ARGV[2])
 
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
-  return {1, redis.call('ZCARD', KEYS[1]), tostring(limit), tostring(now)}
+  return {1, redis.call('ZCARD', KEYS[1]), tostring(limit), tostring(now), '0'}
 end
 local held = redis.call('ZCARD', KEYS[1])
-if held >= whole then return {0, held, tostring(limit), tostring(now)} end
+if held >= whole then return {0, held, tostring(limit), tostring(now), '0'} end
+
+local short_ms, call_ms = tonumber(st[2]), tonumber(st[3])
+local last_start = tonumber(st[4]) or 0
+if short_ms and call_ms then
+  local gap = math.min(short_ms, call_ms / (2 * whole))
+  local wait = last_start + gap - now
+  if wait > 0 then return {0, held, tostring(limit), tostring(now), tostring(wait)} end
+end
 redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])) + 60000)
-return {1, held + 1, tostring(limit), tostring(now)}
+redis.call('HSET', KEYS[2], 'long_start_ms', tostring(now))
+return {1, held + 1, tostring(limit), tostring(now), '0'}

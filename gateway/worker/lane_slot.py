@@ -49,8 +49,10 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
             logger.info("request %s: no %s slot before its deadline (%d held, limit %.2f); calling anyway",
                         holder, lane, grant.held, grant.limit)
             return False
-        # Full jitter: waiters polling in step would all race for one freed slot.
-        if not pause(rng.uniform(0, delay)):
+        # Full jitter: waiters polling in step would all race for one freed
+        # slot. A slot that is free but spaced (slot_acquire.lua) is asked
+        # again when the spacing says, jittered the same way.
+        if not pause(grant.spacing_wait_ms / 1000 + rng.uniform(0, delay)):
             return False
         delay = min(POLL_MAX_S, delay * 2)
 
@@ -189,7 +191,8 @@ def lane_signal_calls(record: RequestRecord, outcome: Outcome, *, hold: SlotHold
     elif record.lane == SIGNAL_LANE:
         calls.append(lane_limit_call(pool_id=record.pool_id, event="short",
                                      value=outcome.upstream_ms / (outcome.output_tokens + 1),
-                                     extra=record.admitted_ms))
+                                     extra=record.admitted_ms, duration_ms=outcome.upstream_ms))
     elif lane_limited(record.lane):
-        calls.append(lane_limit_call(pool_id=record.pool_id, event="long", value=record.lane, extra=hold.in_use))
+        calls.append(lane_limit_call(pool_id=record.pool_id, event="long", value=record.lane, extra=hold.in_use,
+                                     duration_ms=outcome.upstream_ms))
     return calls

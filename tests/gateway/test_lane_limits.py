@@ -15,7 +15,8 @@ import pytest
 from budgets.admission.redis_client import redis_now_ms
 from gateway.core import keys
 from gateway.core.concurrency import (LIMITED_LANES, lane_limit_long_done, lane_limit_short_sample,
-                                      lane_limit_throttle, lane_limits_read, slot_acquire_call, slot_release)
+                                      lane_limit_throttle, lane_limits_read, slot_acquire_call, slot_lease_ms,
+                                      slot_release)
 from gateway.worker.lane_slot import slot_wait
 from tests.hammer import _hammer, slots_take_many
 
@@ -257,3 +258,128 @@ def test_decreases_wait_for_the_cooldown_and_stop_at_the_min(redis_client, aimd)
     aimd.SLUICE_LANE_LIMIT_COOLDOWN_MS = 0
     steps = [lane_limit_throttle(pool_id=POOL)[1][LONG] for _ in range(4)]
     assert steps == [2.0, 1.0, 1.0, 1.0]
+
+
+# --- the spacing of long calls' starts (slot_acquire.lua) --------------------------------------
+
+
+def _durations(redis_client, *, short_ms: float | None = None, long_ms: float | None = None) -> None:
+    if short_ms is not None:
+        redis_client.hset(keys.lane_limits(POOL), "short_ms", short_ms)
+    if long_ms is not None:
+        redis_client.hset(keys.lane_limits(POOL), f"{LONG}.call_ms", long_ms)
+
+
+def test_no_spacing_while_either_duration_is_unknown(redis_client):
+    # given: four slots, no short call ever timed
+    _set_limit(redis_client, LONG, 4)
+    _durations(redis_client, long_ms=60_000)
+
+    # when / then: every slot is taken at once
+    assert [slot_acquire_call(pool_id=POOL, lane=LONG, holder=f"r{n}").run().taken for n in range(4)] == [True] * 4
+
+
+def test_a_long_start_waits_a_short_calls_duration_after_the_last(redis_client):
+    # given: short calls take 400 ms; long ones 60 s on 4 slots (60,000 / 8 = 7,500 ms > 400 ms)
+    _set_limit(redis_client, LONG, 4)
+    _durations(redis_client, short_ms=400, long_ms=60_000)
+
+    # when
+    first = slot_acquire_call(pool_id=POOL, lane=LONG, holder="r1").run()
+    second = slot_acquire_call(pool_id=POOL, lane=LONG, holder="r2").run()
+
+    # then: a free slot, but the second start waits out the gap
+    assert (first.taken, first.spacing_wait_ms) == (True, 0.0)
+    assert not second.taken and second.held == 1
+    assert 0 < second.spacing_wait_ms <= 400
+    assert redis_client.zrange(keys.lane_slots(POOL, LONG), 0, -1) == ["r1"]
+
+    # and: once the gap has passed, it starts
+    time.sleep(second.spacing_wait_ms / 1000 + 0.02)
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="r2").run().taken
+
+
+def test_the_gap_is_at_most_half_the_turnover_of_the_lanes_slots(redis_client):
+    # given: long calls of 1,000 ms on 4 slots turn a slot over every 250 ms; short calls take 10 s
+    _set_limit(redis_client, LONG, 4.5)
+    _durations(redis_client, short_ms=10_000, long_ms=1_000)
+
+    # when
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="r1").run().taken
+    wait = slot_acquire_call(pool_id=POOL, lane=LONG, holder="r2").run().spacing_wait_ms
+
+    # then: min(10,000, 1,000 / (2 x 4)) = 125 ms, not the short calls' 10 s
+    assert 100 < wait <= 125
+    state = lane_limits_read(pool_id=POOL)
+    assert (state.short_call_ms, state.long_call_ms[LONG], state.start_gap_ms[LONG]) == (10_000.0, 1_000.0, 125.0)
+
+
+def test_the_spacing_is_kept_across_the_limited_lanes_of_a_pool(redis_client):
+    # given: a long interactive call just started; batch calls are long too
+    _durations(redis_client, short_ms=5_000, long_ms=600_000)
+    redis_client.hset(keys.lane_limits(POOL), "batch.call_ms", 600_000)
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="r1").run().taken
+
+    # when / then: a batch start on the same pool waits for it; another pool's does not
+    assert slot_acquire_call(pool_id=POOL, lane="batch", holder="b1").run().spacing_wait_ms > 4_000
+    assert slot_acquire_call(pool_id=POOL + 1, lane="batch", holder="b1").run().taken
+
+
+def test_a_holder_asking_again_is_not_spaced_from_its_own_start(redis_client):
+    _durations(redis_client, short_ms=5_000, long_ms=600_000)
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="r1").run().taken
+    again = slot_acquire_call(pool_id=POOL, lane=LONG, holder="r1").run()
+    assert (again.taken, again.held, again.spacing_wait_ms) == (True, 1, 0.0)
+
+
+def test_twenty_threads_at_a_free_lane_start_one_call_per_gap(redis_client):
+    # given: eight free slots and a 300 ms gap
+    _set_limit(redis_client, LONG, 8)
+    _durations(redis_client, short_ms=300, long_ms=600_000)
+
+    # when: twenty threads ask at the same instant
+    def attempt(n: int) -> tuple[str, bool]:
+        holder = f"t{n}"
+        return holder, slot_acquire_call(pool_id=POOL, lane=LONG, holder=holder, lease_ms=600_000).run().taken
+
+    results = _hammer(threads=20, attempts=1, barrier_at=time.time() + 0.2, attempt=attempt)
+
+    # then: one starts; the others wait for the spacing
+    assert sum(taken for _, taken in results) == 1
+    assert redis_client.zcard(keys.lane_slots(POOL, LONG)) == 1
+
+
+def test_waiters_on_a_spaced_lane_start_one_gap_apart(redis_client):
+    # given: a 150 ms gap and three workers waiting for free slots
+    _set_limit(redis_client, LONG, 8)
+    _durations(redis_client, short_ms=150, long_ms=600_000)
+    got: list[bool] = []
+
+    # when
+    workers = [threading.Thread(target=lambda n=n: got.append(slot_wait(
+        pool_id=POOL, lane=LONG, holder=f"w{n}", deadline_ms=redis_now_ms() + 30_000))) for n in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=10)
+
+    # then: all three hold slots, granted (each slot's lease end less the
+    # lease, on Redis' clock) at least the gap apart
+    assert got == [True] * 3
+    leases = redis_client.zrange(keys.lane_slots(POOL, LONG), 0, -1, withscores=True)
+    starts = sorted(end - slot_lease_ms() for _, end in leases)
+    assert len(starts) == 3
+    assert all(b - a >= 150 - 0.01 for a, b in zip(starts, starts[1:]))
+
+
+def test_short_and_long_durations_are_typical_not_the_latest(redis_client, aimd):
+    lane_limit_short_sample(pool_id=POOL, ms_per_token=10.0, admitted_ms=_fresh(), duration_ms=1_000)
+    lane_limit_short_sample(pool_id=POOL, ms_per_token=10.0, admitted_ms=_fresh(), duration_ms=2_000)
+    lane_limit_long_done(pool_id=POOL, lane=LONG, in_use=1, duration_ms=20_000)
+    lane_limit_long_done(pool_id=POOL, lane=LONG, in_use=1, duration_ms=10_000)
+    # a call without a duration (0) leaves them alone
+    lane_limit_short_sample(pool_id=POOL, ms_per_token=10.0, admitted_ms=_fresh())
+    state = lane_limits_read(pool_id=POOL)
+    # EWMA weight 0.1: 1,000 + 0.1 x 1,000; 20,000 - 0.1 x 10,000
+    assert state.short_call_ms == pytest.approx(1_100)
+    assert state.long_call_ms == {LONG: pytest.approx(19_000), "batch": None}
