@@ -153,8 +153,10 @@ which is FIFO's tail. Sluice runs with its default settings (16 interactive-long
 many long requests are in a pool call at once is the lane's adaptive limit (AIMD on the short
 requests' latency per token against its idle baseline, docs/RELIABILITY.md), not the thread
 count, so it finds the pool's long-request capacity by itself; the slots column shows how many
-long calls it let into each pool profile at once. Long requests the limit holds back wait in their worker,
-never past their deadline, so none fails for queueing. The baseline's 2 workers and 5 s queue
+long calls it let into each pool profile at once. The starts of long calls are also spaced (a
+short call's typical duration apart, at most half the slots' turnover), so a short request
+overlaps about one 400 ms long prefill, not two. Long requests the limit or the spacing holds
+back wait in their worker, never past their deadline, so none fails for queueing. The baseline's 2 workers and 5 s queue
 timeout protect short requests by failing most long ones (503) and halving goodput. Sluice's
 short p50 also carries the gateway's real overhead x the time scale (see scenario 5).""",
     "runaway": """**Reading it.** Admission holds the line: the chat workload is never rejected for budget and

@@ -131,7 +131,9 @@ def pool_live_metrics(*, pool_id: int) -> dict:
                      "remaining_requests": state.provider_remaining_requests,
                      "limit_tokens": state.provider_limit_tokens, "limit_requests": state.provider_limit_requests},
         # The adaptive long-lane limits (gateway/core/concurrency.py).
-        "lane_limits": {lane: {"limit": round(limit, 3), "in_use": lane_limits.in_use[lane]}
+        # start_gap_ms: the spacing of the lane's long starts (slot_acquire.lua; 0: none yet).
+        "lane_limits": {lane: {"limit": round(limit, 3), "in_use": lane_limits.in_use[lane],
+                               "start_gap_ms": round(lane_limits.start_gap_ms[lane], 1)}
                         for lane, limit in lane_limits.limits.items()},
         "lane_limit_reason": lane_limits.last_decrease_why,
         # "held": requests admitted through an outage and not yet released (gateway/core/held.py).

@@ -50,8 +50,8 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
                         holder, lane, grant.held, grant.limit)
             return False
         # Full jitter: waiters polling in step would all race for one freed
-        # slot. A slot that is free but spaced (slot_acquire.lua) is asked
-        # again when the spacing says, jittered the same way.
+        # slot. A slot that is free but spaced (gateway/core/slot_acquire.lua)
+        # is asked again when the spacing says, jittered the same way.
         if not pause(grant.spacing_wait_ms / 1000 + rng.uniform(0, delay)):
             return False
         delay = min(POLL_MAX_S, delay * 2)

@@ -71,7 +71,8 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
     pool = make_caller.pool(provider_tpm=1_000_000)
     make_caller(pool=pool)
     redis_client.hset(keys.lane_limits(pool.id), mapping={"interactive-long.limit": 3.5,
-                                                          "last_decrease_why": "the pool answered 429"})
+                                                          "last_decrease_why": "the pool answered 429",
+                                                          "short_ms": 900, "interactive-long.call_ms": 3_000})
     assert slot_acquire_call(pool_id=pool.id, lane="interactive-long", holder="r1").run().taken
     provider_limits_record(pool_id=pool.id, headers={"x-ratelimit-limit-tokens": "500000",
                                                       "x-ratelimit-remaining-tokens": "1234",
@@ -85,8 +86,10 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
     samples = scrape(platform)
 
     # then the pool page's numbers...
-    assert metrics["lane_limits"] == {"interactive-long": {"limit": 3.5, "in_use": 1},
-                                      "batch": {"limit": settings.SLUICE_LANE_LIMIT_INITIAL, "in_use": 0}}
+    # (the long lane's starts spaced min(900, 3,000 / (2 x 3)) = 500 ms; batch has no long call timed)
+    assert metrics["lane_limits"] == {"interactive-long": {"limit": 3.5, "in_use": 1, "start_gap_ms": 500.0},
+                                      "batch": {"limit": settings.SLUICE_LANE_LIMIT_INITIAL, "in_use": 0,
+                                                "start_gap_ms": 0.0}}
     assert metrics["lane_limit_reason"] == "the pool answered 429"
     assert (metrics["provider"]["remaining_tokens"], metrics["provider"]["remaining_requests"]) == (1234.0, 77.0)
     assert metrics["effective_capacity_factor"] == 0.5
