@@ -5,11 +5,14 @@ while a phase runs. Every loop is bounded in count and in time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 from bench.http import HttpClient, Response, TransportError
 
@@ -53,6 +56,52 @@ async def timed_post(client: HttpClient, path: str, body: dict, headers: dict[st
             usage = None
     kept = {name: response.headers[name] for name in KEEP_HEADERS if name in response.headers}
     return Call(kind, start - t0, latency, response.status, code, kept, usage)
+
+
+async def timed_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], kind: str,
+                       t0: float) -> Call:
+    """One streamed chat call (``stream`` and ``include_usage`` set here):
+    its latency is the time to the stream's end, ``extra["ttft"]`` the time
+    to its first content chunk (real seconds); the usage is the usage chunk's.
+    An error event, or a stream that ends without [DONE], is an error."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    first: float | None = None
+    usage, code, done, status, kept = None, None, False, 0, {}
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            status = response.status_code
+            kept = {name: response.headers[name] for name in KEEP_HEADERS if name in response.headers}
+            if status != 200:
+                await response.aread()
+                try:
+                    code = response.json().get("error", {}).get("code") or f"http_{status}"
+                except ValueError:
+                    code = f"http_{status}"
+            else:
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    if not line.startswith("data: "):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        code = str(chunk["error"].get("code") or "stream_error")
+                        break
+                    usage = chunk.get("usage") or usage
+                    choices = chunk.get("choices") or []
+                    if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+                        first = time.monotonic()
+    except httpx.HTTPError as exc:
+        return Call(kind, start - t0, time.monotonic() - start, 0, code="transport",
+                    extra={"error": f"{type(exc).__name__}: {exc}"[:200]})
+    if status == 200 and code is None and not done:
+        code = "short_stream"
+    if code is not None and status == 200:
+        status = 0  # the stream started, then failed: not a success
+    extra = {"ttft": first - start} if first is not None else {}
+    return Call(kind, start - t0, time.monotonic() - start, status, code, kept, usage, extra)
 
 
 async def open_loop(rate_per_s: float, duration_s: float, fire: Callable[[int], Awaitable[Any]], *,

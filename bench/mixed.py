@@ -16,6 +16,9 @@ Systems, one after the other on a fresh simulator:
 * Sluice with its default settings (16 interactive-long workers): how many
   long requests are in a pool call at once is the adaptive lane limit
   (gateway/core/concurrency.py), learned from the short requests' latency;
+* Sluice with its default settings, its short requests streamed (the same
+  seeded stream, ``stream: true`` with usage): reported beside the targets,
+  with each short request's time to first token;
 * Sluice, default settings, against a second pool profile: a bigger GPU
   (a 49,152-token KV cache, about ten long prompts, and prefill three times
   as fast, 0.03 ms a prompt token), to show the limit finds another level
@@ -33,9 +36,11 @@ import asyncio
 import math
 import time
 
+import httpx
+
 from bench.common import PLOTS_DIR, TimeScale, fmt, log, md_table, pcts, ratio, run_standalone, write_result
 from bench.http import HttpClient
-from bench.load import Call, Sampler, calls_to_json, closed_loop, lane_depths, timed_post
+from bench.load import Call, Sampler, calls_to_json, closed_loop, lane_depths, timed_post, timed_stream
 from bench.platform import Platform, Services
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import mixed_stream
@@ -48,16 +53,18 @@ CLIENTS = 10
 SIM_ARGS = ["--slots", "16", "--kv-cache-tokens", "16384"]
 LARGE_KV_SIM_ARGS = ["--slots", "16", "--kv-cache-tokens", "49152", "--prefill-ms-per-token", "0.03"]
 WARMUP_SIM_S = 20.0
-SYSTEMS = ("idle", "fifo", "baseline", "sluice", "sluice_large_kv")
+SYSTEMS = ("idle", "fifo", "baseline", "sluice", "sluice_stream", "sluice_large_kv")
 LABELS = {"idle": "idle pool (short only, direct)", "fifo": "FIFO (direct)", "baseline": "priority baseline",
           "sluice": "Sluice (default settings)",
+          "sluice_stream": "Sluice (default settings), short requests streamed",
           "sluice_large_kv": "Sluice (default settings), bigger pool (3x KV, 3x prefill)"}
 LIMITED_LANE = "interactive-long"
 
 
 async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: float, probe,
-                 long_fraction: float = 0.2) -> tuple[list[Call], list[dict], float]:
+                 long_fraction: float = 0.2, stream_short: bool = False) -> tuple[list[Call], list[dict], float]:
     client = HttpClient(base, max_connections=CLIENTS + 2, timeout=600)
+    streamer = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=CLIENTS + 2))
     streams = [mixed_stream(seed, c, 5_000, long_fraction=long_fraction) for c in range(CLIENTS)]
     calls: list[Call] = []
     t0 = time.monotonic()
@@ -65,12 +72,16 @@ async def _drive(base: str, path: str, headers: dict, seed: int, duration_real: 
 
     async def step(c: int, i: int) -> None:
         call = streams[c][i]
-        calls.append(await timed_post(client, path, call.body, headers, call.kind, t0))
+        if stream_short and call.kind == "short":
+            calls.append(await timed_stream(streamer, base + path, call.body, headers, call.kind, t0))
+        else:
+            calls.append(await timed_post(client, path, call.body, headers, call.kind, t0))
 
     await closed_loop(CLIENTS, duration_real, step, max_per_client=5_000)
     elapsed = time.monotonic() - t0
     samples = await sampler.stop()
     await client.aclose()
+    await streamer.aclose()
     return calls, samples, elapsed
 
 
@@ -116,7 +127,8 @@ def _run_system(services: Services, system: str, seed: int, duration_sim: float)
 
         log(f"{NAME}: {LABELS[system]} for {duration_sim:.0f} simulated s ({SCALE.real_s(duration_sim):.0f} s real)")
         calls, samples, elapsed = asyncio.run(_drive(base, path, headers, seed, SCALE.real_s(duration_sim), probe,
-                                                     long_fraction=0.0 if system == "idle" else 0.2))
+                                                     long_fraction=0.0 if system == "idle" else 0.2,
+                                                     stream_short=system == "sluice_stream"))
         platform.assert_alive()
         lane_sizes = getattr(platform, "lane_sizes", None)
     return {"calls": calls_to_json(calls), "samples": samples, "elapsed_real_s": elapsed, "lane_sizes": lane_sizes,
@@ -135,6 +147,10 @@ def _metrics(run: dict) -> dict:
                      "error_rate": (len(of_kind) - len(ok)) / len(of_kind) if of_kind else None,
                      "errors": _codes(of_kind)}
     ok = [c for c in measured if c["status"] == 200]
+    # Streamed calls: time to the first content chunk (simulated s).
+    ttft = [c["extra"]["ttft"] * f for c in measured
+            if c["status"] == 200 and c["kind"] == "short" and "ttft" in c.get("extra", {})]
+    out["short_ttft"] = pcts(ttft) if ttft else None
     out["throughput_rps"] = len(ok) / window_sim
     out["long_output_tokens_per_s"] = sum((c["usage"] or {}).get("completion_tokens", 0) for c in ok
                                           if c["kind"] == "long") / window_sim
@@ -226,6 +242,27 @@ def _verdict(value: float | None, ok) -> str:
     return "n/a" if value is None else ("met" if ok(value) else "missed")
 
 
+def _stream_rows(m: dict) -> list[list[str]]:
+    """The run whose short requests stream: reported beside the targets
+    (which are set on the non-streamed run), against the same references."""
+    streamed = m.get("sluice_stream")
+    if not streamed:
+        return []
+    idle_p99 = m.get("idle", {}).get("short", {}).get("p99")
+    p99_fifo = ratio(streamed["short"]["p99"], m["fifo"]["short"]["p99"])
+    p99_idle = ratio(streamed["short"]["p99"], idle_p99)
+    goodput = ratio(streamed.get("long_output_tokens_per_s"), m["fifo"].get("long_output_tokens_per_s"))
+    ttft = streamed.get("short_ttft") or {}
+    return [
+        ["short requests streamed: short p99 (to the stream's end) / FIFO; / idle pool; long goodput / FIFO",
+         f"{fmt(p99_fifo, 2)}; {fmt(p99_idle, 2)}; {fmt(goodput, 2)}",
+         f"(reported; the same bounds: {_verdict(p99_fifo, lambda v: v <= 0.25)}, "
+         f"{_verdict(p99_idle, lambda v: v <= 1.5)}, {_verdict(goodput, lambda v: v >= 0.9)})"],
+        ["short requests streamed: time to first token p50 / p99 (simulated s)",
+         f"{fmt(ttft.get('p50'), 2)} / {fmt(ttft.get('p99'), 2)}", ""],
+    ]
+
+
 def summarize(data: dict) -> str:
     m = data["metrics"]
     rows = []
@@ -276,6 +313,7 @@ def summarize(data: dict) -> str:
             ["learned long slots: the scenario's pool / the bigger pool (3x KV cache, 3x prefill speed)",
              f"{_slots_text(small)} / {_slots_text(large)}",
              "a different level, found without a setting"],
+            *_stream_rows(m),
         ]),
         "",
         "Where Sluice's time goes (simulated s, lane wait = x-sluice-queue-ms; the wait for a lane slot comes "
