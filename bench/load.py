@@ -58,6 +58,15 @@ async def timed_post(client: HttpClient, path: str, body: dict, headers: dict[st
     return Call(kind, start - t0, latency, response.status, code, kept, usage)
 
 
+async def stream_refusal_code(response: httpx.Response) -> str:
+    """The error code of a stream refused before it started (a JSON error body)."""
+    await response.aread()
+    try:
+        return response.json().get("error", {}).get("code") or f"http_{response.status_code}"
+    except ValueError:
+        return f"http_{response.status_code}"
+
+
 async def timed_stream(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], kind: str,
                        t0: float) -> Call:
     """One streamed chat call (``stream`` and ``include_usage`` set here):
@@ -73,11 +82,7 @@ async def timed_stream(client: httpx.AsyncClient, url: str, body: dict, headers:
             status = response.status_code
             kept = {name: response.headers[name] for name in KEEP_HEADERS if name in response.headers}
             if status != 200:
-                await response.aread()
-                try:
-                    code = response.json().get("error", {}).get("code") or f"http_{status}"
-                except ValueError:
-                    code = f"http_{status}"
+                code = await stream_refusal_code(response)
             else:
                 async for line in response.aiter_lines():
                     if line == "data: [DONE]":

@@ -31,7 +31,7 @@ import time
 import httpx
 
 from bench.common import PLOTS_DIR, fmt, log, md_table, pcts, run_standalone, write_result
-from bench.load import open_loop
+from bench.load import open_loop, stream_refusal_code
 from bench.platform import Platform, Services
 from bench.seed import config_push, ledger_rows, pool_create, workload_create
 
@@ -56,11 +56,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
         async with client.stream("POST", url, json=body, headers=headers) as response:
             status = response.status_code
             if status != 200:
-                await response.aread()
-                try:
-                    code = response.json().get("error", {}).get("code") or f"http_{status}"
-                except ValueError:
-                    code = f"http_{status}"
+                code = await stream_refusal_code(response)
             else:
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
