@@ -138,6 +138,7 @@ def lane_limits_read(*, pool_id: int, client=None) -> LaneLimits:
     for lane in LIMITED_LANES:
         pipe.zcard(keys.lane_slots(pool_id, lane))
     raw, *held = pipe.execute()
+
     def number(name: str) -> float | None:
         return float(raw[name]) if raw.get(name) else None
 
