@@ -37,9 +37,10 @@ def _log(job: Job, *, attempt: int, at: datetime, started: float, address: str |
                 delivered=delivered, duration_ms=max(0, int((time.monotonic() - started) * 1000)),
                 next_attempt_at=next_attempt_at,
             )
+            # In the same transaction: whoever sees the attempt sees its status.
+            Job.objects.filter(pk=job.pk).update(callback_status=status_code if status_code is not None else 0)
     except IntegrityError:  # a redelivered task that got this far before: logged once
         return
-    Job.objects.filter(pk=job.pk).update(callback_status=status_code if status_code is not None else 0)
 
 
 def _retry_at(job_id: str, attempt: int) -> datetime | None:
