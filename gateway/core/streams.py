@@ -23,9 +23,10 @@ flag's reads and by every other write), so nothing leaks."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
-from budgets.admission.redis_client import SyncRedis, get_redis
+from budgets.admission.redis_client import Commands, SyncRedis, get_redis
 from gateway.core import keys
 from gateway.core.records import Outcome, ttl_ms
 
@@ -37,37 +38,39 @@ END_FIELD = "end"
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-def stream_append(client: SyncRedis, *, request_id: str, chunk: str, watch: bool = True,
+def stream_append(client: SyncRedis, *, request_id: str, chunks: Sequence[str], watch: bool = True,
                   answer_if_lost: str | None = None) -> bool:
-    """Append one chunk (an SSE event's JSON) in one round trip; True when
-    the caller has gone away. ``watch``: also read the cancel flag and renew
-    the stream's TTL (the worker does it with the first chunk and then every
-    CANCEL_CHECK_S, not per chunk); otherwise a bare XADD, which cannot
-    report a cancel. ``answer_if_lost``: with the first chunk, the request's
-    stored answer (SET NX, before the XADD: no reader sees a chunk before it)."""
+    """Append chunks (SSE events' JSON, one entry each) in one round trip;
+    True when the caller has gone away. Several chunks go in one MULTI/EXEC,
+    so a blocked reader wakes once with all of them (Redis serves blocked
+    readers after a command, and EXEC is one), not once per chunk.
+    ``watch``: also read the cancel flag and renew the stream's TTL (the
+    worker does it with the first chunks and then every CANCEL_CHECK_S, not
+    per chunk); otherwise bare XADDs, which cannot report a cancel.
+    ``answer_if_lost``: with the first chunks, the request's stored answer
+    (SET NX, before the XADD: no reader sees a chunk before it)."""
     stream_key = keys.request_stream(request_id)
-    if not watch and answer_if_lost is None:
-        client.xadd(stream_key, {CHUNK_FIELD: chunk})
-        return False
-    pipe = client.pipeline(transaction=False)
+    # Plain commands in one write (budgets/admission/redis_client.py Commands:
+    # no redis-py pipeline per chunk).
+    commands = Commands(transaction=len(chunks) > 1)
     if answer_if_lost is not None:
-        pipe.set(keys.request_response(request_id), answer_if_lost, nx=True, px=ttl_ms())
-    pipe.xadd(stream_key, {CHUNK_FIELD: chunk})
-    pipe.pexpire(stream_key, ttl_ms())
-    pipe.exists(keys.request_stream_cancel(request_id))
-    return bool(pipe.execute()[-1])
+        commands.command("SET", keys.request_response(request_id), answer_if_lost, "NX", "PX", ttl_ms())
+    for chunk in chunks:
+        commands.command("XADD", stream_key, "*", CHUNK_FIELD, chunk)
+    if not watch:
+        commands.run(client)
+        return False
+    commands.pexpire(stream_key, ttl_ms())
+    commands.command("EXISTS", keys.request_stream_cancel(request_id))
+    return bool(commands.run(client)[-1])
 
 
 def stream_end(*, request_id: str, client: SyncRedis | None = None) -> None:
     """Append the end marker: the outcome is published, the web process ends
     the stream with it. Idempotent enough: a second marker is never read
     (the reader stops at the first)."""
-    client = client or get_redis()
     stream_key = keys.request_stream(request_id)
-    pipe = client.pipeline(transaction=False)
-    pipe.xadd(stream_key, {END_FIELD: "1"})
-    pipe.pexpire(stream_key, ttl_ms())
-    pipe.execute()
+    Commands().command("XADD", stream_key, "*", END_FIELD, "1").pexpire(stream_key, ttl_ms()).run(client or get_redis())
 
 
 def stream_cancel(*, request_id: str, client: SyncRedis | None = None) -> None:

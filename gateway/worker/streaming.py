@@ -62,8 +62,11 @@ class _Relay:
         self.usage: dict[str, Any] | None = None
         self.relayed = 0
         self.finished = False  # a finish_reason came
+        self.produced = False  # some content came (not only the opening chunk's empty one)
         self.done = False  # [DONE] came
         self.error: dict[str, Any] | None = None  # an error event from the pool
+        self.first_chunk_ms: int | None = None  # since the call started, when the first chunks were relayed
+        self.next_check = 0.0  # when the cancel flag is next read (time.monotonic())
 
     def tokens(self) -> tuple[int, int, str]:
         """(input, output, usage_source) to settle on."""
@@ -98,9 +101,26 @@ def _read_chunk(relay: _Relay, data: str) -> bool:
         delta = choice.get("delta") or {}
         if isinstance(delta, dict) and isinstance(delta.get("content"), str):
             relay.pieces.append(delta["content"])
+            relay.produced = relay.produced or bool(delta["content"])
         if choice.get("finish_reason"):
             relay.finished = True
     return True
+
+
+def _append(client, relay: _Relay, chunks: list[str], started: float) -> bool:
+    """Relay ``chunks`` (one round trip); True when the caller has gone away.
+    The first append also sets the stored answer a lost worker is finished
+    on (_first_chunk_answer), before the chunks are visible."""
+    now = time.monotonic()
+    first = relay.relayed == 0
+    if first:
+        relay.first_chunk_ms = int((now - started) * 1000)
+    relay.relayed += len(chunks)
+    watch = now >= relay.next_check
+    if watch:
+        relay.next_check = now + CANCEL_CHECK_S
+    return stream_append(client, request_id=relay.record.request_id, chunks=chunks, watch=watch,
+                         answer_if_lost=_first_chunk_answer(relay.record) if first else None)
 
 
 def _first_chunk_answer(record: RequestRecord) -> str:
@@ -121,8 +141,10 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False
-    first_chunk_ms: int | None = None
-    next_check = 0.0
+    # The opening chunk (the role, no content yet) waits for the first token
+    # and goes with it in one append: the caller's stream starts with both,
+    # one relay through Redis and the web process instead of two.
+    opening: list[str] = []
     try:
         for line in response.iter_lines():
             if not line.startswith("data:"):
@@ -135,23 +157,19 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
                 if relay.error is not None:
                     break
                 continue
-            now = time.monotonic()
-            first = relay.relayed == 0
-            if first:
-                first_chunk_ms = int((now - started) * 1000)
-            relay.relayed += 1
-            watch = now >= next_check
-            if watch:
-                next_check = now + CANCEL_CHECK_S
-            # The first chunk also sets the stored answer a lost worker is
-            # finished on (_first_chunk_answer), before the chunk is visible.
-            if stream_append(client, request_id=record.request_id, chunk=data, watch=watch,
-                             answer_if_lost=_first_chunk_answer(record) if first else None):
-                cancelled = True
+            if relay.relayed == 0 and not opening and not (relay.produced or relay.finished or relay.usage):
+                opening.append(data)
+                continue
+            cancelled = _append(client, relay, [*opening, data], started)
+            opening = []
+            if cancelled:
                 break
             if shutdown_grace_over():
                 stopped = True
                 break
+        if opening and not stopped:
+            # The stream ended after its opening chunk: the caller still gets it.
+            cancelled = _append(client, relay, opening, started)
     except STREAM_BROKEN as exc:
         logger.warning("request %s: the pool's stream broke off after %d chunks: %s", record.request_id,
                        relay.relayed, exc)
@@ -159,6 +177,7 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
         # Closing the response closes the connection: the pool stops generating.
         response.close()
     upstream_ms = int((time.monotonic() - started) * 1000)
+    first_chunk_ms = relay.first_chunk_ms
     input_tokens, output_tokens, source = relay.tokens()
     outcome = Outcome(status="ok", input_tokens=input_tokens, output_tokens=output_tokens, upstream_ms=upstream_ms,
                       attempts=1, upstream_status=200, usage_source=source, streamed=relay.relayed > 0,

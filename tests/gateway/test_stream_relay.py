@@ -1,0 +1,146 @@
+"""The worker's half of a stream, against a pool that paces its events
+(gateway/worker/streaming.py, gateway/core/streams.py), on real Redis: the
+opening chunk (the role, no content) goes to the caller with the first
+token in one append, and chunks appended together wake a blocked reader
+once, with all of them."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from budgets.admission.redis_client import get_redis
+from gateway.core import keys
+from gateway.core.records import RequestRecord
+from gateway.core.streams import CHUNK_FIELD, stream_append
+from gateway.worker import pool_client as pc
+from gateway.worker.streaming import pool_stream
+
+pytestmark = pytest.mark.redis_cluster
+
+OPENING_PAUSE_S = 0.3  # between the pool's opening chunk and its first token
+
+
+def _chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def _events(kind: str) -> list[tuple[float, dict | str]]:
+    """(pause before, event) as the pool sends them."""
+    opening = (0.0, _chunk({"role": "assistant", "content": ""}))
+    if kind == "opening_only":
+        return [opening, (0.0, "[DONE]")]
+    return [opening, (OPENING_PAUSE_S, _chunk({"content": "Hello"})), (0.0, _chunk({"content": " there"})),
+            (0.0, _chunk({}, "stop")),
+            (0.0, {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}),
+            (0.0, "[DONE]")]
+
+
+@pytest.fixture
+def paced_pool() -> Iterator[callable]:
+    """A pool whose stream is the events of the kind its request's model names,
+    each flushed on its own after its pause (a body the connection's close ends)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for pause, event in _events(body["model"]):
+                time.sleep(pause)
+                data = event if isinstance(event, str) else json.dumps(event)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pc._clients.clear()
+    try:
+        yield lambda: f"http://127.0.0.1:{server.server_port}/v1"
+    finally:
+        server.shutdown()
+        pc._clients.clear()
+
+
+def _record(request_id: str, base_url: str) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id, tenant_id=1, workload_id=2, pool_id=0, pool_base_url=base_url, pool_api_key_env="",
+        model="m", lane="interactive", borrowed=False, estimated_input_tokens=5, estimated_output_tokens=8,
+        admitted_ms=0, deadline_ms=0, payload={}, stream=True, stream_usage=True, tokenizer="cl100k_base")
+
+
+def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
+    """A reader blocked on the request's stream, as the web process waits for
+    its first chunk; what its first read returned."""
+    got: list = []
+
+    def read() -> None:
+        reply = get_redis(blocking=True).xread({keys.request_stream(request_id): "0-0"}, block=10_000)
+        got.extend(reply[0][1] if reply else [])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.1)  # blocked before anything is appended
+    return reader, got
+
+
+def _stream(request_id: str, base_url: str, model: str):
+    client = pc.pool_client(base_url=base_url, api_key_env="")
+    return pool_stream(client, _record(request_id, base_url), started=time.monotonic(), extra_body=None,
+                       payload={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+
+
+def test_the_opening_chunk_reaches_the_reader_with_the_first_token(paced_pool, redis_client):
+    request_id = "req_opening"
+    reader, first = _first_read(redis_client, request_id)
+    # when the pool sends its opening chunk, then its first token 0.3 s later
+    outcome = _stream(request_id, paced_pool(), "paced")
+    reader.join(timeout=10)
+    # then the caller's first read has both: one relay, not one per chunk
+    deltas = [json.loads(fields[CHUNK_FIELD])["choices"][0]["delta"] for _, fields in first]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hello"}]
+    # and the whole stream is relayed in order, settled on the pool's usage
+    entries = redis_client.xrange(keys.request_stream(request_id))
+    assert len(entries) == 5  # opening, two tokens, the finish, the usage
+    assert (outcome.status, outcome.input_tokens, outcome.output_tokens, outcome.usage_source) == ("ok", 5, 2, "pool")
+    # and its time to first token is the first token's, not the opening chunk's
+    assert outcome.ttft_ms >= OPENING_PAUSE_S * 1000 - 50
+
+
+def test_a_stream_that_ends_after_its_opening_chunk_still_relays_it(paced_pool, redis_client):
+    request_id = "req_opening_only"
+    outcome = _stream(request_id, paced_pool(), "opening_only")
+    entries = redis_client.xrange(keys.request_stream(request_id))
+    assert [json.loads(fields[CHUNK_FIELD])["choices"][0]["delta"] for _, fields in entries] == \
+        [{"role": "assistant", "content": ""}]
+    assert outcome.status == "ok" and outcome.streamed
+
+
+def test_chunks_appended_together_wake_a_blocked_reader_once_with_all_of_them(redis_client):
+    request_id = "req_together"
+    reader, first = _first_read(redis_client, request_id)
+    cancelled = stream_append(redis_client, request_id=request_id, chunks=["a", "b", "c"], watch=True,
+                              answer_if_lost='{"status": "worker_lost"}')
+    reader.join(timeout=10)
+    assert not cancelled
+    assert [fields[CHUNK_FIELD] for _, fields in first] == ["a", "b", "c"]
+    # the stored answer went first, and the stream has its TTL
+    assert redis_client.get(keys.request_response(request_id)) == '{"status": "worker_lost"}'
+    assert redis_client.pttl(keys.request_stream(request_id)) > 0
+    # a cancel flag is read in the same round trip
+    redis_client.set(keys.request_stream_cancel(request_id), "1")
+    assert stream_append(redis_client, request_id=request_id, chunks=["d"], watch=True) is True
+    assert stream_append(redis_client, request_id=request_id, chunks=["e"], watch=False) is False
+    assert redis_client.xlen(keys.request_stream(request_id)) == 5
