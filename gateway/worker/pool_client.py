@@ -20,9 +20,12 @@ standard library's ``http.client`` over kept-alive connections instead of
 httpx: about a quarter of httpx's CPU per call (bench/PROFILE.md, round 4),
 the same bytes on the wire, the same results and the same SDK exceptions
 (``tests/gateway/test_pool_client.py`` holds the two side by side).
-``https://`` pools, proxied ones and streams keep httpx, whose TLS, proxy
-and streaming handling they need; ``SLUICE_POOL_PLAIN_HTTP=false`` turns
-the plain path off."""
+A stream to such a pool opens the same way (``PlainStream``: its lines read
+as they come, a close that closes the connection unless the answer was read
+to its end): about half of httpx's CPU per stream of 32 tokens, opening
+included. ``https://`` pools and proxied ones keep httpx, whose TLS and
+proxy handling they need; ``SLUICE_POOL_PLAIN_HTTP=false`` turns the plain
+path off."""
 
 from __future__ import annotations
 
@@ -292,8 +295,110 @@ def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0,
     return _chat_send(client, _chat_request(client, body=body, accept="application/json", mark=mark), stream=False)
 
 
-def pool_chat_stream_open(client: OpenAI, *, body: dict, mark: SentMark | None = None) -> httpx.Response:
+class PlainStream:
+    """A streamed answer on the plain path, as the worker reads one
+    (gateway/worker/streaming.py: ``headers``, ``iter_lines``, ``close``).
+    A failure while reading is httpx's exception for it (``ReadTimeout``,
+    ``ReadError``), as on the httpx path. ``close`` ends the call: the
+    connection is closed, so the pool stops generating, unless the answer
+    was read to its end; after ``data: [DONE]`` the end of the body is
+    usually already here, and is read (briefly) to keep the connection."""
+
+    DRAIN_S = 0.05  # how long close() waits for the end of a body whose [DONE] came
+    DRAIN_BYTES = 1 << 16
+
+    def __init__(self, conn: http.client.HTTPConnection, connections: _PlainConnections,
+                 response: http.client.HTTPResponse, url: str) -> None:
+        self._conn, self._connections, self._response, self._url = conn, connections, response, url
+        self.status_code = response.status
+        self.headers = response.msg
+        self._done = False
+        self._closed = False
+
+    def iter_lines(self):
+        """The body's lines, without their ends, each as soon as it came."""
+        response = self._response
+        try:
+            while True:
+                raw = response.readline()
+                if not raw:
+                    return
+                line = raw.rstrip(b"\r\n").decode("utf-8", errors="replace")
+                if "\r" in line:  # a pool ending its lines with a bare CR, as SSE allows
+                    yield from line.split("\r")
+                    continue
+                if line == "data: [DONE]":
+                    self._done = True
+                yield line
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "the pool's stream timed out",
+                                    request=httpx.Request("POST", self._url)) from exc
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=httpx.Request("POST", self._url)) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        response, conn = self._response, self._conn
+        if self._done and not response.isclosed() and conn.sock is not None:
+            try:
+                conn.sock.settimeout(self.DRAIN_S)
+                response.read(self.DRAIN_BYTES)
+            except (OSError, ValueError, http.client.HTTPException):
+                pass
+        if response.isclosed() and not response.will_close and conn.sock is not None:
+            self._connections.give_back(conn)
+        else:
+            response.close()
+            conn.close()
+
+
+def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
+                       mark: SentMark | None) -> PlainStream:
+    """The plain path's streamed POST: the answer once its headers came, or
+    the SDK's exception, as ``_plain_post`` raises it."""
+    content = _json_bytes(body)
+    url = _chat_url(client)
+    headers = _chat_headers(client, accept="text/event-stream")
+    timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
+    conn = connections.take()
+    try:
+        if conn is None:
+            conn = http.client.HTTPConnection(connections.host, connections.port, timeout=timeout.connect)
+            conn.connect()
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sock.settimeout(timeout.read)
+        _count_sent(None)
+        conn.request("POST", urlsplit(url).path, body=content, headers=headers)
+        response = conn.getresponse()
+        if response.status >= 400:
+            error_body = response.read()
+    except TimeoutError as exc:
+        if conn is not None:
+            conn.close()
+        raise APITimeoutError(request=httpx.Request("POST", url)) from exc
+    except (OSError, http.client.HTTPException) as exc:
+        if conn is not None:
+            conn.close()
+        raise APIConnectionError(request=httpx.Request("POST", url)) from exc
+    if pool_id:
+        _limits_note(pool_id, response.msg, mark)
+    if response.status >= 400:
+        conn.close()
+        raise client._make_status_error_from_response(httpx.Response(
+            response.status, headers=list(response.msg.items()), content=error_body,
+            request=httpx.Request("POST", url)))
+    return PlainStream(conn, connections, response, url)
+
+
+def pool_chat_stream_open(client: OpenAI, *, body: dict, pool_id: int = 0,
+                          mark: SentMark | None = None) -> httpx.Response | PlainStream:
     """Open a streamed chat completion (``body`` asks for ``stream``): the
-    answer once its headers came (status < 400, its events still to read;
-    the caller closes it), or the SDK's exception, as ``pool_chat_post``."""
+    answer once its headers came (status < 400, its events still to read:
+    ``iter_lines``; the caller closes it), or the SDK's exception, as
+    ``pool_chat_post``; on the plain path when the pool allows it."""
+    connections = _plain_connections(client)
+    if connections is not None:
+        return _plain_stream_open(client, connections, body=body, pool_id=pool_id, mark=mark)
     return _chat_send(client, _chat_request(client, body=body, accept="text/event-stream", mark=mark), stream=True)

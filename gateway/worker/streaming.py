@@ -135,9 +135,11 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     caller, ``_single_call``, turns them into a retryable outcome or not);
     everything after is this function's outcome."""
     body = {**payload, **extra_body} if extra_body else payload
-    # The SDK client's own httpx client, without the SDK's request building
+    # http.client to a plain http:// pool, else the SDK client's own httpx
+    # client, without the SDK's request building either way
     # (gateway/worker/pool_client.py): errors are the SDK's exceptions.
-    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body, mark=mark))
+    response = pool_call_within_grace(
+        lambda: pool_chat_stream_open(pool, body=body, pool_id=record.pool_id, mark=mark))
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -251,3 +252,99 @@ def test_each_path_keeps_the_answers_statement_in_the_order_its_call_went(limite
     # and when a call that went after them answers, its statement is kept
     call(provider_take_call(pool_id=pool_id, tokens=10).run().mark)
     assert float(redis_client.hget(capacity, "prov_rem_tok")) > 900_000
+
+
+STREAM_BODY = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _events(response) -> list[str]:
+    try:
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        response.close()
+
+
+def test_a_stream_reads_the_same_events_on_both_paths(sim_url):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    plain = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    assert isinstance(plain, pc.PlainStream) and plain.headers["content-type"].startswith("text/event-stream")
+    plain_events = _events(plain)
+    pc._plain[str(client.base_url)] = None
+    via_httpx = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    assert not isinstance(via_httpx, pc.PlainStream)
+    httpx_events = _events(via_httpx)
+    assert plain_events[-1] == httpx_events[-1] == "[DONE]"
+    a, b = [json.loads(e) for e in plain_events[:-1]], [json.loads(e) for e in httpx_events[:-1]]
+    assert len(a) == len(b) == 8 + 3  # the opening chunk, 8 tokens, the finish, the usage
+    assert [c["choices"][0]["delta"].get("role") for c in a if c["choices"]] == \
+        [c["choices"][0]["delta"].get("role") for c in b if c["choices"]]
+    assert a[-1]["usage"] == b[-1]["usage"] and a[-1]["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize("status, exception", [(429, openai.RateLimitError), (503, openai.InternalServerError)])
+def test_a_stream_refused_before_it_starts_raises_the_same_sdk_exception_on_both_paths(sim_url, status, exception):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    body = {**STREAM_BODY, "sim": {"fail_status": status, "fail_retry_after": 2}}
+    with pytest.raises(exception) as plain:
+        pc.pool_chat_stream_open(client, body=body)
+    pc._plain[str(client.base_url)] = None
+    with pytest.raises(exception) as via_httpx:
+        pc.pool_chat_stream_open(client, body=body)
+    assert plain.value.status_code == via_httpx.value.status_code == status
+    assert plain.value.body == via_httpx.value.body
+
+
+def test_a_stream_read_to_its_end_keeps_its_connection_and_one_closed_early_closes_it(sim_url):
+    client = pc.pool_client(base_url=sim_url, api_key_env="")
+    # a stream read to its [DONE] (and no further, as the worker reads one):
+    # its connection goes back and the next stream uses it
+    done = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    assert "data: [DONE]" in iter(done.iter_lines())
+    done.close()
+    connections = pc._plain[str(client.base_url)]
+    [kept] = connections._idle
+    kept_socket = kept.sock
+    stream = pc.pool_chat_stream_open(client, body={**STREAM_BODY, "max_tokens": 200, "sim": {"output_tokens": 200}})
+    assert connections._idle == [] and kept.sock is kept_socket
+    # closed after its first event: the connection is closed (the pool sees
+    # its caller go), never handed to another call
+    next(iter(stream.iter_lines()))
+    stream.close()
+    assert connections._idle == [] and kept.sock is None and kept_socket.fileno() == -1
+
+
+def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
+    # a pool that sends one chunk of its chunked body, then drops the connection
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            event = b'data: {"choices": []}\n\n'
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + f"{len(event):x}\r\n".encode() + event + b"\r\n" + b"40\r\ndata: {\"cho")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        client = pc.pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
+        broken = []
+        for plain in (True, False):
+            if not plain:
+                pc._plain[str(client.base_url)] = None
+            stream = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+            assert isinstance(stream, pc.PlainStream) is plain
+            lines = []
+            with pytest.raises(httpx.HTTPError) as raised:
+                for line in stream.iter_lines():
+                    lines.append(line)
+            stream.close()
+            broken.append((lines[0], type(raised.value)))
+    finally:
+        listener.close()
+    # the event before the cut arrives on both paths; the cut is an httpx
+    # error on both (what gateway/worker/streaming.py catches)
+    assert [line for line, _ in broken] == ['data: {"choices": []}'] * 2
+    assert broken[0][1] is httpx.ReadError
