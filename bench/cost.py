@@ -9,11 +9,15 @@ simulator's own CPU for the same number of direct calls in the same run.
   closed-loop clients, zero-latency simulator);
 * refused: N requests of a workload over its RPM (the fast path, 429s);
 * direct: N requests straight to the simulator (its CPU per call: the
-  work a request costs without Sluice).
+  work a request costs without Sluice);
+* streamed: N/4 streamed requests through the full path (``stream`` with
+  usage, STREAM_TOKENS tokens each: the chunks relayed through Redis and
+  the web process), and as many straight to the simulator (its CPU per
+  stream). Reported beside the targets, which are for non-streamed calls.
 
 With ``BENCH_PROFILE=1`` (or ``--profile`` alone) py-spy records the web
-process and the interactive lane worker during the admitted phase and the
-web process during the refused phase (``py-spy record --format raw``; root
+process and the interactive lane worker during the admitted and streamed
+phases and the web process during the refused phase (``py-spy record --format raw``; root
 or ptrace rights), and the result lists each one's top functions by
 self-time and by inclusive time (bench/out/profile/*.txt keeps the raw
 stacks). bench/PROFILE.md is the written-up profile that RESULTS.md
@@ -33,9 +37,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
+
 from bench.common import OUT_DIR, PLOTS_DIR, fmt, log, md_table, ratio, run_standalone, write_result
 from bench.http import HttpClient
-from bench.load import timed_post
+from bench.load import timed_post, timed_stream
 from bench.platform import Platform, Services
 from bench.seed import spine_setup
 
@@ -45,6 +51,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 PROFILE_DIR = OUT_DIR / "profile"
 TARGET_ADMITTED_MS = 4.0
 TARGET_REFUSED_MS = 0.5
+STREAM_TOKENS = 16
 
 
 def _cpu_s(pid: int) -> float:
@@ -89,8 +96,11 @@ def _body(rng: random.Random) -> dict:
 
 
 async def _fixed(base: str, headers: dict, n: int, rng: random.Random, kind: str) -> tuple[list, float]:
-    """n requests over CLIENTS closed-loop clients; (calls, wall seconds)."""
+    """n requests over CLIENTS closed-loop clients; (calls, wall seconds).
+    A kind that starts with "streamed" streams them."""
+    streamed = kind.startswith("streamed")
     client = HttpClient(base, max_connections=CLIENTS)
+    streams = httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=CLIENTS)) if streamed else None
     calls: list = []
     left = [n]
     t0 = time.monotonic()
@@ -98,11 +108,18 @@ async def _fixed(base: str, headers: dict, n: int, rng: random.Random, kind: str
     async def worker() -> None:
         while left[0] > 0:
             left[0] -= 1
-            calls.append(await timed_post(client, "/v1/chat/completions", _body(rng), headers, kind, t0, timeout=30))
+            if streams is not None:
+                body = {**_body(rng), "max_tokens": STREAM_TOKENS, "sim": {"output_tokens": STREAM_TOKENS}}
+                calls.append(await timed_stream(streams, f"{base}/v1/chat/completions", body, headers, kind, t0))
+            else:
+                calls.append(await timed_post(client, "/v1/chat/completions", _body(rng), headers, kind, t0,
+                                              timeout=30))
 
     await asyncio.gather(*(worker() for _ in range(CLIENTS)))
     elapsed = time.monotonic() - t0
     await client.aclose()
+    if streams is not None:
+        await streams.aclose()
     return calls, elapsed
 
 
@@ -225,18 +242,19 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         asyncio.run(_fixed(platform.sluice_url, open_auth, 50, rng, "warm"))
         asyncio.run(_fixed(platform.sluice_url, tight_auth, 50, rng, "warm"))
         asyncio.run(_fixed(platform.sim_url, {}, 50, rng, "warm"))
+        asyncio.run(_fixed(platform.sluice_url, open_auth, 20, rng, "streamed-warm"))
 
         idle_s = 2.0 if quick else 5.0
         before = meter.read()
         time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
         idle = {k: v / idle_s for k, v in _delta(meter.read(), before).items()}
 
-        def phase(base: str, auth: dict, kind: str, targets: dict[str, int]) -> dict:
+        def phase(base: str, auth: dict, kind: str, targets: dict[str, int], count: int = n) -> dict:
             profiler.start(kind, targets)
             if own_redis:
                 services.redis.config_resetstat()
             before, sim_before = meter.read(), sim.read()
-            calls, wall = asyncio.run(_fixed(base, auth, n, rng, kind))
+            calls, wall = asyncio.run(_fixed(base, auth, count, rng, kind))
             after, sim_after = meter.read(), sim.read()
             commands = _commandstats(services.redis, len(calls)) if own_redis else []
             profiles.update(profiler.stop())
@@ -254,6 +272,10 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         log(f"{NAME}: refused {refused['ms_per_request']:.2f} ms CPU per request")
         direct = phase(platform.sim_url, {}, "direct", {})
         log(f"{NAME}: direct: simulator {direct['sim_ms_per_request']:.2f} ms CPU per request")
+        streamed = phase(platform.sluice_url, open_auth, "streamed",
+                         {"web": roots["web"], "worker": roots["worker-interactive"]}, count=n // 4)
+        log(f"{NAME}: streamed {streamed['ms_per_request']:.2f} ms CPU per stream")
+        streamed_direct = phase(platform.sim_url, {}, "streamed-direct", {}, count=n // 4)
         platform.assert_alive()
     finally:
         platform.stop()
@@ -261,7 +283,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
             services.down()
     data = {"scenario": NAME, "seed": seed, "quick": quick, "requests_per_phase": n, "clients": CLIENTS,
             "redis_counted": services.redis_process is not None, "idle_cpu_per_s": idle,
-            "admitted": admitted, "refused": refused, "direct": direct, "profiles": profiles}
+            "admitted": admitted, "refused": refused, "direct": direct, "streamed": streamed,
+            "streamed_direct": streamed_direct, "stream_tokens": STREAM_TOKENS, "profiles": profiles}
     write_result(NAME, data)
     return data
 
@@ -297,6 +320,15 @@ def summarize(data: dict) -> str:
         f"Statuses: admitted {a['statuses']}, refused {r['statuses']}, direct {d['statuses']}; wall time "
         f"{a['wall_s']:.1f} / {r['wall_s']:.1f} / {d['wall_s']:.1f} s.",
     ]
+    s, sd = data.get("streamed"), data.get("streamed_direct")
+    if s and sd:
+        lines += ["", f"Streamed (not a target: reported beside them): {s['n']} streams of {data['stream_tokens']} "
+                  f"tokens with usage, {data['clients']} closed-loop clients. CPU per stream, all Sluice processes: "
+                  f"**{fmt(s['ms_per_request'], 2)} ms** ("
+                  + ", ".join(f"{p} {fmt(1000 * v / s['n'], 2)}" for p, v in sorted(s["net_cpu_s"].items())
+                              if 1000 * v / s["n"] >= 0.01)
+                  + f"); the simulator's own per direct stream {fmt(sd['sim_ms_per_request'], 2)} ms. Statuses "
+                  f"{s['statuses']} / {sd['statuses']}; wall time {s['wall_s']:.1f} / {sd['wall_s']:.1f} s."]
     commands = a.get("redis_commands") or []
     if commands:
         lines += ["", "Redis's own count of its commands in the admitted phase (INFO commandstats), per request:", "",
