@@ -41,7 +41,7 @@ from gateway.core.settlement import SPEND_AFTER_POOL_GUARD, request_settle, sett
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import lane_signal_calls, lane_slot
-from gateway.worker.pool_client import pool_chat_post, pool_client, pool_requests_sent
+from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
@@ -124,7 +124,8 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
         # SDK's exceptions). The call may be cut off when the worker stops
         # (gateway/worker/shutdown.py).
         raw = pool_call_within_grace(lambda: pool_chat_post(
-            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id, mark=mark))
+            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id, mark=mark),
+            inline=pool_call_inline(client))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:

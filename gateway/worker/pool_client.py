@@ -47,6 +47,7 @@ from django.conf import settings
 from openai import APIConnectionError, APITimeoutError, OpenAI
 
 from budgets.admission.provider_limits import SentMark, provider_limits_record
+from gateway.worker.shutdown import CallInterrupted, call_socket_watched
 
 logger = logging.getLogger(__name__)
 
@@ -258,10 +259,15 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sock.settimeout(timeout.read)
-        _count_sent(None)
-        conn.request("POST", path, body=content, headers=headers)
-        response = conn.getresponse()
-        answer = PoolAnswer(status_code=response.status, headers=response.msg, content=response.read())
+        with call_socket_watched(conn.sock):
+            _count_sent(None)
+            conn.request("POST", path, body=content, headers=headers)
+            response = conn.getresponse()
+            answer = PoolAnswer(status_code=response.status, headers=response.msg, content=response.read())
+    except CallInterrupted:
+        if conn is not None:
+            conn.close()
+        raise
     except TimeoutError as exc:
         if conn is not None:
             conn.close()
@@ -281,6 +287,13 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
             answer.status_code, headers=list(answer.headers.items()), content=answer.content,
             request=httpx.Request("POST", url)))
     return answer
+
+
+def pool_call_inline(client: OpenAI) -> bool:
+    """Whether this client's calls go out on the plain path: on sockets the
+    worker's stop can cut (gateway/worker/shutdown.py), so they need no
+    thread of their own to be cut off at the end of the grace."""
+    return _plain_connections(client) is not None
 
 
 def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0,
@@ -369,11 +382,16 @@ def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: 
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sock.settimeout(timeout.read)
-        _count_sent(None)
-        conn.request("POST", urlsplit(url).path, body=content, headers=headers)
-        response = conn.getresponse()
-        if response.status >= 400:
-            error_body = response.read()
+        with call_socket_watched(conn.sock):
+            _count_sent(None)
+            conn.request("POST", urlsplit(url).path, body=content, headers=headers)
+            response = conn.getresponse()
+            if response.status >= 400:
+                error_body = response.read()
+    except CallInterrupted:
+        if conn is not None:
+            conn.close()
+        raise
     except TimeoutError as exc:
         if conn is not None:
             conn.close()

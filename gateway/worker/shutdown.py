@@ -11,13 +11,19 @@ cold shutdown cannot stop a thread. So a task decides for itself:
 2. A pool call in flight gets ``SLUICE_WORKER_SHUTDOWN_GRACE_S`` to answer.
    One that answers finishes as always (settled, ledger row, answer relayed).
 3. A call still in flight after the grace is interrupted: the task stops
-   waiting for it (``pool_call_within_grace`` runs it on a daemon thread,
-   which dies with the process, so the pool sees the connection close; the
-   threads are kept for the next call rather than started for each, a
-   thread's start costing about as much CPU again as the handing over),
-   keeps "interrupted" as the request's answer in Redis, and hands the
-   message back. The redelivered task finds that answer and finishes the
-   request from it without calling the pool (gateway/worker/execution.py).
+   waiting for it, keeps "interrupted" as the request's answer in Redis,
+   and hands the message back. The redelivered task finds that answer and
+   finishes the request from it without calling the pool
+   (gateway/worker/execution.py). ``pool_call_within_grace`` runs a call
+   on the task's own thread when it goes out on a socket of ours (the plain
+   http.client path, gateway/worker/pool_client.py): the socket is watched
+   (``call_socket_watched``), and at the end of the grace the watcher shuts
+   it down, so the blocked read returns at once and the pool sees the
+   connection close. Any other call (httpx's) runs on a daemon thread,
+   which dies with the process; the threads are kept for the next call
+   rather than started for each, a thread's start costing about as much
+   CPU again as the handing over. The task's own thread saves the two
+   hand-overs (a wake-up of another thread each way) on every plain call.
 4. A retry waiting out its backoff stops waiting (``pause``): the last
    attempt's outcome stands.
 
@@ -28,10 +34,13 @@ ready, turns that into events the task threads wait on."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -94,6 +103,7 @@ class _Shutdown:
         self.expired = threading.Event()  # set by the watcher: the grace is over
         self._lock = threading.Lock()
         self._in_flight: set[threading.Event] = set()
+        self._sockets: set[socket.socket] = set()  # plain calls' sockets, shut down when the grace ends
         self._watcher: threading.Thread | None = None
         self.threads = _CallThreads()
 
@@ -115,11 +125,43 @@ class _Shutdown:
                 logger.warning("worker stopping: %d pool calls still in flight are handed back", len(self._in_flight))
             for done in self._in_flight:
                 done.set()  # wake the task waiting on it: CallInterrupted
+            if self._sockets:
+                logger.warning("worker stopping: %d pool calls on the task's thread are cut off", len(self._sockets))
+            for sock in self._sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns; the pool sees the close
+                except OSError:
+                    pass
 
     def watch_start(self) -> None:
         if self._watcher is None:
             self._watcher = threading.Thread(target=self.watch, name="shutdown-watch", daemon=True)
             self._watcher.start()
+
+    @contextlib.contextmanager
+    def socket_watched(self, sock: socket.socket) -> Iterator[None]:
+        with self._lock:
+            if self.expired.is_set():
+                raise CallInterrupted(started=False)
+            self._sockets.add(sock)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sockets.discard(sock)
+
+    def call_inline(self, fn: Callable[[], T]) -> T:
+        if self.expired.is_set():
+            raise CallInterrupted(started=False)
+        try:
+            return fn()
+        except CallInterrupted:
+            raise
+        except Exception as exc:
+            # Whatever the cut socket made the call raise: the grace ended.
+            if self.expired.is_set():
+                raise CallInterrupted(started=True) from exc
+            raise
 
     def call(self, fn: Callable[[], T]) -> T:
         box: dict[str, object] = {}
@@ -156,6 +198,7 @@ class _Shutdown:
             self.deadline = None
             self.stopping.clear()
             self.expired.clear()
+            self._sockets.clear()
             self._watcher = None
 
 
@@ -176,10 +219,18 @@ def shutdown_requested() -> bool:
     return _shutdown.deadline is not None
 
 
-def pool_call_within_grace(fn: Callable[[], T]) -> T:
+def pool_call_within_grace(fn: Callable[[], T], *, inline: bool = False) -> T:
     """``fn()`` (one blocking pool call), or CallInterrupted when the worker's
-    shutdown grace ends first."""
-    return _shutdown.call(fn)
+    shutdown grace ends first. ``inline``: ``fn`` blocks only on sockets it
+    watches (``call_socket_watched``), so it runs on this thread."""
+    return _shutdown.call_inline(fn) if inline else _shutdown.call(fn)
+
+
+def call_socket_watched(sock: socket.socket) -> contextlib.AbstractContextManager[None]:
+    """While the block runs, the end of the grace shuts ``sock`` down (a call
+    on it then raises, and ``pool_call_within_grace`` turns that into
+    CallInterrupted); entered after the grace ended, CallInterrupted."""
+    return _shutdown.socket_watched(sock)
 
 
 def shutdown_grace_over() -> bool:

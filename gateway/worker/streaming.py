@@ -39,7 +39,7 @@ from budgets.admission.redis_client import get_redis
 from gateway.core.errors import error_body
 from gateway.core.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.streams import stream_append
-from gateway.worker.pool_client import pool_chat_stream_open
+from gateway.worker.pool_client import pool_call_inline, pool_chat_stream_open
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
 
 logger = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     # http.client to a plain http:// pool, else the SDK client's own httpx
     # client, without the SDK's request building either way
     # (gateway/worker/pool_client.py): errors are the SDK's exceptions.
-    response = pool_call_within_grace(
-        lambda: pool_chat_stream_open(pool, body=body, pool_id=record.pool_id, mark=mark))
+    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body, pool_id=record.pool_id, mark=mark),
+                                      inline=pool_call_inline(pool))
     relay = _Relay(record)
     client = get_redis()
     cancelled = stopped = False

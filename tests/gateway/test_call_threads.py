@@ -3,16 +3,21 @@
 takes the next one, so calls one after another reuse one thread; concurrent
 calls each get a thread of their own; a call that hangs holds only its own
 thread while the others go on; at most ``keep`` threads wait idle; and a
-call's result or exception reaches its caller through ``_Shutdown.call``."""
+call's result or exception reaches its caller through ``_Shutdown.call``.
+A call on a socket of ours (the plain path) runs on the caller's own thread
+instead, and the end of the grace cuts its socket."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import pytest
 
-from gateway.worker.shutdown import _CallThreads, _Shutdown
+from gateway.worker import pool_client as pc
+from gateway.worker.shutdown import (CallInterrupted, _CallThreads, _Shutdown, pool_call_within_grace, shutdown_begin,
+                                     shutdown_reset, shutdown_watch_start)
 
 
 def test_calls_one_after_another_reuse_one_thread():
@@ -59,3 +64,68 @@ def test_concurrent_calls_get_threads_of_their_own_and_a_hung_one_holds_only_its
     assert set(later) <= set(ran[1:])
     assert threads.idle() <= 3
     release_hung.set()
+
+
+def test_an_inline_call_runs_on_the_callers_thread_and_its_result_or_exception_comes_back():
+    shutdown = _Shutdown()
+    assert shutdown.call_inline(lambda: threading.get_ident()) == threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        shutdown.call_inline(lambda: 1 / 0)
+
+
+@pytest.fixture
+def silent_pool():
+    """A pool that accepts a connection, reads the request and never answers;
+    the connections it saw, and whether each was closed by its caller."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[socket.socket] = []
+    closed: list[bool] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            seen.append(conn)
+            conn.recv(65536)
+            closed.append(conn.recv(1) == b"")  # blocks until the caller's side goes away
+
+    threading.Thread(target=serve, daemon=True).start()
+    pc._clients.clear()
+    pc._plain.clear()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1", seen, closed
+    finally:
+        listener.close()
+        shutdown_reset()
+        pc._clients.clear()
+        pc._plain.clear()
+
+
+def test_a_plain_call_on_the_tasks_thread_is_cut_off_when_the_grace_ends(silent_pool, settings):
+    settings.SLUICE_POOL_PLAIN_HTTP = True
+    url, seen, closed = silent_pool
+    client = pc.pool_client(base_url=url, api_key_env="")
+    assert pc.pool_call_inline(client)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    # when the worker's stop begins while a plain call waits on a pool that never answers
+    shutdown_watch_start()
+    started = time.monotonic()
+    shutdown_begin(grace_s=0.3)
+    with pytest.raises(CallInterrupted) as interrupted:
+        pool_call_within_grace(lambda: pc.pool_chat_post(client, body=body), inline=True)
+    # then the call ends at the grace, on this thread, as a call that may have reached the pool
+    assert 0.25 <= time.monotonic() - started < 3.0
+    assert interrupted.value.started is True
+    # and the pool sees its connection close (a pool stops generating for it)
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [True] and len(seen) == 1
+    # and a call after the grace never goes out
+    with pytest.raises(CallInterrupted) as late:
+        pool_call_within_grace(lambda: pc.pool_chat_post(client, body=body), inline=True)
+    assert late.value.started is False
+    time.sleep(0.2)
+    assert len(seen) == 1
