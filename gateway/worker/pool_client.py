@@ -243,14 +243,16 @@ def _plain_connections(client: OpenAI) -> _PlainConnections | None:
     return connections
 
 
-def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
-                mark: SentMark | None) -> PoolAnswer:
-    """The plain path's POST: one kept-alive connection, the SDK's exceptions
-    as ``_chat_send`` raises them."""
-    content = _json_bytes(body)
+def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, accept: str,
+                read_all: bool) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes | None]:
+    """The plain path's POST on one kept-alive connection, cut by a stopping
+    worker's grace (``call_socket_watched``): the connection, the answer
+    with its headers read, and its body when ``read_all`` or its status is
+    an error's (None otherwise: a stream, read later). A failure closes the
+    connection and raises the SDK's exception, as ``_chat_send`` does."""
     url = _chat_url(client)
-    path = urlsplit(url).path
-    headers = _chat_headers(client, accept="application/json")
+    content = _json_bytes(body)
+    headers = _chat_headers(client, accept=accept)
     timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
     conn = connections.take()
     try:
@@ -261,9 +263,9 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
         conn.sock.settimeout(timeout.read)
         with call_socket_watched(conn.sock):
             _count_sent(None)
-            conn.request("POST", path, body=content, headers=headers)
+            conn.request("POST", urlsplit(url).path, body=content, headers=headers)
             response = conn.getresponse()
-            answer = PoolAnswer(status_code=response.status, headers=response.msg, content=response.read())
+            read = response.read() if read_all or response.status >= 400 else None
     except CallInterrupted:
         if conn is not None:
             conn.close()
@@ -276,6 +278,22 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
         if conn is not None:
             conn.close()
         raise APIConnectionError(request=httpx.Request("POST", url)) from exc
+    return conn, response, read
+
+
+def _plain_status_error(client: OpenAI, response: http.client.HTTPResponse, content: bytes) -> Exception:
+    """The SDK's exception for an error answer on the plain path."""
+    return client._make_status_error_from_response(httpx.Response(
+        response.status, headers=list(response.msg.items()), content=content,
+        request=httpx.Request("POST", _chat_url(client))))
+
+
+def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
+                mark: SentMark | None) -> PoolAnswer:
+    """The plain path's POST: one kept-alive connection, the SDK's exceptions
+    as ``_chat_send`` raises them."""
+    conn, response, content = _plain_send(client, connections, body=body, accept="application/json", read_all=True)
+    answer = PoolAnswer(status_code=response.status, headers=response.msg, content=content)
     if response.will_close:
         conn.close()
     else:
@@ -283,9 +301,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     if pool_id:
         _limits_note(pool_id, answer.headers, mark)
     if answer.status_code >= 400:
-        raise client._make_status_error_from_response(httpx.Response(
-            answer.status_code, headers=list(answer.headers.items()), content=answer.content,
-            request=httpx.Request("POST", url)))
+        raise _plain_status_error(client, response, answer.content)
     return answer
 
 
@@ -371,43 +387,14 @@ def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: 
                        mark: SentMark | None) -> PlainStream:
     """The plain path's streamed POST: the answer once its headers came, or
     the SDK's exception, as ``_plain_post`` raises it."""
-    content = _json_bytes(body)
-    url = _chat_url(client)
-    headers = _chat_headers(client, accept="text/event-stream")
-    timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
-    conn = connections.take()
-    try:
-        if conn is None:
-            conn = http.client.HTTPConnection(connections.host, connections.port, timeout=timeout.connect)
-            conn.connect()
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.sock.settimeout(timeout.read)
-        with call_socket_watched(conn.sock):
-            _count_sent(None)
-            conn.request("POST", urlsplit(url).path, body=content, headers=headers)
-            response = conn.getresponse()
-            if response.status >= 400:
-                error_body = response.read()
-    except CallInterrupted:
-        if conn is not None:
-            conn.close()
-        raise
-    except TimeoutError as exc:
-        if conn is not None:
-            conn.close()
-        raise APITimeoutError(request=httpx.Request("POST", url)) from exc
-    except (OSError, http.client.HTTPException) as exc:
-        if conn is not None:
-            conn.close()
-        raise APIConnectionError(request=httpx.Request("POST", url)) from exc
+    conn, response, error_body = _plain_send(client, connections, body=body, accept="text/event-stream",
+                                             read_all=False)
     if pool_id:
         _limits_note(pool_id, response.msg, mark)
     if response.status >= 400:
         conn.close()
-        raise client._make_status_error_from_response(httpx.Response(
-            response.status, headers=list(response.msg.items()), content=error_body,
-            request=httpx.Request("POST", url)))
-    return PlainStream(conn, connections, response, url)
+        raise _plain_status_error(client, response, error_body)
+    return PlainStream(conn, connections, response, _chat_url(client))
 
 
 def pool_chat_stream_open(client: OpenAI, *, body: dict, pool_id: int = 0,
