@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from celery import current_app
@@ -19,6 +20,7 @@ from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
 from budgets.admission.redis_client import Commands, get_redis
 from gateway.core import keys
+from gateway.core.concurrency import lane_limited
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
 from gateway.core.held import held_commands
@@ -60,6 +62,44 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
     )
 
 
+@dataclass(frozen=True)
+class CallHint:
+    """What a worker needs to ask the circuit's gate and take the provider's
+    room for a request's pool call before it has read the record, so that
+    both go in the round trip of its claim (gateway/worker/execution.py):
+    carried by the lane message as its ``call`` kwarg, checked by the worker
+    against the record it reads."""
+
+    pool_id: int
+    tokens: int
+    lane: str
+    borrowed: bool
+
+    @classmethod
+    def of(cls, record: RequestRecord) -> CallHint:
+        return cls(pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                   lane=record.lane, borrowed=record.borrowed)
+
+    @classmethod
+    def parse(cls, text: str) -> CallHint | None:
+        """None for an empty or malformed hint (the worker then asks after its claim)."""
+        try:
+            pool_id, tokens, lane, borrowed = text.split(":")
+            return cls(pool_id=int(pool_id), tokens=int(tokens), lane=lane, borrowed=borrowed == "1")
+        except ValueError:
+            return None
+
+    def text(self) -> str:
+        return f"{self.pool_id}:{self.tokens}:{self.lane}:{1 if self.borrowed else 0}"
+
+
+def call_hint(record: RequestRecord) -> dict[str, str]:
+    """The lane message's kwargs with the record's ``CallHint``; none for a
+    lane whose call waits for a slot first (gateway/worker/lane_slot.py):
+    its gate is asked when it has one."""
+    return {} if lane_limited(record.lane) else {"call": CallHint.of(record).text()}
+
+
 def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: bool) -> None:
     """The record, the arrival's metrics and (``publish``) the lane's message,
     queued on ``pipe`` (a ``Commands`` or a redis-py pipeline): Redis runs
@@ -74,7 +114,7 @@ def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: boo
     elif publish:
         queue = queue_for_lane(record.lane)
         pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
-                                       args=[record.request_id]))
+                                       args=[record.request_id], kwargs=call_hint(record)))
 
 
 def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
@@ -86,8 +126,8 @@ def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:
         _record_commands(commands, record, lease_ms=lease_ms, publish=direct)
         commands.run()
         if not direct and not record.held:
-            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], queue=queue_for_lane(record.lane),
-                                  task_id=record.request_id)
+            current_app.send_task(EXECUTE_REQUEST_TASK, args=[record.request_id], kwargs=call_hint(record),
+                                  queue=queue_for_lane(record.lane), task_id=record.request_id)
     except Exception as exc:  # Redis or the broker
         logger.warning("could not enqueue %s: %s", record.request_id, exc)
         try:

@@ -30,6 +30,8 @@ from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
+from gateway.core.concurrency import lane_limited
+from gateway.core.enqueue import CallHint
 from gateway.core.errors import error_body
 from gateway.core.finish import finish_steps, request_finish
 from gateway.core.log_context import log_annotate
@@ -40,7 +42,7 @@ from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDE
 from gateway.core.settlement import SPEND_AFTER_POOL_GUARD, request_settle, settlement_calls
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
-from gateway.worker.lane_slot import lane_signal_calls, lane_slot
+from gateway.worker.lane_slot import GateAsked, call_gate_calls, lane_signal_calls, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
@@ -179,23 +181,25 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
 
 
 def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None,
-              deferred: list[ScriptCall] | None = None, taken: SentMark | None = None) -> Outcome:
+              deferred: list[ScriptCall] | None = None, taken: SentMark | None = None,
+              asked: GateAsked | None = None) -> Outcome:
     """Call the pool, retrying only as the policy and the budgets allow, and
     feed every answer to the pool's adaptive capacity. ``deferred``: a list
     the caller runs after (``_answer_keep_settled``'s ``along``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
     no attempt is left) puts its signals there instead of sending them.
     ``taken``: the provider room its release took for the first attempt
-    (a held request: gateway/core/held.py)."""
+    (a held request: gateway/core/held.py); ``asked``: the first attempt's
+    gate and take, asked with the delivery's claim."""
     rng = rng or random.Random()
     policy = policy or RetryPolicy.from_settings()
     attempts = 0
     upstream_ms = 0
     throttled = 0
     while True:
-        with lane_slot(record, taken=taken) as slot:
+        with lane_slot(record, taken=taken, asked=asked) as slot:
             outcome, retryable = _single_call(record, mark=slot.mark)
-        taken = None  # a retry takes its own
+        taken = asked = None  # a retry takes its own
         # What the answer tells the circuit, the lane limits and the pool's
         # capacity (and, on the first attempt, the pool's retry budget): one
         # round trip, one script.
@@ -326,7 +330,7 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
 
 
 def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None,
-                    taken: SentMark | None = None) -> str:
+                    taken: SentMark | None = None, call: CallHint | None = None) -> str:
     """Run one delivery of an admitted request (``generation`` 0 is the first;
     a request taken over from a lost worker is delivered again as the next).
     Returns what happened, for logs and tests.
@@ -337,16 +341,29 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     request back (``HandBack``: gateway/worker/shutdown.py); anything else
     that fails is settled and answered at once (``request_fail``).
     ``taken``: the provider room taken for it when it was released from the
-    held set (gateway/core/held.py)."""
+    held set (gateway/core/held.py). ``call``: the lane message's hint
+    (gateway/core/enqueue.py ``CallHint``): the first delivery asks its
+    pool call's gate and take with its claim."""
     answered = {} if answered is None else answered
     client = get_redis()
-    claim = None
+    claim = asked = None
     if not shutdown_requested() and request_id not in HEARTBEATS.running():
         # The usual delivery: the record read and claimed in one round trip
         # (the claim skipped when there is no record).
-        data, claim = script_calls_run(
-            record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder),
-            client, guards=RECORD_CLAIM_GUARDS)
+        calls = record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder)
+        if call is not None and generation == 0 and taken is None and not lane_limited(call.lane):
+            # And the call's gate and take, only if this delivery owns it
+            # now. One it then does not make (an answer stored by an earlier
+            # delivery of the same message) leaves a half-open trial to its
+            # lease and a take to its window.
+            gate = call_gate_calls(pool_id=call.pool_id, tokens=call.tokens, lane=call.lane,
+                                   borrowed=call.borrowed, holder=request_id)
+            data, claim, verdict, take = Together((*calls, *gate), guards=(*RECORD_CLAIM_GUARDS, WORKER, "go")).run(
+                client)
+            if verdict is not None:
+                asked = GateAsked(verdict=verdict, take=take)
+        else:
+            data, claim = script_calls_run(calls, client, guards=RECORD_CLAIM_GUARDS)
     else:
         data = client.hgetall(keys.request_record(request_id))
     if not data:
@@ -354,13 +371,17 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
         return "missing"
     record = RequestRecord.from_redis(data)
     log_annotate(lane=record.lane, pool_id=record.pool_id, workload_id=record.workload_id)
+    if asked is not None and CallHint.of(record) != call:
+        logger.warning("request %s: its lane message's call hint %s is not its record's; asking again",
+                       request_id, call)
+        asked = None
     if claim is None and shutdown_requested() and request_id not in answered:
         # Not claimed yet and the worker is stopping: the next worker runs it.
         raise HandBack(request_id)
     sent_before = pool_requests_sent()
     try:
         return _request_run(record, generation=generation, client=client, answered=answered, claim=claim,
-                            taken=taken)
+                            taken=taken, asked=asked)
     except (*INFRASTRUCTURE_AWAY, HandBack):
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
@@ -370,7 +391,7 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
 
 
 def _request_run(record: RequestRecord, *, generation: int, client, answered: dict[str, Outcome],
-                 claim: Claim | None = None, taken: SentMark | None = None) -> str:
+                 claim: Claim | None = None, taken: SentMark | None = None, asked: GateAsked | None = None) -> str:
     """``claim``: this delivery's claim when it went with the record's read."""
     request_id = record.request_id
     if claim is None:
@@ -423,7 +444,8 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
             try:
                 calling = time.monotonic()
                 signals: list[ScriptCall] = []
-                outcome = replace(pool_call(record, deferred=signals, taken=taken), queue_wait_ms=queue_wait_ms)
+                outcome = replace(pool_call(record, deferred=signals, taken=taken, asked=asked),
+                                  queue_wait_ms=queue_wait_ms)
                 if outcome.ttft_ms is not None:
                     # Earlier attempts and the wait between them count: the
                     # call's time less what followed the last attempt's first chunk.

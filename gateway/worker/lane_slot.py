@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from budgets.admission.provider_limits import ProviderTake, SentMark, provider_take_call
 from budgets.admission.redis_client import ScriptCall, redis_now_ms, script_calls_run
-from gateway.core.circuit import circuit_gate, circuit_gate_call, circuit_record_call
+from gateway.core.circuit import CircuitVerdict, circuit_gate, circuit_gate_call, circuit_record_call
 from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
 from gateway.core.lanes import BATCH, SCHEDULED
 from gateway.core.records import Outcome, RequestRecord
@@ -70,17 +70,37 @@ class SlotHold:
     mark: SentMark | None = None
 
 
+@dataclass(frozen=True)
+class GateAsked:
+    """The circuit's gate and the provider's take, already asked for this
+    call (with the delivery's claim: gateway/worker/execution.py): the take
+    is None when the gate said wait (it was not run)."""
+
+    verdict: CircuitVerdict
+    take: ProviderTake | None
+
+
+def call_gate_calls(*, pool_id: int, tokens: int, lane: str, borrowed: bool,
+                    holder: str) -> list[ScriptCall]:
+    """The gate and the take of one pool call, to run in one round trip
+    with guards ("", "go"): the room is taken only if the gate says go."""
+    return [circuit_gate_call(pool_id=pool_id, holder=holder),
+            provider_take_call(pool_id=pool_id, tokens=tokens, sheddable=borrowed or lane in SHEDDABLE_LANES)]
+
+
 @contextmanager
-def lane_slot(record: RequestRecord, *, taken: SentMark | None = None) -> Iterator[SlotHold]:
+def lane_slot(record: RequestRecord, *, taken: SentMark | None = None,
+              asked: GateAsked | None = None) -> Iterator[SlotHold]:
     """Hold one of the record's lane slots on its pool during a pool call
     (nothing for lanes that are not limited). ``taken``: the mark of the
-    provider's room already taken for this call (a held request's release)."""
+    provider's room already taken for this call (a held request's release);
+    ``asked``: its gate and take already asked (a lane that is not limited)."""
     hold = SlotHold()
     if lane_limited(record.lane):
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
-        hold.mark = call_gate_wait(record, taken=taken)
+        hold.mark = call_gate_wait(record, taken=taken, asked=asked)
         yield hold
     finally:
         if hold.held:
@@ -92,26 +112,30 @@ CIRCUIT_POLL_MAX_S = 0.1
 SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
 
 
-def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None) -> SentMark | None:
+def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
+                   asked: GateAsked | None = None) -> SentMark | None:
     """The circuit's gate and the provider's room, asked in one round trip
     (the room taken only if the gate said go); whichever says wait is then
     waited for as ``circuit_wait`` and ``provider_room_wait`` wait. Returns
     the take's mark (None: the call goes untaken, past its deadline).
     ``taken``: room already taken for this call when it was released from
     the held set (gateway/core/held.py): only the gate is asked, unless it
-    says wait (the circuit opened again), and then the room is taken anew."""
+    says wait (the circuit opened again), and then the room is taken anew.
+    ``asked``: the gate and the take already asked (not asked again)."""
     if taken is not None:
         if circuit_gate(pool_id=record.pool_id, holder=record.request_id).go:
             return taken
         circuit_wait(record)
         return provider_room_wait(record)
-    take = _provider_take(record)
-    verdict, taken = script_calls_run([circuit_gate_call(pool_id=record.pool_id, holder=record.request_id), take],
-                                      guards=("", "go"))
-    if not verdict.go:
+    if asked is None:
+        verdict, take = script_calls_run(call_gate_calls(
+            pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+            lane=record.lane, borrowed=record.borrowed, holder=record.request_id), guards=("", "go"))
+        asked = GateAsked(verdict=verdict, take=take)
+    if not asked.verdict.go:
         circuit_wait(record)
         return provider_room_wait(record)
-    return provider_room_wait(record, first=taken)
+    return provider_room_wait(record, first=asked.take)
 
 
 def circuit_wait(record: RequestRecord) -> None:
@@ -137,9 +161,8 @@ def _pool_failed(outcome: Outcome) -> bool:
 
 
 def _provider_take(record: RequestRecord) -> ScriptCall[ProviderTake]:
-    return provider_take_call(pool_id=record.pool_id,
-                              tokens=record.estimated_input_tokens + record.estimated_output_tokens,
-                              sheddable=record.borrowed or record.lane in SHEDDABLE_LANES)
+    return call_gate_calls(pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                           lane=record.lane, borrowed=record.borrowed, holder=record.request_id)[1]
 
 
 def provider_room_wait(record: RequestRecord, *, first: ProviderTake | None = None) -> SentMark | None:

@@ -14,7 +14,7 @@ from django.db import close_old_connections
 
 from budgets.models import InferencePool
 from gateway.core.callbacks import DELIVER_CALLBACK_TASK
-from gateway.core.enqueue import EXECUTE_REQUEST_TASK
+from gateway.core.enqueue import EXECUTE_REQUEST_TASK, CallHint
 from gateway.core.held import mark_parse
 from gateway.core.key_usage import key_last_used_flush
 from gateway.core.log_context import log_context
@@ -48,11 +48,11 @@ IDEMPOTENT_TASK = dict(acks_late=True, reject_on_worker_lost=True, ignore_result
 # twice: its answer is kept in Redis). Redis restarting or hanging is waited
 # out in the task (below).
 @shared_task(name=EXECUTE_REQUEST_TASK, max_retries=40, **IDEMPOTENT_TASK)
-def execute_request(request_id: str, generation: int = 0, taken: str = "") -> str:
+def execute_request(request_id: str, generation: int = 0, taken: str = "", call: str = "") -> str:
     """Run one delivery of an admitted request (the record lives in Redis,
     keyed by id; ``generation`` > 0: taken over from a lost worker;
     ``taken``: the provider room its release from the held set took,
-    gateway/core/held.py)."""
+    gateway/core/held.py; ``call``: its pool call's hint, gateway/core/enqueue.py)."""
     close_old_connections()  # a connection broken by a database restart is replaced
     give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
     answered: dict = {}
@@ -61,7 +61,7 @@ def execute_request(request_id: str, generation: int = 0, taken: str = "") -> st
         while True:
             try:
                 return request_execute(request_id=request_id, generation=generation, answered=answered,
-                                       taken=mark_parse(taken))
+                                       taken=mark_parse(taken), call=CallHint.parse(call) if call else None)
             except HandBack:
                 # The worker is stopping (gateway/worker/shutdown.py): the
                 # message goes back to the head of its queue now, not after

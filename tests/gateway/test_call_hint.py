@@ -1,0 +1,144 @@
+"""A lane message's call hint (gateway/core/enqueue.py ``CallHint``): the
+first delivery of a request on a lane with no slot to wait for asks its pool
+call's circuit gate and provider take in the round trip of its claim
+(gateway/worker/execution.py), and only when that claim makes it the
+request's owner. Watched with Redis's own MONITOR against the platform's
+simulator."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from budgets.admission.buckets import admit
+from budgets.admission import keys as budget_keys
+from gateway.core import keys
+from gateway.core.enqueue import CallHint, call_hint
+from gateway.core.metrics import arrival_commands
+from gateway.core.records import RequestRecord
+from gateway.worker.execution import request_execute
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+HELLO = [{"role": "user", "content": "One round trip, please."}]
+
+
+def _admitted(redis_client, caller, request_id: str, *, lane: str = "interactive") -> RequestRecord:
+    pool = caller.pool
+    admission = admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=request_id, input_tokens=12,
+                      output_tokens=30, lease_ttl_ms=120_000)
+    record = RequestRecord(
+        request_id=request_id, tenant_id=caller.tenant.id, workload_id=caller.workload.id, pool_id=pool.id,
+        pool_base_url=pool.base_url, pool_api_key_env="", model="sim-small", lane=lane, borrowed=False,
+        estimated_input_tokens=12, estimated_output_tokens=30, admitted_ms=admission.admitted_ms,
+        deadline_ms=admission.admitted_ms + 10_000, retry_deadline_ms=admission.admitted_ms + 70_000,
+        payload={"model": "sim-small", "messages": HELLO, "max_tokens": 30, "sim": {"output_tokens": 5}},
+    )
+    pipe = redis_client.pipeline(transaction=False)
+    pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
+    arrival_commands(pipe, pool_id=pool.id, lane=record.lane, request_id=request_id,
+                     expires_ms=admission.admitted_ms + 120_000)
+    pipe.execute()
+    return record
+
+
+class _Monitor:
+    """Every command Redis runs while it is on, as MONITOR prints them."""
+
+    def __init__(self, redis_client) -> None:
+        self._client = redis_client
+        self._end = f"monitor-end-{uuid.uuid4().hex}"
+        self.commands: list[str] = []
+        self._monitor = redis_client.monitor()
+        self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            command = self._monitor.next_command()["command"]
+            if self._end in command:
+                return
+            self.commands.append(command)
+
+    def stop(self) -> list[str]:
+        self._client.echo(self._end)
+        self._thread.join(10)
+        self._monitor.__exit__()
+        return self.commands
+
+
+def _scripts_naming(commands: list[str], text: str) -> list[str]:
+    return [c for c in commands if c.startswith(("EVALSHA", "EVAL")) and text in c]
+
+
+def test_the_hint_says_what_the_record_says_and_a_bad_one_is_none():
+    record = RequestRecord(request_id="req_h", tenant_id=1, workload_id=2, pool_id=3, pool_base_url="http://p/v1",
+                           pool_api_key_env="", model="m", lane="interactive", borrowed=True,
+                           estimated_input_tokens=5, estimated_output_tokens=7, admitted_ms=0, deadline_ms=0,
+                           payload={})
+    assert call_hint(record) == {"call": "3:12:interactive:1"}
+    assert CallHint.parse(call_hint(record)["call"]) == CallHint.of(record)
+    # a lane whose calls wait for a slot first asks its gate then, not with its claim
+    assert call_hint(RequestRecord(**{**record.__dict__, "lane": "interactive-long"})) == {}
+    for bad in ("", "3:12:interactive", "x:12:interactive:0", "3:12:a:b:c"):
+        assert CallHint.parse(bad) is None
+
+
+def test_a_first_delivery_asks_its_gate_and_take_with_its_claim(platform, caller, redis_client):
+    record = _admitted(redis_client, caller, "req_hinted")
+    monitor = _Monitor(redis_client)
+    try:
+        outcome = request_execute(request_id=record.request_id, call=CallHint.of(record))
+    finally:
+        commands = monitor.stop()
+    assert outcome == "ok"
+    gated = _scripts_naming(commands, keys.pool_circuit(record.pool_id))
+    # the first script that names the pool's circuit is the claim's: one round trip
+    assert gated and keys.request_owner(record.request_id) in gated[0]
+    assert budget_keys.pool_capacity(record.pool_id) in gated[0]  # the provider's room, taken in it too
+
+
+def test_without_a_hint_the_gate_is_its_own_round_trip(platform, caller, redis_client):
+    record = _admitted(redis_client, caller, "req_unhinted")
+    monitor = _Monitor(redis_client)
+    try:
+        outcome = request_execute(request_id=record.request_id)
+    finally:
+        commands = monitor.stop()
+    assert outcome == "ok"
+    gated = _scripts_naming(commands, keys.pool_circuit(record.pool_id))
+    assert gated and keys.request_owner(record.request_id) not in gated[0]
+
+
+def test_a_delivery_that_does_not_own_the_request_asks_no_gate(platform, caller, redis_client):
+    # given a request whose owner is already its delivery 1 (taken over from a lost worker),
+    # and a circuit whose open period has just ended: the next gate asked becomes its trial
+    record = _admitted(redis_client, caller, "req_superseded")
+    redis_client.set(keys.request_owner(record.request_id), "queued:1")
+    circuit = keys.pool_circuit(record.pool_id)
+    redis_client.hset(circuit, mapping={"state": "open", "open_until_ms": 0, "trial_until_ms": 0, "trial_holder": ""})
+    try:
+        # when the old delivery 0's message comes, with its hint
+        assert request_execute(request_id=record.request_id, call=CallHint.of(record)) == "superseded"
+        # then it asked no gate: the circuit has no trial
+        assert redis_client.hget(circuit, "trial_holder") == ""
+        assert redis_client.hget(circuit, "state") == "open"
+    finally:
+        redis_client.delete(circuit)
+
+
+def test_a_hint_that_is_not_the_record_is_asked_again(platform, caller, redis_client, caplog):
+    record = _admitted(redis_client, caller, "req_misled")
+    wrong = CallHint(pool_id=record.pool_id, tokens=1, lane=record.lane, borrowed=False)
+    monitor = _Monitor(redis_client)
+    try:
+        outcome = request_execute(request_id=record.request_id, call=wrong)
+    finally:
+        commands = monitor.stop()
+    assert outcome == "ok"
+    assert "is not its record's" in caplog.text
+    # asked with the claim (on the hint), then again on the record's own figures
+    assert len(_scripts_naming(commands, keys.pool_circuit(record.pool_id))) >= 2
