@@ -106,3 +106,111 @@ def test_a_rejected_message_leaves_the_bookkeeping_and_a_requeued_one_comes_back
         assert again is not None and again.payload == {"n": 2}
         assert channel.basic_get(name, no_ack=True) is None
         queue(channel).delete()
+
+
+def _consumed(redis_client, name: str, count: int, on_message, after=None) -> list:
+    """Publish ``count`` messages on a fresh queue and consume them with
+    kombu's Consumer (the path Celery's worker takes: BRPOP, then the
+    channel's callback); ``on_message(channel, message)`` is the consumer's
+    callback, ``after(channel)`` runs before the channel closes (which
+    restores what is unacked). Returns the channel's unacked keys and how
+    many messages are left on the queue."""
+    queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
+    seen = []
+    with current_app.connection_for_write() as conn:
+        with conn.Producer() as producer:
+            for n in range(count):
+                producer.publish({"n": n}, exchange=queue.exchange, routing_key=name, declare=[queue])
+        channel = conn.channel()
+        with conn.Consumer(queue, channel=channel, accept=["json"],
+                           callbacks=[lambda body, message: (seen.append(body["n"]), on_message(channel, message))]):
+            deadline = time.monotonic() + 20
+            while len(seen) < count and time.monotonic() < deadline:
+                conn.drain_events(timeout=1)
+        if after is not None:
+            after(channel)
+        keys = (channel.unacked_key, channel.unacked_index_key)
+        left = channel.client.llen(name)
+        queue(channel).delete()
+        channel.close()
+    assert sorted(seen) == list(range(count))
+    return [keys, left]
+
+
+def test_a_consumed_message_is_handed_on_before_its_entry_is_written_and_the_entry_follows(redis_client):
+    name = f"sluice-broker-test-{uuid.uuid4().hex[:8]}"
+    during, messages = [], []
+
+    def on_message(channel, message):
+        during.append(redis_client.hexists(channel.unacked_key, message.delivery_tag))
+        messages.append(message)
+
+    def after(channel):
+        # after the callback, each message's entry is there, in kombu's format, until its ack
+        for message in messages:
+            raw, exchange, routing_key = json.loads(redis_client.hget(channel.unacked_key, message.delivery_tag))
+            assert raw == message._raw and (exchange, routing_key) == (name, name)
+            assert redis_client.zscore(channel.unacked_index_key, message.delivery_tag) is not None
+            message.ack()
+            assert not redis_client.hexists(channel.unacked_key, message.delivery_tag)
+            assert redis_client.zscore(channel.unacked_index_key, message.delivery_tag) is None
+
+    _consumed(redis_client, name, 3, on_message, after)
+    # while the callback ran, no entry yet
+    assert during == [False, False, False]
+
+
+def test_an_ack_or_reject_before_the_entry_is_written_leaves_nothing_and_a_requeue_comes_back(redis_client):
+    name = f"sluice-broker-test-{uuid.uuid4().hex[:8]}"
+    tags = []
+
+    def on_message(channel, message):
+        tags.append(message.delivery_tag)
+        # as Celery does with a message it cannot run, from inside the callback
+        n = message.payload["n"]
+        if n == 0:
+            message.ack()
+        elif n == 1:
+            message.reject(requeue=False)
+        elif n == 2:
+            message.reject(requeue=True)
+
+    (unacked, index), left = _consumed(redis_client, name, 3, on_message)
+    for tag in tags:
+        assert not redis_client.hexists(unacked, tag) and redis_client.zscore(index, tag) is None
+    assert left == 1  # the requeued one is back on its queue
+
+
+def test_acks_racing_the_entry_writes_from_other_threads_leave_no_entry(redis_client):
+    # Celery's pool threads ack as soon as their task ends, which can be
+    # before, during or after the consumer writes the message's entry.
+    name = f"sluice-broker-test-{uuid.uuid4().hex[:8]}"
+    tags, threads = [], []
+
+    def on_message(channel, message):
+        tags.append(message.delivery_tag)
+        thread = threading.Thread(target=message.ack)
+        threads.append(thread)
+        thread.start()
+
+    def after(channel):
+        for thread in threads:
+            thread.join(10)
+
+    (unacked, index), _ = _consumed(redis_client, name, 200, on_message, after)
+    assert len(tags) == 200
+    assert not any(redis_client.hexists(unacked, tag) for tag in tags)
+    assert not any(redis_client.zscore(index, tag) is not None for tag in tags)
+
+
+def test_a_restore_before_the_entry_is_written_puts_the_message_back(redis_client):
+    # A stopping worker restores what it has not acked (kombu's restore_unacked).
+    name = f"sluice-broker-test-{uuid.uuid4().hex[:8]}"
+    tags = []
+
+    def on_message(channel, message):
+        tags.append(message.delivery_tag)
+        channel._restore(message)
+
+    (unacked, _), left = _consumed(redis_client, name, 1, on_message)
+    assert left == 1 and not redis_client.hexists(unacked, tags[0])
