@@ -315,6 +315,31 @@ def test_a_client_that_hangs_up_still_leaves_an_access_line(platform, make_calle
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_streams_access_line_is_written_when_it_ends_with_its_whole_time(platform, make_caller):
+    # given: a stream of 40 tokens, read chunk by chunk
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool)
+    body = {"model": "sim-small", "messages": HELLO, "max_tokens": 40, "stream": True, "sim": {"output_tokens": 40}}
+    sent = time.monotonic()
+    first = None
+    with httpx.stream("POST", f"{platform.base_url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {caller.api_key}"}) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.monotonic()
+    ended = time.monotonic()
+    assert ended - first > 0.15, "the stream was too short to tell its end from its start"
+
+    # then: its line came when it ended, and its time is the whole stream's, not its first chunk's
+    line = wait_for_line(platform.log_dir / "web.log", lambda l: l.get("logger") == "sluice.access"
+                         and l.get("request_id") == request_id)
+    assert (line["status"], line["reason"], line["route"]) == (200, "", "chat-completions")
+    assert line["total_ms"] >= (ended - sent) * 1000 - 50
+
+
+@pytest.mark.django_db(transaction=True)
 def test_every_line_of_every_django_process_is_json(platform, make_caller):
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool)

@@ -73,9 +73,15 @@ def api_observed(get_response: GetResponse) -> GetResponse:
                     response["x-request-id"] = request_id
                 return response
             finally:
-                # Also when the client went away mid-request (the task is
-                # cancelled): that line is the only trace of it.
-                _report(request, response, fields, started)
+                if response is not None and response.streaming:
+                    # A stream's line when it has ended (its closers run
+                    # then: llm_platform/asgi.py), with its whole time, and
+                    # not between its first chunk and the caller.
+                    response._resource_closers.append(lambda: _report(request, response, fields, started))
+                else:
+                    # Also when the client went away mid-request (the task
+                    # is cancelled): that line is the only trace of it.
+                    _report(request, response, fields, started)
 
     return observed
 
