@@ -491,9 +491,12 @@ def _reply(read: Callable[[], Any]) -> Any:
 # before it ran and answered a table whose first element is one of the
 # guard's values (comma-separated: budgets/admission/admit.lua's 1,
 # gateway/core/circuit.lua's 'go'), and
-# is skipped (false) otherwise. Atomic together, as one script is;
-# every key must share a hash slot on a cluster (the callers' keys share
-# their pool's tag). Composed once per sequence of scripts.
+# is skipped (false) otherwise. Each step also gets the answers of the steps
+# before it (PREVIOUS, a table; nil when a step runs on its own), which only
+# a step written to follow others reads (gateway/core/enqueue.lua). Atomic
+# together, as one script is; every key must share a hash slot on a cluster
+# (the callers' keys share their pool's tag). Composed once per sequence of
+# scripts.
 _COMPOSE_TAIL = """
 local n = tonumber(ARGV[1])
 local ki, ai = 1, 2 + 3 * n
@@ -509,7 +512,7 @@ for i = 1, n do
   end
   local r = false
   if go then
-    r = STEPS[i](k, a)
+    r = STEPS[i](k, a, out)
     if r == nil then r = false end
     -- A step that answers an error ends the script with it: the calls after
     -- it do not run, and the caller hears the error, as when run one by one.
@@ -526,7 +529,8 @@ def _composed_script(scripts: tuple[LuaScript, ...]) -> LuaScript:
     names = tuple(script.name for script in scripts)
     composed = _composed.get(names)
     if composed is None:
-        parts = [f"local function step_{i}(KEYS, ARGV)\n{script.source}\nend\n" for i, script in enumerate(scripts)]
+        parts = [f"local function step_{i}(KEYS, ARGV, PREVIOUS)\n{script.source}\nend\n"
+                 for i, script in enumerate(scripts)]
         steps = ", ".join(f"step_{i}" for i in range(len(scripts)))
         composed = LuaScript.of_source("+".join(names),
                                        "".join(parts) + f"local STEPS = {{{steps}}}\n" + _COMPOSE_TAIL)

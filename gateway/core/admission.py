@@ -30,6 +30,7 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
 from gateway.core.context import CallerContext
+from gateway.core.enqueue import EnqueueAlong
 from gateway.core.errors import budget_unavailable, no_reservation
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,12 @@ REFUSED_RECENTLY_S = 1.0
 _refused_at: dict[int, float] = {}
 
 
+_UNSET = object()
+
+
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                   lease_ms: int, body_digest: str = "") -> Plan[Admission]:
+                   lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = _UNSET,
+                   along: EnqueueAlong | None = None) -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
     if the spend refuses. Raises Rejected (the pool's reasons, spend_budget,
     no_reservation) or BudgetUnavailable. The pool goes first because it is
@@ -125,19 +130,33 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     or 2), unless
     the pool refused this workload within ``REFUSED_RECENTLY_S``; a config
     to rebuild takes them apart again. ``body_digest``: the request body's,
-    which tells a client's retry of a held request (budgets/admission/admit.lua)."""
+    which tells a client's retry of a held request (budgets/admission/admit.lua).
+    ``spend``: the request's ``spend_hold_for``, when the caller has it.
+    ``along``: the request's record and lane message, written by the round
+    trip's last step when the admission admits it on its own reservation
+    (gateway/core/enqueue.lua; ``along.written`` says whether it did); not
+    sent for a workload refused recently, whose admission goes alone."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms, body_digest=body_digest)
     together = time.monotonic() - _refused_at.get(ctx.workload_id, -REFUSED_RECENTLY_S) >= REFUSED_RECENTLY_S
-    hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
+    if spend is _UNSET:
+        spend = spend_hold_for(ctx, model=model, estimate=estimate)
+    hold = spend if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                                           estimated_tokens=estimate.total_tokens)
+    along = along if together else None
     answered = None
     try:
         try:
-            if hold_call is None:
+            if hold_call is None and along is None:
                 admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
             else:
-                raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
+                if hold_call is None:
+                    raw_admission, _ = yield Together((_raw(admit), along.call(admit_step=1, hold_step=0)))
+                elif along is None:
+                    raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
+                else:
+                    raw_admission, answered, _ = yield Together(
+                        (_raw(admit), _raw(hold_call), along.call(admit_step=1, hold_step=2)), guards=("", "1,2", ""))
                 try:
                     admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
                 except NotConfigured:
@@ -150,7 +169,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     except NotConfigured as exc:
         raise no_reservation() from exc
     if not together:
-        hold = spend_hold_for(ctx, model=model, estimate=estimate)
+        hold = spend
         if hold is not None:
             hold_call = spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                         estimated_tokens=estimate.total_tokens)
@@ -182,10 +201,12 @@ def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: 
 
 
 async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                              lease_ms: int, body_digest: str = "") -> Admission:
-    """``request_admit`` for the async API views."""
+                              lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = _UNSET,
+                              along: EnqueueAlong | None = None) -> Admission:
+    """``request_admit`` for the async API views (``spend``, ``along``: as ``admission_plan``'s)."""
     try:
         return await plan_run_async(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
-                                                   lease_ms=lease_ms, body_digest=body_digest))
+                                                   lease_ms=lease_ms, body_digest=body_digest, spend=spend,
+                                                   along=along))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc
