@@ -10,7 +10,13 @@ its server-sent events). The simulator runs on the wall clock (no time
 scale) with its default engine, so chunks come one decode step apart, as
 from a GPU server. Per stream: TTFT = request sent -> first content chunk
 read; inter-chunk = time between consecutive content chunks. Added = Sluice's
-percentile minus the direct one. Run alone: ``python -m bench.streaming --seed 1``.
+percentile minus the direct one. The two paths take turns in blocks of 5 s
+(direct, Sluice, direct, ...; each block's streams all end before the next
+block starts, so the paths never share the machine): this two-core machine's
+speed drifts over a minute (the simulator's own direct TTFT p50 moved by
+2.6 ms between runs of the same code), and a drift between one path's 20 s
+and the other's would be read as the gateway's. Run alone:
+``python -m bench.streaming --seed 1``.
 
 The engine is the simulator's ``a100-llama3-8b`` calibration (256 slots, a
 12 ms decode step: inference_sim/config.py, docs/calibration.md), which
@@ -40,6 +46,7 @@ RATE = 20.0  # new streams per second
 TOKENS = 32
 SIM_ARGS = ["--profile", "a100-llama3-8b"]
 TARGETS = {"ttft_p50": 5.0, "ttft_p99": 25.0, "gap_p99": 5.0}
+BLOCKS = 4  # turns per path
 
 
 def _body(rng: random.Random) -> dict:
@@ -76,17 +83,25 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
             "gaps_ms": [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:])]}
 
 
-async def _paced(url: str, headers: dict, duration: float, rng: random.Random) -> list[dict]:
+async def _paced(paths: list[tuple[str, dict]], duration: float, rng: random.Random) -> list[list[dict]]:
+    """Each path's streams, ``duration`` seconds of them at RATE, the paths
+    taking turns in BLOCKS blocks each (one client per path)."""
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        for _ in range(10):  # warm the connections and the server's code paths
-            await _one(client, url, _body(rng), headers)
-        results: list[dict] = []
+    clients = [httpx.AsyncClient(timeout=60, limits=limits) for _ in paths]
+    results: list[list[dict]] = [[] for _ in paths]
+    try:
+        for client, (url, headers) in zip(clients, paths):
+            for _ in range(10):  # warm the connections and the server's code paths
+                await _one(client, url, _body(rng), headers)
+        for _ in range(BLOCKS):
+            for client, (url, headers), got in zip(clients, paths, results):
+                async def fire(i: int, client=client, url=url, headers=headers, got=got) -> None:
+                    got.append(await _one(client, url, _body(rng), headers))
 
-        async def fire(i: int) -> None:
-            results.append(await _one(client, url, _body(rng), headers))
-
-        await open_loop(RATE, duration, fire)
+                await open_loop(RATE, duration / BLOCKS, fire)
+    finally:
+        for client in clients:
+            await client.aclose()
     return results
 
 
@@ -142,10 +157,9 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
         platform.start_sluice()
         log(f"{NAME}: platform up (sim wall clock, web x1, lanes {platform.lane_sizes})")
         auth = {"Authorization": f"Bearer {workload.api_key}"}
-        direct = asyncio.run(_paced(f"{platform.sim_url}/v1/chat/completions", {}, duration, rng))
-        log(f"{NAME}: direct {len(direct)} streams")
-        sluice = asyncio.run(_paced(f"{platform.sluice_url}/v1/chat/completions", auth, duration, rng))
-        log(f"{NAME}: through sluice {len(sluice)} streams")
+        direct, sluice = asyncio.run(_paced([(f"{platform.sim_url}/v1/chat/completions", {}),
+                                             (f"{platform.sluice_url}/v1/chat/completions", auth)], duration, rng))
+        log(f"{NAME}: {len(direct)} streams direct, {len(sluice)} through sluice, in turns of {BLOCKS} blocks each")
         platform.assert_alive()
         rows = _settled_rows(pool.id, expected=len(sluice) + 10)
     finally:
@@ -155,7 +169,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None) -
     d, s = _stats(direct), _stats(sluice)
     data = {
         "scenario": NAME, "seed": seed, "quick": quick, "clock": "wall clock (simulator without time scale)",
-        "rate_per_s": RATE, "tokens": TOKENS, "duration_s": duration, "sim_args": SIM_ARGS, "direct": d, "sluice": s,
+        "rate_per_s": RATE, "tokens": TOKENS, "duration_s": duration, "blocks": BLOCKS, "sim_args": SIM_ARGS,
+        "direct": d, "sluice": s,
         "added_ms": {"ttft_p50": _sub(s["ttft_ms"]["p50"], d["ttft_ms"]["p50"]),
                      "ttft_p99": _sub(s["ttft_ms"]["p99"], d["ttft_ms"]["p99"]),
                      "gap_p50": _sub(s["gap_ms"]["p50"], d["gap_ms"]["p50"]),
@@ -184,7 +199,8 @@ def summarize(data: dict) -> str:
 
     lines = [
         f"New streams paced at {data['rate_per_s']:.0f}/s for {data['duration_s']:.0f} s each, {data['tokens']} tokens "
-        f"per stream, simulator on the wall clock (`{' '.join(data.get('sim_args') or [])}`); milliseconds.",
+        f"per stream, simulator on the wall clock (`{' '.join(data.get('sim_args') or [])}`); the paths take turns in "
+        f"{data.get('blocks', 1)} blocks each; milliseconds.",
         "",
         md_table(["path", "TTFT p50", "TTFT p99", "inter-chunk p50", "inter-chunk p99", "streams", "errors"], [
             row("direct to simulator", d), row("through Sluice", s),

@@ -10,7 +10,7 @@
 -- its own (PREVIOUS nil: Redis Cluster) it writes nothing either.
 --
 -- The same writes as enqueue.py's _record_commands, in the same order, with
--- the admission's clock: admitted_ms as admit.lua said it, the deadlines as
+-- the admission's clock: admitted_ms as the admission said it, the deadlines as
 -- offsets from it.
 --
 -- KEYS: 1 the request's record, 2 the lane's metrics hash, 3 the lane's
