@@ -23,15 +23,6 @@ sends the same two writes in the same MULTI/EXEC as ``Commands``
 (budgets/admission/redis_client.py) rather than through redis-py's
 ``Pipeline``, which cost about as much again as the writes themselves.
 
-A consumed message's entry is written just after the consumer's callback
-has handed the message on (to the worker's pool), not before: the task
-starts while the consumer waits for Redis's reply to the write, one round
-trip earlier (bench/PROFILE.md, round 10). An ack, reject or restore of the
-message that comes before its entry is written finds it in the QoS's
-``_unwritten``: an ack or reject then has nothing to remove (the write is
-skipped), a requeue or restore writes it first (it is read back from
-Redis), and one that comes while it is being written waits for the write.
-
 Its connection pools are ``LeanPool``s (budgets/admission/redis_client.py):
 redis-py's pool without the metrics it records on every checkout and return.
 
@@ -57,12 +48,6 @@ from budgets.admission.redis_client import Commands, LeanPool
 TRANSPORT = "llm_platform.broker:Transport"
 
 
-# An entry being written (``QoS._unwritten``).
-_WRITING = object()
-# How long an ack waits for its message's entry to be written (Redis hanging).
-ENTRY_WRITE_WAIT_S = 30.0
-
-
 class QoS(kombu_redis.QoS):
     """kombu's unacked bookkeeping (ack emulation), the same two writes in
     the same MULTI/EXEC, sent as ``Commands`` instead of a redis-py
@@ -72,79 +57,19 @@ class QoS(kombu_redis.QoS):
     kombu's). A client kombu wraps (``global_keyprefix``) keeps kombu's
     pipeline."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # delivery tag -> its message, or _WRITING: consumed messages whose
-        # entry is not written yet (append_deferred, entry_write_deferred).
-        self._unwritten: dict[str, object] = {}
-        self._unwritten_changed = threading.Condition()
-
     def _plain_client(self):
         client = self.channel._create_client()
         return client if type(client) is redis.Redis else None
-
-    def _entry_write(self, client, message, delivery_tag) -> None:
-        delivery = message.delivery_info
-        Commands(transaction=True).zadd(self.unacked_index_key, {delivery_tag: time.time()}).hset(
-            self.unacked_key, delivery_tag,
-            dumps([message._raw, delivery["exchange"], delivery["routing_key"]])).run(client)
 
     def append(self, message, delivery_tag):
         client = self._plain_client()
         if client is None:
             return super().append(message, delivery_tag)
-        self._entry_write(client, message, delivery_tag)
+        delivery = message.delivery_info
+        Commands(transaction=True).zadd(self.unacked_index_key, {delivery_tag: time.time()}).hset(
+            self.unacked_key, delivery_tag,
+            dumps([message._raw, delivery["exchange"], delivery["routing_key"]])).run(client)
         virtual.QoS.append(self, message, delivery_tag)
-
-    def append_deferred(self, message, delivery_tag) -> bool:
-        """``append`` with the entry's write left to ``entry_write_deferred``
-        (after the consumer's callback). False: written now (a client kombu
-        wraps keeps kombu's own order)."""
-        if self._plain_client() is None:
-            self.append(message, delivery_tag)
-            return False
-        with self._unwritten_changed:
-            self._unwritten[delivery_tag] = message
-        virtual.QoS.append(self, message, delivery_tag)
-        return True
-
-    def entry_write_deferred(self, delivery_tag) -> None:
-        """Write the entry ``append_deferred`` left, unless an ack, reject
-        or restore of the message came first and saw to it."""
-        with self._unwritten_changed:
-            message = self._unwritten.get(delivery_tag)
-            if message is None or message is _WRITING:
-                return
-            self._unwritten[delivery_tag] = _WRITING
-        self._unwritten_write(message, delivery_tag)
-
-    def _unwritten_write(self, message, delivery_tag) -> None:
-        try:
-            self._entry_write(self._plain_client(), message, delivery_tag)
-        finally:
-            with self._unwritten_changed:
-                self._unwritten.pop(delivery_tag, None)
-                self._unwritten_changed.notify_all()
-
-    def unwritten_settle(self, delivery_tag, *, entry_needed: bool) -> bool:
-        """Before an ack, reject or restore of ``delivery_tag``: True when its
-        entry was never written and never will be (nothing to remove);
-        ``entry_needed`` (a requeue or restore reads it back): written now if
-        it is still to be. One being written is waited for."""
-        with self._unwritten_changed:
-            state = self._unwritten.get(delivery_tag)
-            if state is None:
-                return False
-            if state is _WRITING:
-                self._unwritten_changed.wait_for(lambda: delivery_tag not in self._unwritten,
-                                                 timeout=ENTRY_WRITE_WAIT_S)
-                return False
-            if not entry_needed:
-                del self._unwritten[delivery_tag]
-                return True
-            self._unwritten[delivery_tag] = _WRITING
-        self._unwritten_write(state, delivery_tag)
-        return False
 
     def _indices_remove(self, delivery_tag) -> bool:
         client = self._plain_client()
@@ -155,15 +80,11 @@ class QoS(kombu_redis.QoS):
         return True
 
     def ack(self, delivery_tag):
-        if self.unwritten_settle(delivery_tag, entry_needed=False):
-            return virtual.QoS.ack(self, delivery_tag)
         if not self._indices_remove(delivery_tag):
             return super().ack(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)
 
     def reject(self, delivery_tag, requeue=False):
-        if self.unwritten_settle(delivery_tag, entry_needed=requeue):
-            return virtual.QoS.ack(self, delivery_tag)
         if requeue or not self._indices_remove(delivery_tag):
             return super().reject(delivery_tag, requeue=requeue)
         virtual.QoS.ack(self, delivery_tag)
@@ -173,29 +94,6 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     _sync_client = None
     _sync_client_lock = threading.Lock()
-
-    def basic_consume(self, queue, no_ack, callback, consumer_tag, **kwargs):
-        """kombu's, with the consumed message's unacked entry written after
-        the callback has handed it on (QoS.append_deferred), not before."""
-        consumer = super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
-        if not no_ack:
-            def _callback(raw_message):
-                message = self.Message(raw_message, channel=self)
-                tag = message.delivery_tag
-                if not self.qos.append_deferred(message, tag):
-                    return callback(message)
-                try:
-                    return callback(message)
-                finally:
-                    self.qos.entry_write_deferred(tag)
-
-            self.connection._callbacks[queue] = _callback
-        return consumer
-
-    def _restore(self, message, leftmost=False):
-        # A restore reads the entry back: one not written yet is written first.
-        self.qos.unwritten_settle(message.delivery_tag, entry_needed=True)
-        return super()._restore(message, leftmost=leftmost)
 
     def _get_pool(self, asynchronous: bool = False):
         params = self._connparams(asynchronous=asynchronous)
