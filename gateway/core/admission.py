@@ -114,11 +114,19 @@ REFUSED_RECENTLY_S = 1.0
 _refused_at: dict[int, float] = {}
 
 
-_UNSET = object()
+def refused_recently(workload_id: int) -> bool:
+    """Whether the pool refused this workload in this process within
+    ``REFUSED_RECENTLY_S``: its next admission goes alone, and its caller
+    builds nothing for after it (gateway/web/dispatch.py)."""
+    return time.monotonic() - _refused_at.get(workload_id, -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
+
+
+# ``spend`` not given: the plan works it out itself, when it needs it.
+SPEND_UNKNOWN = object()
 
 
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                   lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = _UNSET,
+                   lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = SPEND_UNKNOWN,
                    along: EnqueueAlong | None = None) -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
     if the spend refuses. Raises Rejected (the pool's reasons, spend_budget,
@@ -137,8 +145,8 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     (gateway/core/enqueue.lua; ``along.written`` says whether it did); not
     sent for a workload refused recently, whose admission goes alone."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms, body_digest=body_digest)
-    together = time.monotonic() - _refused_at.get(ctx.workload_id, -REFUSED_RECENTLY_S) >= REFUSED_RECENTLY_S
-    if spend is _UNSET:
+    together = not refused_recently(ctx.workload_id)
+    if spend is SPEND_UNKNOWN and together:
         spend = spend_hold_for(ctx, model=model, estimate=estimate)
     hold = spend if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
@@ -169,7 +177,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     except NotConfigured as exc:
         raise no_reservation() from exc
     if not together:
-        hold = spend
+        hold = spend_hold_for(ctx, model=model, estimate=estimate) if spend is SPEND_UNKNOWN else spend
         if hold is not None:
             hold_call = spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                         estimated_tokens=estimate.total_tokens)
@@ -201,7 +209,7 @@ def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: 
 
 
 async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                              lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = _UNSET,
+                              lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = SPEND_UNKNOWN,
                               along: EnqueueAlong | None = None) -> Admission:
     """``request_admit`` for the async API views (``spend``, ``along``: as ``admission_plan``'s)."""
     try:

@@ -20,7 +20,8 @@ from budgets.admission.redis_client import REDIS_UNAVAILABLE, Commands, get_asyn
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.admission import lease_ttl_ms, request_admit_async, spend_hold_for
+from gateway.core.admission import (SPEND_UNKNOWN, lease_ttl_ms, refused_recently, request_admit_async,
+                                    spend_hold_for)
 from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.context import CallerContext
 from gateway.core.enqueue import enqueue_along, new_request_id, record_build, record_enqueue_async
@@ -206,10 +207,11 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     estimate = chat_estimate(ctx, chat)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
-    spend = spend_hold_for(ctx, model=chat.model, estimate=estimate)
-    payload = pool_payload(chat, estimate)
+    payload: dict | None = None
 
     def built(admission: Admission) -> RequestRecord:
+        nonlocal payload
+        payload = payload if payload is not None else pool_payload(chat, estimate)
         return replace(record_build(
             ctx, request_id=request_id, model=chat.model, payload=payload, estimate=estimate, admission=admission,
             deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
@@ -219,10 +221,15 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
 
     # The record as it will be if admitted on the workload's own reservation,
     # written with the admission, in its round trip (gateway/core/enqueue.lua).
-    along = enqueue_along(built(Admission(
-        request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id, input_tokens=estimate.input_tokens,
-        output_tokens=estimate.output_tokens, borrowed=False, rate_limits=None, admitted_ms=0.0,
-        spend_month=spend.month if spend is not None else "")), lease_ms=lease_ms)
+    # Not for a workload refused a moment ago: a storm of refusals builds no
+    # record (its admission goes alone anyway).
+    spend, along = SPEND_UNKNOWN, None
+    if not refused_recently(ctx.workload_id):
+        spend = spend_hold_for(ctx, model=chat.model, estimate=estimate)
+        along = enqueue_along(built(Admission(
+            request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id,
+            input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, borrowed=False, rate_limits=None,
+            admitted_ms=0.0, spend_month=spend.month if spend is not None else "")), lease_ms=lease_ms)
     try:
         admission = await request_admit_async(ctx, request_id=request_id, model=chat.model, estimate=estimate,
                                               lease_ms=lease_ms, body_digest=body_digest, spend=spend, along=along)

@@ -7,71 +7,21 @@ simulator."""
 
 from __future__ import annotations
 
-import threading
-import uuid
 
 import pytest
 
-from budgets.admission.buckets import admit
 from budgets.admission import keys as budget_keys
 from gateway.core import keys
 from gateway.core.enqueue import CallHint, call_hint
-from gateway.core.metrics import arrival_commands
 from gateway.core.records import RequestRecord
 from gateway.worker.execution import request_execute
+from tests.gateway.stored import RedisMonitor, admitted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-HELLO = [{"role": "user", "content": "One round trip, please."}]
 
-
-def _admitted(redis_client, caller, request_id: str, *, lane: str = "interactive") -> RequestRecord:
-    pool = caller.pool
-    admission = admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=request_id, input_tokens=12,
-                      output_tokens=30, lease_ttl_ms=120_000)
-    record = RequestRecord(
-        request_id=request_id, tenant_id=caller.tenant.id, workload_id=caller.workload.id, pool_id=pool.id,
-        pool_base_url=pool.base_url, pool_api_key_env="", model="sim-small", lane=lane, borrowed=False,
-        estimated_input_tokens=12, estimated_output_tokens=30, admitted_ms=admission.admitted_ms,
-        deadline_ms=admission.admitted_ms + 10_000, retry_deadline_ms=admission.admitted_ms + 70_000,
-        payload={"model": "sim-small", "messages": HELLO, "max_tokens": 30, "sim": {"output_tokens": 5}},
-    )
-    pipe = redis_client.pipeline(transaction=False)
-    pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
-    arrival_commands(pipe, pool_id=pool.id, lane=record.lane, request_id=request_id,
-                     expires_ms=admission.admitted_ms + 120_000)
-    pipe.execute()
-    return record
-
-
-class _Monitor:
-    """Every command Redis runs while it is on, as MONITOR prints them."""
-
-    def __init__(self, redis_client) -> None:
-        self._client = redis_client
-        self._end = f"monitor-end-{uuid.uuid4().hex}"
-        self.commands: list[str] = []
-        self._monitor = redis_client.monitor()
-        self._monitor.__enter__()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while True:
-            command = self._monitor.next_command()["command"]
-            if self._end in command:
-                return
-            self.commands.append(command)
-
-    def stop(self) -> list[str]:
-        self._client.echo(self._end)
-        self._thread.join(10)
-        self._monitor.__exit__()
-        return self.commands
-
-
-def _scripts_naming(commands: list[str], text: str) -> list[str]:
-    return [c for c in commands if c.startswith(("EVALSHA", "EVAL")) and text in c]
+def _scripts_naming(commands: list[tuple[str, str]], text: str) -> list[str]:
+    return [c for kind, c in commands if kind != "lua" and c.startswith(("EVALSHA", "EVAL")) and text in c]
 
 
 def test_the_hint_says_what_the_record_says_and_a_bad_one_is_none():
@@ -88,8 +38,8 @@ def test_the_hint_says_what_the_record_says_and_a_bad_one_is_none():
 
 
 def test_a_first_delivery_asks_its_gate_and_take_with_its_claim(platform, caller, redis_client):
-    record = _admitted(redis_client, caller, "req_hinted")
-    monitor = _Monitor(redis_client)
+    record = admitted(redis_client, caller, "req_hinted")
+    monitor = RedisMonitor(redis_client)
     try:
         outcome = request_execute(request_id=record.request_id, call=CallHint.of(record))
     finally:
@@ -102,8 +52,8 @@ def test_a_first_delivery_asks_its_gate_and_take_with_its_claim(platform, caller
 
 
 def test_without_a_hint_the_gate_is_its_own_round_trip(platform, caller, redis_client):
-    record = _admitted(redis_client, caller, "req_unhinted")
-    monitor = _Monitor(redis_client)
+    record = admitted(redis_client, caller, "req_unhinted")
+    monitor = RedisMonitor(redis_client)
     try:
         outcome = request_execute(request_id=record.request_id)
     finally:
@@ -116,7 +66,7 @@ def test_without_a_hint_the_gate_is_its_own_round_trip(platform, caller, redis_c
 def test_a_delivery_that_does_not_own_the_request_asks_no_gate(platform, caller, redis_client):
     # given a request whose owner is already its delivery 1 (taken over from a lost worker),
     # and a circuit whose open period has just ended: the next gate asked becomes its trial
-    record = _admitted(redis_client, caller, "req_superseded")
+    record = admitted(redis_client, caller, "req_superseded")
     redis_client.set(keys.request_owner(record.request_id), "queued:1")
     circuit = keys.pool_circuit(record.pool_id)
     redis_client.hset(circuit, mapping={"state": "open", "open_until_ms": 0, "trial_until_ms": 0, "trial_holder": ""})
@@ -131,9 +81,9 @@ def test_a_delivery_that_does_not_own_the_request_asks_no_gate(platform, caller,
 
 
 def test_a_hint_that_is_not_the_record_is_asked_again(platform, caller, redis_client, caplog):
-    record = _admitted(redis_client, caller, "req_misled")
+    record = admitted(redis_client, caller, "req_misled")
     wrong = CallHint(pool_id=record.pool_id, tokens=1, lane=record.lane, borrowed=False)
-    monitor = _Monitor(redis_client)
+    monitor = RedisMonitor(redis_client)
     try:
         outcome = request_execute(request_id=record.request_id, call=wrong)
     finally:

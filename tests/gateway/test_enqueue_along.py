@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -33,6 +32,7 @@ from gateway.core.context import context_for_workload
 from gateway.core.enqueue import enqueue_along, record_build
 from gateway.core.lanes import queue_for_lane
 from gateway.core.records import RequestRecord
+from tests.gateway.stored import RedisMonitor
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -44,28 +44,15 @@ def _estimate() -> Estimate:
     return Estimate(input_tokens=100, output_tokens=50, max_tokens_requested=50, clamped=False)
 
 
-class _Monitor:
-    def __init__(self, redis_client) -> None:
-        self._client = redis_client
-        self._end = f"monitor-end-{uuid.uuid4().hex}"
-        self.commands: list[str] = []
-        self._monitor = redis_client.monitor()
-        self._monitor.__enter__()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while True:
-            command = self._monitor.next_command()
-            if self._end in command["command"]:
-                return
-            self.commands.append((command["client_type"], command["command"]))
-
-    def stop(self) -> list[tuple[str, str]]:
-        self._client.echo(self._end)
-        self._thread.join(10)
-        self._monitor.__exit__()
-        return self.commands
+def _provisional(ctx, request_id: str, *, spend_month: str = "") -> RequestRecord:
+    """The record as it will be if admitted on the workload's own reservation
+    (``admitted_ms`` 0: its deadlines are their offsets), as dispatch builds it."""
+    return record_build(
+        ctx, request_id=request_id, model=MODEL, payload={"model": MODEL, "messages": []}, estimate=_estimate(),
+        admission=Admission(request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id,
+                            input_tokens=100, output_tokens=50, borrowed=False, rate_limits=None, admitted_ms=0.0,
+                            spend_month=spend_month),
+        deadline_ms=QUEUE_S * 1000, retry_deadline_ms=(QUEUE_S + 30) * 1000)
 
 
 def _admit(ctx, request_id: str, *, along: bool = True):
@@ -73,12 +60,7 @@ def _admit(ctx, request_id: str, *, along: bool = True):
     admitted on the workload's own reservation, then the admission with it."""
     estimate = _estimate()
     spend = spend_hold_for(ctx, model=MODEL, estimate=estimate)
-    record = record_build(
-        ctx, request_id=request_id, model=MODEL, payload={"model": MODEL, "messages": []}, estimate=estimate,
-        admission=Admission(request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id,
-                            input_tokens=100, output_tokens=50, borrowed=False, rate_limits=None, admitted_ms=0.0,
-                            spend_month=spend.month if spend is not None else ""),
-        deadline_ms=QUEUE_S * 1000, retry_deadline_ms=(QUEUE_S + 30) * 1000)
+    record = _provisional(ctx, request_id, spend_month=spend.month if spend is not None else "")
     step = enqueue_along(record, lease_ms=120_000) if along else None
     admission = asyncio.run(request_admit_async(ctx, request_id=request_id, model=MODEL, estimate=estimate,
                                                 lease_ms=120_000, spend=spend, along=step))
@@ -110,7 +92,7 @@ def test_an_admitted_request_is_recorded_and_queued_in_its_admissions_round_trip
     _, first = _admit(ctx, f"req_{uuid.uuid4().hex}")
     assert (first.written is None) == priced
     request_id = f"req_{uuid.uuid4().hex}"
-    monitor = _Monitor(redis_client)
+    monitor = RedisMonitor(redis_client)
     try:
         admission, step = _admit(ctx, request_id)
     finally:
@@ -190,11 +172,7 @@ def test_the_step_writes_only_after_an_admission_on_the_workloads_own_reservatio
     caller = make_caller()
     ctx = context_for_workload(caller.workload)
     request_id = f"req_{uuid.uuid4().hex}"
-    record = record_build(
-        ctx, request_id=request_id, model=MODEL, payload={}, estimate=_estimate(),
-        admission=Admission(request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id,
-                            input_tokens=100, output_tokens=50, borrowed=False, rate_limits=None, admitted_ms=0.0),
-        deadline_ms=QUEUE_S * 1000, retry_deadline_ms=QUEUE_S * 1000)
+    record = _provisional(ctx, request_id)
     step = enqueue_along(record, lease_ms=120_000)
     admitted = ScriptCall(script=LuaScript.of_source(f"test_admit_{uuid.uuid4().hex}", f"return {answer}"), keys=[], args=[],
                           parse=raw_reply)
@@ -222,7 +200,7 @@ def test_the_lane_message_is_the_one_the_separate_enqueue_pushes(make_caller, re
     caller = make_caller()
     ctx = context_for_workload(caller.workload)
     request_id = f"req_{uuid.uuid4().hex}"
-    monitor = _Monitor(redis_client)
+    monitor = RedisMonitor(redis_client)
     try:
         _, step = _admit(ctx, request_id)
     finally:

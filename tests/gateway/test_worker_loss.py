@@ -16,48 +16,24 @@ import httpx
 import pytest
 
 from budgets.admission import keys
-from budgets.admission.buckets import admit
 from budgets.admission.redis_client import redis_now_ms
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from gateway.core.finish import request_finish
-from gateway.core.metrics import arrival_commands
 from gateway.core.records import (FINISH, LOST, QUEUED, REAP, REQUEUE, RUNNING, SUPERSEDED, WATCH, WORKER, Outcome,
                                   RequestRecord, claim_call)
 from gateway.core.takeover import lost_requests_reap, request_take_over
 from gateway.worker.execution import request_execute
 from gateway.worker.heartbeat import Heartbeats
+from tests.gateway.stored import HELLO, admitted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-HELLO = [{"role": "user", "content": "Are you still there?"}]
 DEAD_WORKER = "worker@lost-host:4242"
 
 
 def counters(redis_client, pool_id: int) -> dict[str, int]:
     return {k: int(v) for k, v in redis_client.hgetall(keys.pool_counters(pool_id)).items()}
-
-
-def admitted(redis_client, caller, request_id: str, *, queue_s: float = 10.0, retry_s: float = 70.0,
-             output_tokens: int = 7) -> RequestRecord:
-    """A request admitted (12 + 30 tokens estimated) and stored as the web
-    side stores it, on the interactive lane."""
-    pool = caller.pool
-    admission = admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=request_id, input_tokens=12,
-                      output_tokens=30, lease_ttl_ms=120_000)
-    record = RequestRecord(
-        request_id=request_id, tenant_id=caller.tenant.id, workload_id=caller.workload.id, pool_id=pool.id,
-        pool_base_url=pool.base_url, pool_api_key_env="", model="sim-small", lane="interactive", borrowed=False,
-        estimated_input_tokens=12, estimated_output_tokens=30, admitted_ms=admission.admitted_ms,
-        deadline_ms=admission.admitted_ms + queue_s * 1000, retry_deadline_ms=admission.admitted_ms + retry_s * 1000,
-        payload={"model": "sim-small", "messages": HELLO, "max_tokens": 30, "sim": {"output_tokens": output_tokens}},
-    )
-    pipe = redis_client.pipeline(transaction=False)
-    pipe.hset(gateway_keys.request_record(request_id), mapping=record.to_redis())
-    arrival_commands(pipe, pool_id=pool.id, lane=record.lane, request_id=request_id,
-                     expires_ms=admission.admitted_ms + 120_000)
-    pipe.execute()
-    return record
 
 
 def started_by_a_worker_that_dies(redis_client, record: RequestRecord) -> None:

@@ -1,0 +1,64 @@
+"""Helpers of the gateway tests that work on Redis directly: a request
+admitted and stored as the web side stores it, and Redis's own MONITOR."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+from budgets.admission.buckets import admit
+from gateway.core import keys
+from gateway.core.metrics import arrival_commands
+from gateway.core.records import RequestRecord
+
+HELLO = [{"role": "user", "content": "Are you still there?"}]
+
+
+def admitted(redis_client, caller, request_id: str, *, queue_s: float = 10.0, retry_s: float = 70.0,
+             output_tokens: int = 7) -> RequestRecord:
+    """A request admitted (12 + 30 tokens estimated) and stored as the web
+    side stores it, on the interactive lane."""
+    pool = caller.pool
+    admission = admit(pool_id=pool.id, workload_id=caller.workload.id, request_id=request_id, input_tokens=12,
+                      output_tokens=30, lease_ttl_ms=120_000)
+    record = RequestRecord(
+        request_id=request_id, tenant_id=caller.tenant.id, workload_id=caller.workload.id, pool_id=pool.id,
+        pool_base_url=pool.base_url, pool_api_key_env="", model="sim-small", lane="interactive", borrowed=False,
+        estimated_input_tokens=12, estimated_output_tokens=30, admitted_ms=admission.admitted_ms,
+        deadline_ms=admission.admitted_ms + queue_s * 1000, retry_deadline_ms=admission.admitted_ms + retry_s * 1000,
+        payload={"model": "sim-small", "messages": HELLO, "max_tokens": 30, "sim": {"output_tokens": output_tokens}},
+    )
+    pipe = redis_client.pipeline(transaction=False)
+    pipe.hset(keys.request_record(request_id), mapping=record.to_redis())
+    arrival_commands(pipe, pool_id=pool.id, lane=record.lane, request_id=request_id,
+                     expires_ms=admission.admitted_ms + 120_000)
+    pipe.execute()
+    return record
+
+
+class RedisMonitor:
+    """Every command Redis runs while it is on, as redis-py's MONITOR reads
+    them: (client type, command), a script's own commands as ``lua``. Other
+    processes' commands show too."""
+
+    def __init__(self, redis_client) -> None:
+        self._client = redis_client
+        self._end = f"monitor-end-{uuid.uuid4().hex}"
+        self.commands: list[tuple[str, str]] = []
+        self._monitor = redis_client.monitor()
+        self._monitor.__enter__()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            command = self._monitor.next_command()
+            if self._end in command["command"]:
+                return
+            self.commands.append((command["client_type"], command["command"]))
+
+    def stop(self) -> list[tuple[str, str]]:
+        self._client.echo(self._end)
+        self._thread.join(10)
+        self._monitor.__exit__()
+        return self.commands
