@@ -39,7 +39,7 @@ local at = tonumber(admitted[7])
 local function ms(x) return string.format('%.17g', x) end
 local deadline, retry_deadline = ms(at + tonumber(ARGV[4])), ms(at + tonumber(ARGV[5]))
 local fields = {'borrowed', '0', 'held', '0', 'admitted_ms', admitted[7], 'deadline_ms', deadline,
-          'retry_deadline_ms', retry_deadline}
+                'retry_deadline_ms', retry_deadline}
 for i = 10, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

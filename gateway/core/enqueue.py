@@ -25,7 +25,7 @@ from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
 from gateway.core.held import held_commands
 from gateway.core.lanes import lane_for, queue_for_lane
-from gateway.core.metrics import arrival_commands, slot
+from gateway.core.metrics import arrival_commands, arrival_keys
 from gateway.core.observability import admission_observe
 from gateway.core.records import RequestRecord, ttl_ms
 from gateway.core.settlement import request_refund, request_refund_async
@@ -144,6 +144,7 @@ class EnqueueAlong:
         queue = queue_for_lane(record.lane)
         static = [item for name, value in record.to_redis().items() if name not in _ADMISSION_FIELDS
                   for item in (name, value)]
+        metrics, field, in_flight = arrival_keys(pool_id=record.pool_id, lane=record.lane)
 
         def parse(raw) -> RequestRecord | None:
             if int(raw[0]) != 1:
@@ -154,10 +155,9 @@ class EnqueueAlong:
 
         return ScriptCall(
             script=ENQUEUE,
-            keys=[keys.request_record(record.request_id), keys.pool_metrics(record.pool_id, record.lane),
-                  keys.lane_in_flight(record.pool_id, record.lane), queue],
+            keys=[keys.request_record(record.request_id), metrics, in_flight, queue],
             args=[admit_step, hold_step, max(ttl_ms(), self.lease_ms), record.deadline_ms, record.retry_deadline_ms,
-                  self.lease_ms, f"a:{slot()}", record.request_id,
+                  self.lease_ms, field, record.request_id,
                   task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
                                args=[record.request_id], kwargs=call_hint(record)),
                   *static],

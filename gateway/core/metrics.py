@@ -31,10 +31,19 @@ def slot(now_s: float | None = None) -> int:
     return int((now_s if now_s is not None else time.time()) // SLOT_S) * SLOT_S
 
 
+def arrival_keys(*, pool_id: int, lane: str) -> tuple[str, str, str]:
+    """Where an arrival is counted: the lane's metrics hash and this slot's
+    field in it (HINCRBY 1), and the lane's in-flight set (ZADD the request,
+    scored by when it expires). ``arrival_commands`` and the admission's
+    own enqueue (gateway/core/enqueue.lua) write them."""
+    return keys.pool_metrics(pool_id, lane), f"a:{slot()}", keys.lane_in_flight(pool_id, lane)
+
+
 def arrival_commands(pipe, *, pool_id: int, lane: str, request_id: str, expires_ms: float) -> None:
     """Queue the arrival's writes on an existing pipeline (no extra round trip)."""
-    pipe.hincrby(keys.pool_metrics(pool_id, lane), f"a:{slot()}", 1)
-    pipe.zadd(keys.lane_in_flight(pool_id, lane), {request_id: expires_ms})
+    metrics, field, in_flight = arrival_keys(pool_id=pool_id, lane=lane)
+    pipe.hincrby(metrics, field, 1)
+    pipe.zadd(in_flight, {request_id: expires_ms})
 
 
 def departure_call(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,

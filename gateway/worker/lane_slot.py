@@ -85,7 +85,11 @@ def call_gate_calls(*, pool_id: int, tokens: int, lane: str, borrowed: bool,
     """The gate and the take of one pool call, to run in one round trip
     with guards ("", "go"): the room is taken only if the gate says go."""
     return [circuit_gate_call(pool_id=pool_id, holder=holder),
-            provider_take_call(pool_id=pool_id, tokens=tokens, sheddable=borrowed or lane in SHEDDABLE_LANES)]
+            _take_call(pool_id=pool_id, tokens=tokens, lane=lane, borrowed=borrowed)]
+
+
+def _take_call(*, pool_id: int, tokens: int, lane: str, borrowed: bool) -> ScriptCall[ProviderTake]:
+    return provider_take_call(pool_id=pool_id, tokens=tokens, sheddable=borrowed or lane in SHEDDABLE_LANES)
 
 
 @contextmanager
@@ -161,8 +165,8 @@ def _pool_failed(outcome: Outcome) -> bool:
 
 
 def _provider_take(record: RequestRecord) -> ScriptCall[ProviderTake]:
-    return call_gate_calls(pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
-                           lane=record.lane, borrowed=record.borrowed, holder=record.request_id)[1]
+    return _take_call(pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
+                      lane=record.lane, borrowed=record.borrowed)
 
 
 def provider_room_wait(record: RequestRecord, *, first: ProviderTake | None = None) -> SentMark | None:

@@ -67,6 +67,16 @@ def _admit(ctx, request_id: str, *, along: bool = True):
     return admission, step
 
 
+def _admit_watched(redis_client, ctx, request_id: str):
+    """``_admit`` with Redis's MONITOR on: (admission, step, commands)."""
+    monitor = RedisMonitor(redis_client)
+    try:
+        admission, step = _admit(ctx, request_id)
+    finally:
+        commands = monitor.stop()
+    return admission, step, commands
+
+
 @pytest.fixture
 def price(transactional_db):
     return ModelPrice.objects.create(model=MODEL, input_per_million=Decimal("2.00"), output_per_million=Decimal("8.00"),
@@ -92,11 +102,7 @@ def test_an_admitted_request_is_recorded_and_queued_in_its_admissions_round_trip
     _, first = _admit(ctx, f"req_{uuid.uuid4().hex}")
     assert (first.written is None) == priced
     request_id = f"req_{uuid.uuid4().hex}"
-    monitor = RedisMonitor(redis_client)
-    try:
-        admission, step = _admit(ctx, request_id)
-    finally:
-        commands = monitor.stop()
+    admission, step, commands = _admit_watched(redis_client, ctx, request_id)
     stored = redis_client.hgetall(keys.request_record(request_id))
     written = step.written
     assert written is not None and not admission.borrowed and not admission.held
@@ -200,11 +206,7 @@ def test_the_lane_message_is_the_one_the_separate_enqueue_pushes(make_caller, re
     caller = make_caller()
     ctx = context_for_workload(caller.workload)
     request_id = f"req_{uuid.uuid4().hex}"
-    monitor = RedisMonitor(redis_client)
-    try:
-        _, step = _admit(ctx, request_id)
-    finally:
-        commands = monitor.stop()
+    _, step, commands = _admit_watched(redis_client, ctx, request_id)
     pushed = next(c for kind, c in commands if kind == "lua" and c.startswith("LPUSH "))
     message = json.loads(pushed.split(" ", 2)[2])
     assert message["headers"]["id"] == request_id and message["headers"]["task"] == "gateway.execute_request"
