@@ -228,6 +228,36 @@ class LuaScript:
         return f"LuaScript({self.name})"
 
 
+class Sent(Generic[T]):
+    """A round trip sent, its answer read later: once, by whichever thread
+    asks first (``result``; the others get the same answer or exception).
+    Lets a round trip overlap other work, another round trip included; the
+    sender makes sure someone reads it (the connection goes back to its pool
+    only then)."""
+
+    def __init__(self, read: Callable[[], T]) -> None:
+        self._read: Callable[[], T] | None = read
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def result(self) -> T:
+        with self._lock:
+            if self._read is not None:
+                read, self._read = self._read, None
+                try:
+                    self._value = read()
+                except BaseException as exc:  # noqa: BLE001 - kept for every reader
+                    self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    @property
+    def read(self) -> bool:
+        return self._read is None
+
+
 @dataclass(frozen=True)
 class ScriptCall(Generic[T]):
     """One call of a script: its KEYS and ARGV, built once, and how to turn
@@ -249,6 +279,40 @@ class ScriptCall(Generic[T]):
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
+
+    def send(self, client: SyncRedis | None = None) -> Sent[T] | None:
+        """Send the call now and read its answer later (``Sent``), so that
+        other work overlaps its round trip: the answer is what ``run``
+        returns or raises. None where the client is not a plain single
+        Redis: the caller runs the call instead."""
+        client = client or get_redis()
+        if not (type(client) is redis.Redis and client.connection is None):
+            return None
+        packed = _evalsha_packed(self.script, self.keys, self.args)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(packed)
+        except REDIS_UNAVAILABLE as exc:
+            pool.release(conn)  # redis-py's send dropped the connection
+            raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
+
+        def read() -> T:
+            try:
+                try:
+                    raw = conn.read_response()
+                except redis.exceptions.NoScriptError:
+                    conn.send_command("SCRIPT", "LOAD", self.script.source)
+                    conn.read_response()
+                    conn.send_packed_command(packed)
+                    raw = conn.read_response()
+            except REDIS_UNAVAILABLE as exc:
+                conn.disconnect()
+                raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
+            finally:
+                pool.release(conn)
+            return self.parse(raw)
+        return Sent(read)
 
     async def run_async(self, client: AsyncRedis | None = None) -> T:
         client = client or get_async_redis()
@@ -443,6 +507,33 @@ class Commands:
         finally:
             pool.release(conn)
 
+    def send(self, client: SyncRedis | None = None) -> Sent[list[Any]] | None:
+        """Send the commands now, their replies read later (``Sent``: what
+        ``run`` returns or raises); None where ``run`` would not send them
+        as one buffer (no commands, or not a plain single Redis)."""
+        client = client or get_redis()
+        if not self.commands or not (type(client) is redis.Redis and client.connection is None):
+            return None
+        packed = self._packed()
+        count = len(self.commands) + (2 if self.transaction else 0)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(packed)
+        except BaseException:
+            pool.release(conn)  # redis-py's send dropped the connection
+            raise
+
+        def read() -> list[Any]:
+            try:
+                return self._replies([_reply(conn.read_response) for _ in range(count)])
+            except REDIS_UNAVAILABLE:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+        return Sent(read)
+
     async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
         client = client or get_async_redis()
         if not self.commands:
@@ -606,6 +697,22 @@ class Together:
         if isinstance(client, redis.cluster.RedisCluster):
             return _one_by_one(self.calls, self.guards, lambda call: call.run(client))
         return script_calls_run(list(self.calls), client, guards=self.guards)
+
+    def send(self, client: SyncRedis | None = None) -> Sent[list[Any]] | None:
+        """``ScriptCall.send`` for the calls together, as ``run`` would run
+        them on a single Redis (one composed script); None on a cluster."""
+        client = client or get_redis()
+        if isinstance(client, redis.cluster.RedisCluster) or not self.calls:
+            return None
+        if len(self.calls) == 1:
+            call = self.calls[0]
+            sent = ScriptCall(script=call.script, keys=call.keys, args=call.args,
+                              parse=lambda raw: [call.parse(raw)]).send(client)
+        else:
+            composed = _composed_call(self.calls, self.guards)
+            sent = ScriptCall(script=composed.script, keys=composed.keys, args=composed.args,
+                              parse=lambda raw: _parsed(self.calls, raw, self.guards)).send(client)
+        return sent
 
     async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
         client = client or get_async_redis()

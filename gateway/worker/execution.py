@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import re
+import threading
 import time
 from dataclasses import replace
 
@@ -25,7 +26,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
 from budgets.admission.provider_limits import SentMark
-from budgets.admission.redis_client import LuaScript, ScriptCall, Together, get_redis, redis_now_ms, script_calls_run
+from budgets.admission.redis_client import (LuaScript, ScriptCall, Sent, Together, get_redis, redis_now_ms,
+                                             script_calls_run)
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
@@ -34,6 +36,7 @@ from gateway.core.concurrency import lane_limited
 from gateway.core.enqueue import CallHint
 from gateway.core.errors import error_body
 from gateway.core.finish import finish_steps, request_finish
+from gateway.core.held import mark_parse
 from gateway.core.log_context import log_annotate
 from gateway.core.observability import lease_expiry_report, upstream_answer_observe
 from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDELIVERED, REQUEUE, RUNNING, WORKER,
@@ -329,6 +332,111 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     return _answer_stored(client, record, outcome), False
 
 
+def _first_trip(request_id: str, *, generation: int, taken: SentMark | None,
+                call: CallHint | None) -> Together | None:
+    """A delivery's first round trip: the record read and claimed (the claim
+    skipped when there is no record) and, for a first delivery whose lane
+    message carries its call's hint, the call's gate and take, only if this
+    delivery owns it then. One it then does not make (an answer stored by an
+    earlier delivery of the same message) leaves a half-open trial to its
+    lease and a take to its window. None: the record is read alone (a
+    stopping worker, or a request this process runs already)."""
+    if shutdown_requested() or request_id in HEARTBEATS.running():
+        return None
+    calls = record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder)
+    if call is not None and generation == 0 and taken is None and not lane_limited(call.lane):
+        gate = call_gate_calls(pool_id=call.pool_id, tokens=call.tokens, lane=call.lane,
+                               borrowed=call.borrowed, holder=request_id)
+        return Together((*calls, *gate), guards=(*RECORD_CLAIM_GUARDS, WORKER, "go"))
+    return Together(tuple(calls), guards=RECORD_CLAIM_GUARDS)
+
+
+def _first_trip_run(trip: Together, client) -> list:
+    if len(trip.calls) > 2:
+        return trip.run(client)
+    # The record and its claim share the request's hash tag: one script on a cluster too.
+    return script_calls_run(list(trip.calls), client, guards=trip.guards)
+
+
+class _EarlyTrips:
+    """First round trips sent by the lane worker's consumer as their message
+    arrived (``delivery_trip_send``), for the task that runs it to take:
+    keyed by (request id, generation), oldest first, a few hundred at most
+    (a message whose task never ran here leaves its claim to its lease).
+    The consumer reads each answer once the task is handed over, unless the
+    task has read it first (``Sent``)."""
+
+    LIMIT = 512
+
+    def __init__(self) -> None:
+        self._trips: dict[tuple[str, int], list[Sent]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, key: tuple[str, int], sent: Sent) -> None:
+        with self._lock:
+            self._trips.setdefault(key, []).append(sent)
+            while len(self._trips) > self.LIMIT:
+                del self._trips[next(iter(self._trips))]
+
+    def take(self, key: tuple[str, int]) -> Sent | None:
+        with self._lock:
+            waiting = self._trips.get(key)
+            if not waiting:
+                return None
+            sent = waiting.pop(0)
+            if not waiting:
+                del self._trips[key]
+            return sent
+
+
+EARLY_TRIPS = _EarlyTrips()
+
+
+def delivery_trip_send(*, args: list, kwargs: dict) -> Sent | None:
+    """The lane worker's consumer, as an ``execute_request`` message arrives
+    (llm_platform/broker.py): send the delivery's first round trip now, so
+    that it overlaps the broker's own bookkeeping write and Celery's hand-over
+    of the message to the task, instead of following them; the task takes it
+    (``request_execute``). None when nothing was sent (the task then asks
+    itself). The consumer's prefetch is one message per thread, so the task
+    starts at once, well within its claim's heartbeat (seconds)."""
+    try:
+        request_id = str(kwargs.get("request_id") or args[0])
+        generation = int(kwargs.get("generation", args[1] if len(args) > 1 else 0))
+        taken = mark_parse(str(kwargs.get("taken", args[2] if len(args) > 2 else "")))
+        hint = str(kwargs.get("call", args[3] if len(args) > 3 else ""))
+    except (IndexError, TypeError, ValueError):
+        return None  # a malformed message: the task says so
+    trip = _first_trip(request_id, generation=generation, taken=taken,
+                       call=CallHint.parse(hint) if hint else None)
+    if trip is None:
+        return None
+    try:
+        sent = trip.send(get_redis())
+    except REDIS_AWAY:
+        return None  # the task waits for Redis
+    if sent is not None:
+        EARLY_TRIPS.keep((request_id, generation), sent)
+    return sent
+
+
+def _early_results(request_id: str, generation: int) -> list | None:
+    """The first round trip's answer, when the consumer sent it; None when it
+    did not, or it failed (the task asks again: a claim this process made
+    already answers 'redelivered')."""
+    sent = EARLY_TRIPS.take((request_id, generation))
+    if sent is None:
+        return None
+    try:
+        results = sent.result()
+    except Exception:  # noqa: BLE001 - Redis away, a script error: asked again, where its error shows
+        logger.debug("request %s: its early claim failed; the task claims", request_id, exc_info=True)
+        return None
+    if request_id in HEARTBEATS.running():
+        return None  # a duplicate delivery while this very process runs it: _request_run drops it
+    return results
+
+
 def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None,
                     taken: SentMark | None = None, call: CallHint | None = None) -> str:
     """Run one delivery of an admitted request (``generation`` 0 is the first;
@@ -343,27 +451,19 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     ``taken``: the provider room taken for it when it was released from the
     held set (gateway/core/held.py). ``call``: the lane message's hint
     (gateway/core/enqueue.py ``CallHint``): the first delivery asks its
-    pool call's gate and take with its claim."""
+    pool call's gate and take with its claim. The first round trip may have
+    been sent by the consumer as the message arrived (``EARLY_TRIPS``)."""
     answered = {} if answered is None else answered
     client = get_redis()
     claim = asked = None
-    if not shutdown_requested() and request_id not in HEARTBEATS.running():
-        # The usual delivery: the record read and claimed in one round trip
-        # (the claim skipped when there is no record).
-        calls = record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder)
-        if call is not None and generation == 0 and taken is None and not lane_limited(call.lane):
-            # And the call's gate and take, only if this delivery owns it
-            # now. One it then does not make (an answer stored by an earlier
-            # delivery of the same message) leaves a half-open trial to its
-            # lease and a take to its window.
-            gate = call_gate_calls(pool_id=call.pool_id, tokens=call.tokens, lane=call.lane,
-                                   borrowed=call.borrowed, holder=request_id)
-            data, claim, verdict, take = Together((*calls, *gate), guards=(*RECORD_CLAIM_GUARDS, WORKER, "go")).run(
-                client)
-            if verdict is not None:
-                asked = GateAsked(verdict=verdict, take=take)
-        else:
-            data, claim = script_calls_run(calls, client, guards=RECORD_CLAIM_GUARDS)
+    results = _early_results(request_id, generation)
+    if results is None:
+        trip = _first_trip(request_id, generation=generation, taken=taken, call=call)
+        results = _first_trip_run(trip, client) if trip is not None else None
+    if results is not None:
+        data, claim = results[0], results[1]
+        if len(results) > 2 and results[2] is not None:
+            asked = GateAsked(verdict=results[2], take=results[3])
     else:
         data = client.hgetall(keys.request_record(request_id))
     if not data:
