@@ -62,3 +62,16 @@ class RedisMonitor:
         self._thread.join(10)
         self._monitor.__exit__()
         return self.commands
+
+
+def executed_watched(redis_client, record: RequestRecord, call) -> tuple[str, list[tuple[str, str]]]:
+    """One delivery of ``record`` run in this process (``call``: its lane
+    message's hint), and every command Redis ran meanwhile."""
+    from gateway.worker.execution import request_execute
+
+    monitor = RedisMonitor(redis_client)
+    try:
+        outcome = request_execute(request_id=record.request_id, call=call)
+    finally:
+        commands = monitor.stop()
+    return outcome, commands

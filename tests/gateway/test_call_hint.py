@@ -15,7 +15,7 @@ from gateway.core import keys
 from gateway.core.enqueue import CallHint, call_hint
 from gateway.core.records import RequestRecord
 from gateway.worker.execution import request_execute
-from tests.gateway.stored import RedisMonitor, admitted
+from tests.gateway.stored import admitted, executed_watched
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,11 +39,7 @@ def test_the_hint_says_what_the_record_says_and_a_bad_one_is_none():
 
 def test_a_first_delivery_asks_its_gate_and_take_with_its_claim(platform, caller, redis_client):
     record = admitted(redis_client, caller, "req_hinted")
-    monitor = RedisMonitor(redis_client)
-    try:
-        outcome = request_execute(request_id=record.request_id, call=CallHint.of(record))
-    finally:
-        commands = monitor.stop()
+    outcome, commands = executed_watched(redis_client, record, CallHint.of(record))
     assert outcome == "ok"
     gated = _scripts_naming(commands, keys.pool_circuit(record.pool_id))
     # the first script that names the pool's circuit is the claim's: one round trip
@@ -53,11 +49,7 @@ def test_a_first_delivery_asks_its_gate_and_take_with_its_claim(platform, caller
 
 def test_without_a_hint_the_gate_is_its_own_round_trip(platform, caller, redis_client):
     record = admitted(redis_client, caller, "req_unhinted")
-    monitor = RedisMonitor(redis_client)
-    try:
-        outcome = request_execute(request_id=record.request_id)
-    finally:
-        commands = monitor.stop()
+    outcome, commands = executed_watched(redis_client, record, None)
     assert outcome == "ok"
     gated = _scripts_naming(commands, keys.pool_circuit(record.pool_id))
     assert gated and keys.request_owner(record.request_id) not in gated[0]
@@ -83,11 +75,7 @@ def test_a_delivery_that_does_not_own_the_request_asks_no_gate(platform, caller,
 def test_a_hint_that_is_not_the_record_is_asked_again(platform, caller, redis_client, caplog):
     record = admitted(redis_client, caller, "req_misled")
     wrong = CallHint(pool_id=record.pool_id, tokens=1, lane=record.lane, borrowed=False)
-    monitor = RedisMonitor(redis_client)
-    try:
-        outcome = request_execute(request_id=record.request_id, call=wrong)
-    finally:
-        commands = monitor.stop()
+    outcome, commands = executed_watched(redis_client, record, wrong)
     assert outcome == "ok"
     assert "is not its record's" in caplog.text
     # asked with the claim (on the hint), then again on the record's own figures

@@ -15,7 +15,7 @@ from gateway.core.enqueue import CallHint, call_hint
 from gateway.worker.execution import EARLY_TRIPS, delivery_trip_send, request_execute
 from gateway.worker.heartbeat import HEARTBEATS
 from tests.gateway.sdk_calls import sdk
-from tests.gateway.stored import HELLO, RedisMonitor, admitted
+from tests.gateway.stored import HELLO, RedisMonitor, admitted, executed_watched
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,11 +56,7 @@ def test_a_trip_that_failed_is_asked_again_by_the_task(platform, caller, redis_c
     def away():
         raise BudgetUnavailable("Redis went away mid-read")
     EARLY_TRIPS.keep((record.request_id, 0), Sent(away))
-    monitor = RedisMonitor(redis_client)
-    try:
-        outcome = request_execute(request_id=record.request_id, call=CallHint.of(record))
-    finally:
-        commands = monitor.stop()
+    outcome, commands = executed_watched(redis_client, record, CallHint.of(record))
     assert outcome == "ok"
     assert len(_claims(commands, record.request_id)) == 1  # its own
 
