@@ -126,8 +126,9 @@ class QoS(kombu_redis.QoS):
         for delivery_tag, entry, arrived in sent:
             try:
                 if entry is not None:
-                    entry.result()
-                    self._entries.pop(delivery_tag, None)
+                    # Read here unless an ack during the hand-over read it
+                    # (then its error, if any, went to that ack).
+                    self._entry_written(delivery_tag)
             except BaseException as exc:  # noqa: BLE001 - raised once every reply is read
                 failed = failed or exc
             if arrived is not None:
@@ -183,6 +184,9 @@ def _arrival_send(message):
     if send is None or headers.get("eta") or headers.get("countdown") or headers.get("retries"):
         return None
     try:
+        # Its own parse of the JSON body, not kombu's ``message.decode()``:
+        # that would cache the payload for Celery before Celery's consumer
+        # sets the accepted content types, so Celery's check would not run.
         args, kwargs, _embed = json.loads(message.body)
         return send(args=list(args), kwargs=dict(kwargs))
     except Exception:  # noqa: BLE001 - a message Celery will judge itself; nothing early
