@@ -39,23 +39,42 @@ def admitted(redis_client, caller, request_id: str, *, queue_s: float = 10.0, re
 class RedisMonitor:
     """Every command Redis runs while it is on, as redis-py's MONITOR reads
     them: (client type, command), a script's own commands as ``lua``. Other
-    processes' commands show too."""
+    processes' commands show too.
+
+    An EVALSHA that a Redis without the script answered NOSCRIPT ran
+    nothing: its sender loads the script on the same connection and sends
+    it again (budgets/admission/redis_client.py), so an EVALSHA followed on
+    its connection by SCRIPT LOAD is left out (MONITOR shows no replies).
+    Otherwise a test's first script call on a fresh Redis would count twice."""
 
     def __init__(self, redis_client) -> None:
         self._client = redis_client
         self._end = f"monitor-end-{uuid.uuid4().hex}"
-        self.commands: list[tuple[str, str]] = []
+        self._seen: list[tuple[str, str] | None] = []
         self._monitor = redis_client.monitor()
         self._monitor.__enter__()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
+        last_on: dict[tuple, int] = {}  # connection -> index of its last command
         while True:
             command = self._monitor.next_command()
-            if self._end in command["command"]:
+            text = command["command"]
+            if self._end in text:
                 return
-            self.commands.append((command["client_type"], command["command"]))
+            conn = (command.get("client_address"), command.get("client_port"))
+            if command["client_type"] != "lua":
+                last = last_on.get(conn)
+                if (text.upper().startswith("SCRIPT LOAD") and last is not None
+                        and self._seen[last] is not None and self._seen[last][1].upper().startswith("EVALSHA")):
+                    self._seen[last] = None  # answered NOSCRIPT: it ran nothing
+                last_on[conn] = len(self._seen)
+            self._seen.append((command["client_type"], text))
+
+    @property
+    def commands(self) -> list[tuple[str, str]]:
+        return [c for c in self._seen if c is not None]
 
     def stop(self) -> list[tuple[str, str]]:
         self._client.echo(self._end)
