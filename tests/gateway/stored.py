@@ -57,19 +57,19 @@ class RedisMonitor:
         self._thread.start()
 
     def _read(self) -> None:
-        last_on: dict[tuple, int] = {}  # connection -> index of its last command
+        evalsha_last: dict[tuple, int] = {}  # connection -> index of its EVALSHA, when that was its last command
         while True:
             command = self._monitor.next_command()
             text = command["command"]
             if self._end in text:
                 return
-            conn = (command.get("client_address"), command.get("client_port"))
             if command["client_type"] != "lua":
-                last = last_on.get(conn)
-                if (text.upper().startswith("SCRIPT LOAD") and last is not None
-                        and self._seen[last] is not None and self._seen[last][1].upper().startswith("EVALSHA")):
+                conn = (command.get("client_address"), command.get("client_port"))
+                last = evalsha_last.pop(conn, None)
+                if last is not None and text.upper().startswith("SCRIPT LOAD"):
                     self._seen[last] = None  # answered NOSCRIPT: it ran nothing
-                last_on[conn] = len(self._seen)
+                if text.upper().startswith("EVALSHA"):
+                    evalsha_last[conn] = len(self._seen)
             self._seen.append((command["client_type"], text))
 
     @property
