@@ -17,7 +17,8 @@ token no longer carries the SDK's request building either.
 To a plain ``http://`` pool that no proxy setting covers (a vLLM server
 beside the gateway, the simulator), the non-streamed POST goes out on the
 standard library's ``http.client`` over kept-alive connections instead of
-httpx: about a quarter of httpx's CPU per call (bench/PROFILE.md, round 4),
+httpx (its answer's header fields read by ``_PlainResponse``, not the email
+package): about a quarter of httpx's CPU per call (bench/PROFILE.md, round 4),
 the same bytes on the wire, the same results and the same SDK exceptions
 (``tests/gateway/test_pool_client.py`` holds the two side by side).
 A stream to such a pool opens the same way (``PlainStream``: its lines read
@@ -173,6 +174,113 @@ class PoolAnswer:
         return self.content.decode("utf-8", errors="replace")
 
 
+class _Headers(Mapping[str, str]):
+    """An answer's header fields as the plain path reads them: names
+    case-insensitive, the first value of a repeated field for ``get``, every
+    field in order for ``items`` (http.client's message without the email
+    package's parser, which was about a twentieth of the lane worker's CPU per
+    call: bench/PROFILE.md round 13)."""
+
+    __slots__ = ("_fields", "_first")
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self._fields = fields
+        self._first: dict[str, str] = {}
+        for name, value in fields:
+            self._first.setdefault(name.lower(), value)
+
+    def __getitem__(self, name: str) -> str:
+        return self._first[name.lower()]
+
+    def get(self, name: str, default=None):
+        return self._first.get(name.lower(), default)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._first
+
+    def __iter__(self):
+        return iter(self._first)
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    def items(self):
+        return list(self._fields)
+
+    def get_all(self, name: str, failobj=None):
+        found = [value for field, value in self._fields if field.lower() == name.lower()]
+        return found or failobj
+
+
+def _header_fields(lines: list[bytes]) -> list[tuple[str, str]]:
+    """The fields of an answer's header lines (the empty line that ends them
+    included, as http.client reads them). A line that starts with a space or
+    a tab continues the field before it (obsolete folding, RFC 9112 section
+    5.2); a line without a colon is not a field and is skipped, as the email
+    package's parser leaves it out of the fields."""
+    fields: list[tuple[str, str]] = []
+    for raw in lines:
+        line = raw.decode("iso-8859-1").rstrip("\r\n")
+        if not line:
+            continue
+        if line[0] in " \t":
+            if fields:
+                name, value = fields[-1]
+                fields[-1] = (name, f"{value} {line.strip()}")
+            continue
+        name, colon, value = line.partition(":")
+        if colon and name and name == name.strip():
+            fields.append((name, value.strip()))
+    return fields
+
+
+class _PlainResponse(http.client.HTTPResponse):
+    """http.client's answer with the header fields read by ``_header_fields``
+    instead of the email package; everything else (status, chunking, length,
+    keep-alive) is http.client's own, from the same fields."""
+
+    def begin(self) -> None:
+        if self.headers is not None:
+            return
+        while True:
+            version, status, reason = self._read_status()
+            if status != http.client.CONTINUE:
+                break
+            http.client._read_headers(self.fp)
+        self.code = self.status = status
+        self.reason = reason.strip()
+        if version in ("HTTP/1.0", "HTTP/0.9"):
+            self.version = 10
+        elif version.startswith("HTTP/1."):
+            self.version = 11
+        else:
+            raise http.client.UnknownProtocol(version)
+        self.headers = self.msg = _Headers(_header_fields(http.client._read_headers(self.fp)))
+        transfer = self.headers.get("transfer-encoding")
+        self.chunked = bool(transfer) and transfer.lower() == "chunked"
+        self.chunk_left = None
+        self.will_close = self._check_close()
+        self.length = None
+        length = self.headers.get("content-length")
+        if length and not self.chunked:
+            try:
+                self.length = int(length)
+            except ValueError:
+                self.length = None
+            else:
+                if self.length < 0:
+                    self.length = None
+        if status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED) or 100 <= status < 200 \
+                or self._method == "HEAD":
+            self.length = 0
+        if not self.will_close and not self.chunked and self.length is None:
+            self.will_close = True
+
+
+class _PlainConnection(http.client.HTTPConnection):
+    response_class = _PlainResponse
+
+
 PLAIN_IDLE_MAX = 64  # kept-alive connections per pool host, as httpx's max_keepalive_connections
 
 
@@ -257,7 +365,7 @@ def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, a
     conn = connections.take()
     try:
         if conn is None:
-            conn = http.client.HTTPConnection(connections.host, connections.port, timeout=timeout.connect)
+            conn = _PlainConnection(connections.host, connections.port, timeout=timeout.connect)
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sock.settimeout(timeout.read)
