@@ -150,7 +150,14 @@ async def closed_loop(clients: int, duration_s: float, step: Callable[[int, int]
 
 
 class Sampler:
-    """Polls ``probe()`` every ``interval_s`` real seconds in the background."""
+    """Polls ``probe()`` every ``interval_s`` real seconds in the background.
+
+    ``stop`` sets a flag as well as cancelling the task: on Python 3.11,
+    ``asyncio.wait_for`` (the bench's HttpClient, redis-py's writes) returns
+    its result instead of raising when the cancel arrives just as its inner
+    call finishes, and a loop stopped by the cancel alone would then poll for
+    ever (seen once: a quick bench in CI waiting with every process idle).
+    The flag ends the loop at its next turn whatever the cancel did."""
 
     def __init__(self, probe: Callable[[], Awaitable[dict]], interval_s: float, t0: float) -> None:
         self.probe = probe
@@ -158,22 +165,25 @@ class Sampler:
         self.t0 = t0
         self.samples: list[dict] = []
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 sample = await self.probe()
                 sample["t"] = time.monotonic() - self.t0
                 self.samples.append(sample)
             except Exception as exc:  # a missed sample is not worth failing the run over
                 self.samples.append({"t": time.monotonic() - self.t0, "error": str(exc)[:200]})
-            await asyncio.sleep(self.interval_s)
+            if not self._stopping:
+                await asyncio.sleep(self.interval_s)
 
     def start(self) -> Sampler:
         self._task = asyncio.create_task(self._run())
         return self
 
     async def stop(self) -> list[dict]:
+        self._stopping = True
         if self._task:
             self._task.cancel()
             try:
