@@ -86,3 +86,75 @@ def test_a_client_that_leaves_cancels_its_view(monkeypatch):
     sent = asyncio.run(main())
     assert cancelled.is_set()
     assert sent == []  # nothing was answered to a client that is gone
+
+
+def _relay_like(loop, pending: list, inside: asyncio.Event, seen: list):
+    """A loop of awaits under asyncio.wait_for, as the stream relay's redis-py
+    commands are: it ends only on a CancelledError."""
+
+    async def run() -> None:
+        try:
+            while True:
+                inner = loop.create_future()
+                pending.append(inner)
+                inside.set()
+                seen.append(await asyncio.wait_for(inner, 30))
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    return run()
+
+
+def test_a_view_whose_cancel_python_lost_is_cancelled_again():
+    """Python 3.11's wait_for returns its result instead of raising when the
+    cancel reaches it in the same turn as its inner call finishes: the
+    handler cancels again until the view has ended."""
+    from llm_platform.asgi import cancel_until_done
+
+    async def main() -> tuple[bool, list]:
+        loop = asyncio.get_running_loop()
+        pending, inside, seen = [], asyncio.Event(), []
+        task = asyncio.ensure_future(_relay_like(loop, pending, inside, seen))
+        await inside.wait()
+        pending[-1].set_result("answer")  # the inner call ends in the same turn as the cancel
+        cancel_until_done(task, lambda: False, every_s=0.05)
+        done, _ = await asyncio.wait({task}, timeout=3)
+        if not done:
+            task.cancel()
+            for fut in pending:
+                if not fut.done():
+                    fut.set_result("late")
+            await asyncio.wait({task}, timeout=1)
+        return bool(done), seen
+
+    ended, seen = asyncio.run(main())
+    assert ended, "the view outlived its cancel"
+    # The first cancel was lost (the answer came back instead), the second one ended the loop.
+    assert seen[0] == "answer" and seen[-1] == "cancelled"
+
+
+def test_no_cancel_once_the_handler_has_finished():
+    from llm_platform.asgi import cancel_until_done
+
+    async def main() -> list[str]:
+        finished = {"v": False}
+        steps: list[str] = []
+
+        async def view() -> None:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                steps.append("cancelled")
+            finished["v"] = True
+            await asyncio.sleep(0.2)  # after the handler's end: nothing may cancel this
+            steps.append("after")
+
+        task = asyncio.ensure_future(view())
+        await asyncio.sleep(0)
+        cancel_until_done(task, lambda: finished["v"], every_s=0.02)
+        await asyncio.wait_for(task, 3)
+        return steps
+
+    assert asyncio.run(main()) == ["cancelled", "after"]
