@@ -14,6 +14,7 @@ the same reason as /healthz: a scrape needs no session."""
 
 import asyncio
 import atexit
+import functools
 import os
 
 from django.core.asgi import get_asgi_application
@@ -24,7 +25,7 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix  # noqa: E402  (after django.setup())
 from django.core.exceptions import RequestAborted  # noqa: E402
-from django.urls import set_script_prefix, set_urlconf  # noqa: E402
+from django.urls import get_resolver, set_script_prefix, set_urlconf  # noqa: E402
 
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
@@ -72,6 +73,20 @@ def cancel_until_done(task: asyncio.Task, finished, every_s: float = CANCEL_AGAI
         return
     task.cancel()
     asyncio.get_running_loop().call_later(every_s, cancel_until_done, task, finished, every_s)
+
+
+# Paths resolved lately, per resolver: the API has a handful of routes, and
+# a job's path (its id) is the only one that varies.
+RESOLVED_PATHS = 512
+
+
+@functools.lru_cache(maxsize=RESOLVED_PATHS)
+def _resolved(resolver, path_info: str):
+    """``resolver.resolve(path_info)``, kept: the same path resolves to the
+    same match while the URLconf is the same (a new one is a new resolver,
+    so a new key). A path that resolves to nothing raises each time and is
+    not kept, so unknown paths cannot fill the cache."""
+    return resolver.resolve(path_info)
 
 
 class ApiHandler(ASGIHandler):
@@ -165,6 +180,18 @@ class ApiHandler(ASGIHandler):
         response = await self._observed_chain(request)
         response._resource_closers.append(request.close)
         return response
+
+    def resolve_request(self, request):
+        """Django's, with the match kept per path (``_resolved``): the
+        resolver's walk of the patterns was about 3% of a refusal's CPU
+        (bench/PROFILE.md, round 15). The match is shared between requests
+        to one path; Django and the views only read it."""
+        urlconf = getattr(request, "urlconf", None)
+        if urlconf is not None:
+            set_urlconf(urlconf)
+        resolver_match = _resolved(get_resolver(urlconf), request.path_info)
+        request.resolver_match = resolver_match
+        return resolver_match
 
     def create_request(self, scope, body_file):
         request, error_response = super().create_request(scope, body_file)

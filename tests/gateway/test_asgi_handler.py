@@ -158,3 +158,75 @@ def test_no_cancel_once_the_handler_has_finished():
         return steps
 
     assert asyncio.run(main()) == ["cancelled", "after"]
+
+
+def test_a_path_is_resolved_once_and_its_match_kept(monkeypatch):
+    import uuid
+
+    from django.urls import resolvers
+
+    from llm_platform import asgi
+
+    walks: list[str] = []
+    original = resolvers.URLResolver.resolve
+
+    def counting_resolve(self, path):
+        if self.pattern.regex.pattern == "^/":  # the root's walk, not its includes'
+            walks.append(path)
+        return original(self, path)
+
+    monkeypatch.setattr(resolvers.URLResolver, "resolve", counting_resolve)
+    asgi._resolved.cache_clear()
+    job_a, job_b = uuid.uuid4(), uuid.uuid4()
+    paths = ["/v1/models", "/v1/models", f"/v1/jobs/{job_a}", f"/v1/jobs/{job_b}", f"/v1/jobs/{job_a}",
+             "/v1/models"]
+    seen = []
+
+    async def observed(request):
+        response = await handler._api_response(request)  # resolves the path and runs its view
+        seen.append((request.path, request.resolver_match.url_name, dict(request.resolver_match.kwargs)))
+        return response
+
+    handler = asgi.ApiHandler()
+    handler._observed_chain = observed
+
+    async def main() -> list[int]:
+        return [(await _call(handler, _scope(path)))[0]["status"] for path in paths]
+
+    statuses = asyncio.run(main())
+    assert statuses == [401] * len(paths)  # no key: each view ran and answered
+    assert walks == ["/v1/models", f"/v1/jobs/{job_a}", f"/v1/jobs/{job_b}"]  # one walk per path
+    assert seen == [
+        ("/v1/models", "models", {}), ("/v1/models", "models", {}),
+        (f"/v1/jobs/{job_a}", "job-detail", {"job_id": job_a}), (f"/v1/jobs/{job_b}", "job-detail", {"job_id": job_b}),
+        (f"/v1/jobs/{job_a}", "job-detail", {"job_id": job_a}), ("/v1/models", "models", {}),
+    ]
+
+
+def test_a_path_that_resolves_to_nothing_is_not_kept():
+    from llm_platform import asgi
+
+    asgi._resolved.cache_clear()
+
+    async def main() -> list[dict]:
+        return [await _call(asgi.application, _scope(f"/v1/nothing-{n}")) for n in range(50)]
+
+    answers = asyncio.run(main())
+    assert [sent[0]["status"] for sent in answers] == [404] * 50
+    assert asgi._resolved.cache_info().currsize == 0
+
+
+def test_header_reads_what_request_headers_gives():
+    from django.core.handlers.asgi import ASGIRequest
+
+    from gateway.web.views import _header
+
+    scope = {**_scope("/v1/chat/completions", [
+        (b"authorization", b"Bearer sk-abc"), (b"content-length", b"12"), (b"idempotency-key", b"k1"),
+        (b"x-session-id", b"s1"), (b"x-session-id", b"s2")]), "method": "POST"}
+    request = ASGIRequest(scope, None)
+    for meta_name, name in (("HTTP_AUTHORIZATION", "Authorization"), ("CONTENT_LENGTH", "Content-Length"),
+                            ("HTTP_IDEMPOTENCY_KEY", "Idempotency-Key"), ("HTTP_X_SESSION_ID", "X-Session-Id"),
+                            ("HTTP_X_MISSING", "X-Missing")):
+        assert _header(request, meta_name) == request.headers.get(name, ""), name
+    assert _header(request, "HTTP_X_SESSION_ID") == "s1,s2"
