@@ -106,7 +106,13 @@ def test_metrics_add_up_web_and_workers_with_exact_counts(platform, make_caller)
     throttled = chat(platform, caller.api_key, fail_status=429, fail_retry_after=0)
     refused = chat(platform, caller.api_key)
     bad_key = chat(platform, "sk-sluice-not-a-key-" + secrets.token_hex(8))
-    after = scrape(platform)
+    # a worker reports a settlement after the answer's ledger row and
+    # departure, a moment after the answer itself: scrape until all three are in
+    settled = "sluice_ledger_write_lag_seconds_count"
+    deadline = time.monotonic() + 10
+    while (value(after := scrape(platform), settled, lane="interactive") - value(before, settled, lane="interactive")
+           < 3 and time.monotonic() < deadline):
+        time.sleep(0.05)
 
     # then: the web's counts, the workers' counts and Redis's numbers are all in one scrape
     assert [r.status_code for r in ok] == [200, 200]
@@ -316,20 +322,21 @@ def test_a_client_that_hangs_up_still_leaves_an_access_line(platform, make_calle
 
 @pytest.mark.django_db(transaction=True)
 def test_a_streams_access_line_is_written_when_it_ends_with_its_whole_time(platform, make_caller):
-    # given: a stream of 40 tokens, read chunk by chunk
+    # given: a stream of 80 tokens, read chunk by chunk
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool)
-    body = {"model": "sim-small", "messages": HELLO, "max_tokens": 40, "stream": True, "sim": {"output_tokens": 40}}
-    sent = time.monotonic()
+    body = {"model": "sim-small", "messages": HELLO, "max_tokens": 80, "stream": True, "sim": {"output_tokens": 80}}
     first = None
-    with httpx.stream("POST", f"{platform.base_url}/v1/chat/completions", json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {caller.api_key}"}) as response:
-        assert response.status_code == 200
-        request_id = response.headers["x-request-id"]
-        for line in response.iter_lines():
-            if line.startswith("data:") and first is None:
-                first = time.monotonic()
-    ended = time.monotonic()
+    with httpx.Client(timeout=30) as client:  # built before the clock starts: its TLS context takes tens of ms
+        sent = time.monotonic()
+        with client.stream("POST", f"{platform.base_url}/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {caller.api_key}"}) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if line.startswith("data:") and first is None:
+                    first = time.monotonic()
+        ended = time.monotonic()
     assert ended - first > 0.15, "the stream was too short to tell its end from its start"
 
     # then: its line came when it ended, and its time is the whole stream's, not its first chunk's

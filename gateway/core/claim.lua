@@ -34,7 +34,9 @@
 --           the stored answer or call), 'expired' (refund, record),
 --           'lost' (settle as worker_lost), 'gaveup' | 'running' |
 --           'superseded' (drop the task)
---   watch/reap: 'published' (pop the result), 'queued' | 'running' (wait),
+--   watch/reap: 'published' (pop the result; the reaper: nothing to do,
+--           unless the worker was lost before its ledger row: 'finish'),
+--           'queued' | 'running' (wait),
 --           'gaveup' (watch only: refund, record), 'requeue' (enqueue
 --           delivery g), 'finish' (finish with the stored answer),
 --           'lost' (settle as worker_lost), 'expired'
@@ -111,7 +113,16 @@ if role == 'worker' then
 end
 
 -- watch, reap
-if redis.call('EXISTS', KEYS[4]) == 1 then return reply('published', g, 0) end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  -- A delivery publishes its own answer before it writes the ledger row
+  -- (gateway/worker/execution.py _answer_keep_settled). The caller has it;
+  -- the reaper finishes one whose worker was lost in between, on that
+  -- stored answer (every finishing step is idempotent: the row, once).
+  if role == 'watch' or state ~= 'worker' or alive(g) or not answered then
+    return reply('published', g, 0)
+  end
+  return start(g, 'finish')
+end
 if not owner then
   if role == 'watch' and now > queue_deadline then
     set('gaveup')

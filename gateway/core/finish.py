@@ -2,7 +2,13 @@
 process that took it over from a lost worker (the waiting web process, the
 reaper: gateway/core/takeover.py). Settle the buckets, write the ledger row,
 publish the outcome; each step is idempotent on the request id, so a replay
-(a redelivered task, a late worker, a second taker) changes nothing."""
+(a redelivered task, a late worker, a second taker) changes nothing.
+
+A delivery's own unstreamed answer is settled and published in the round
+trip that stores it (gateway/worker/execution.py ``_answer_keep_settled``),
+so its caller does not wait for the ledger row: the row follows, written by
+the same worker, or by whoever finishes the request if that worker is lost
+first (claim.lua's reaper does not stop at the published marker)."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from gateway.core.streams import stream_end
 
 def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
                  now_ms: float | None = None, together: bool = False,
-                 settled: bool = False) -> list[tuple[str, Callable[[], object]]]:
+                 settled: bool = False, published: bool = False) -> list[tuple[str, Callable[[], object]]]:
     """Settle the buckets and the spend, write the ledger row, publish the
     outcome, finish the job. Each step is idempotent on the request id, and
     built lazily so a failed request's settlement (request_fail in
@@ -31,7 +37,9 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     trip on a single Redis (``Together``); a failed request keeps them apart,
     so each runs even if the other fails. ``settled``: the buckets and the
     spend were settled on this outcome already, in the round trip that
-    stored it (gateway/worker/execution.py ``_answer_keep_settled``)."""
+    stored it (gateway/worker/execution.py ``_answer_keep_settled``).
+    ``published``: and published in that round trip too (a delivery's own
+    unstreamed answer): the departure goes alone."""
     total_ms = max(0, int((redis_now_ms() if now_ms is None else now_ms) - record.admitted_ms))
     written = {"s": 0.0}
 
@@ -65,7 +73,9 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
                                           output_tokens=outcome.output_tokens, pool_called=pool_called)),
     ]
     steps.append(("ledger", ledger))
-    if together:
+    if published:
+        steps.append(("departure", lambda: departed(departure_call_().run())))
+    elif together:
         steps.append(("departure+publish", departure_and_publish))
     else:
         steps += [("departure", lambda: departed(departure_call_().run())),
@@ -80,10 +90,11 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
 
 
 def request_finish(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
-                   now_ms: float | None = None, settled: bool = False) -> None:
+                   now_ms: float | None = None, settled: bool = False, published: bool = False) -> None:
     """Settle the buckets and the spend (unless ``settled``: done already on
-    this outcome), write the ledger row, publish the outcome. Each step is
-    idempotent on the request id, so a replay changes nothing."""
+    this outcome), write the ledger row, publish the outcome (unless
+    ``published``: done with the settlement). Each step is idempotent on the
+    request id, so a replay changes nothing."""
     for _, step in finish_steps(record=record, outcome=outcome, pool_called=pool_called, now_ms=now_ms,
-                                together=True, settled=settled):
+                                together=True, settled=settled, published=published):
         step()

@@ -20,6 +20,9 @@ from gateway.core.records import RequestRecord
 # after the pool's whenever the pool's step ran, whatever it answered: {1, ...}
 # settled now, {0} settled before (a replay finishing the spend's step).
 SPEND_AFTER_POOL_GUARD = "0,1"
+# A step composed after the whole settlement runs whenever its last step ran:
+# the pool's and the spend's both answer {0} or {1, ...}.
+SETTLED_GUARD = "0,1"
 
 
 def settlement_calls(record: RequestRecord, *, input_tokens: int, output_tokens: int,

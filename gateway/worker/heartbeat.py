@@ -42,7 +42,8 @@ class Heartbeats:
     @contextmanager
     def kept(self, *, request_id: str, generation: int) -> Iterator[None]:
         """Beat for the call while the block runs (it must finish the request:
-        once its outcome is published, nobody reads the heartbeat again)."""
+        once its row is written and it departs, nobody reads the heartbeat
+        again; between its publish and its row only the reaper does)."""
         with self._lock:
             self._running[request_id] = generation
             self._thread_ensure()

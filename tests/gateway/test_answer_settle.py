@@ -1,12 +1,15 @@
-"""A delivery's own pool answer is stored and settled in one round trip
-(gateway/worker/execution.py ``_answer_keep_settled``): the buckets' and the
-spend's settlement run only when this answer is the one stored, so a request
-another taker answered first is settled on that answer, never on both.
+"""A delivery's own pool answer is stored, settled and published in one round
+trip (gateway/worker/execution.py ``_answer_keep_settled``): the buckets' and
+the spend's settlement and the publish to the waiting caller run only when
+this answer is the one stored, so a request another taker answered first is
+settled and published on that answer, never on both. A stream's outcome is
+not published there: it goes with the stream's end marker.
 Marked ``redis_cluster``: on a cluster the same calls run one by one, with
 the same guards."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
@@ -47,19 +50,26 @@ def _used_tokens(redis_client, caller) -> int:
     return int(counters.get(f"{caller.workload.id}.used_tok", 0))
 
 
+def _published(redis_client, request_id: str) -> list[Outcome]:
+    return [Outcome.from_json(raw) for raw in redis_client.lrange(keys.request_result(request_id), 0, -1)]
+
+
 def test_this_answer_stored_is_settled_in_the_same_round_trip(make_caller, redis_client):
     # given an admitted request holding a lease and a spend hold
     caller, record = _admitted(make_caller, "ours")
     answer = Outcome(status="ok", body={"id": "ours"}, input_tokens=400, output_tokens=100, usage_source="pool")
     # when the worker stores its answer
-    outcome, settled = _answer_keep_settled(redis_client, record, answer, along=[])
+    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, along=[])
     # then it is the answer, settled on its tokens: lease gone, the hold at the
     # actual cost, usage counted
-    assert (outcome, settled) == (answer, True)
+    assert (outcome, settled, published) == (answer, True, True)
     assert Outcome.from_json(redis_client.get(keys.request_response("ours"))) == answer
     assert not redis_client.exists(budget_keys.lease(caller.pool.id, "ours"))
     assert _hold(redis_client, caller, "ours") == ("1600", "s")  # 400 x $2 + 100 x $8 per million
     assert _used_tokens(redis_client, caller) == 500
+    # and published to the waiting caller, once
+    assert _published(redis_client, "ours") == [answer]
+    assert redis_client.exists(keys.request_result_published("ours"))
     # and a second settlement (the finish's, were it run) finds nothing left
     assert request_settle(record=record, input_tokens=400, output_tokens=100, pool_called=True).settled is False
     assert _used_tokens(redis_client, caller) == 500
@@ -72,12 +82,30 @@ def test_an_answer_stored_first_by_another_is_returned_and_nothing_is_settled(ma
     redis_client.set(keys.request_response("theirs"), first.to_json(), px=60_000)
     late = Outcome(status="ok", body={"id": "late"}, input_tokens=10, output_tokens=10, usage_source="pool")
     # when this delivery's own answer comes
-    outcome, settled = _answer_keep_settled(redis_client, record, late, along=[])
-    # then the first answer is the one to finish on, and nothing was settled on the late one
-    assert (outcome, settled) == (first, False)
+    outcome, settled, published = _answer_keep_settled(redis_client, record, late, along=[])
+    # then the first answer is the one to finish on, and nothing was settled
+    # on the late one, nor published
+    assert (outcome, settled, published) == (first, False, False)
+    assert _published(redis_client, "theirs") == []
+    assert not redis_client.exists(keys.request_result_published("theirs"))
     assert redis_client.exists(budget_keys.lease(caller.pool.id, "theirs"))
     assert _hold(redis_client, caller, "theirs") == ("10000", "e")  # still the estimate
     assert _used_tokens(redis_client, caller) == 0
     # and the finish settles on the first answer's tokens
     assert request_settle(record=record, input_tokens=700, output_tokens=300, pool_called=True).settled is True
     assert _used_tokens(redis_client, caller) == 1_000
+
+
+def test_a_streams_answer_is_settled_but_left_to_its_end_marker_to_publish(make_caller, redis_client):
+    # given a streamed request
+    caller, record = _admitted(make_caller, "streamed")
+    record = replace(record, stream=True)
+    answer = Outcome(status="ok", body={"id": "streamed"}, input_tokens=400, output_tokens=100,
+                     usage_source="pool", streamed=True)
+    # when the worker stores the stream's answer
+    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, along=[])
+    # then it is settled, and not published: the finish publishes it before the
+    # stream's end marker, after the ledger row
+    assert (outcome, settled, published) == (answer, True, False)
+    assert _used_tokens(redis_client, caller) == 500
+    assert _published(redis_client, "streamed") == []

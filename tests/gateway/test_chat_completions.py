@@ -15,6 +15,7 @@ import llm_tokens
 from budgets.admission import keys
 from budgets.models import UsageRecord
 
+from tests.gateway.ledger import ledger_row, ledger_rows
 from tests.gateway.sdk_calls import counters, sdk
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -47,7 +48,8 @@ def test_max_tokens_above_the_cap_is_clamped_and_echoed(platform, make_caller):
     completion = raw.parse()
     assert raw.headers["x-sluice-max-tokens-applied"] == "50"
     assert completion.usage.completion_tokens <= 50
-    row = UsageRecord.objects.get()
+    row = ledger_row(raw.headers["x-request-id"])
+    assert UsageRecord.objects.count() == 1
     assert row.estimated_output_tokens == 50
 
 
@@ -189,7 +191,7 @@ def test_i5_and_ledger_match_the_usage_the_pool_reported(platform, caller, redis
     bucket_counters = counters(redis_client, caller.pool.id)
     assert bucket_counters[f"{wid}.debited_tok"] == pool_total
     assert bucket_counters[f"{wid}.used_tok"] == pool_total
-    rows = list(UsageRecord.objects.filter(workload=caller.workload))
+    rows = ledger_rows(len(lengths), workload=caller.workload)
     assert len(rows) == len(lengths)
     assert all(r.status == "ok" for r in rows)
     assert sum(r.actual_input_tokens + r.actual_output_tokens for r in rows) == pool_total

@@ -232,8 +232,8 @@ def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_wh
 
     import httpx
 
-    from budgets.models import UsageRecord
     from gateway.core.lanes import queue_for_lane
+    from tests.gateway.ledger import ledger_rows
 
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool, queue_timeout_s=30.0)
@@ -264,5 +264,5 @@ def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_wh
     assert statuses == [200] * 6
     assert platform.sim_stats()["requests_total"] == 6
     assert redis_client.zcard(keys.pool_held(pool.id)) == 0
-    rows = UsageRecord.objects.filter(workload=caller.workload)
+    rows = ledger_rows(6, workload=caller.workload)
     assert sorted((r.status, r.attempts) for r in rows) == [("ok", 1)] * 6

@@ -9,6 +9,8 @@ import pytest
 
 from budgets.models import UsageRecord
 
+from tests.gateway.ledger import ledger_rows
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "once, please"}], "max_tokens": 12}
@@ -31,7 +33,7 @@ def test_same_key_same_body_runs_once_and_replays(platform, make_caller):
     assert len({r.json()["id"] for r in responses}) == 1
     assert sum(r.headers.get("x-sluice-idempotent-replay") == "true" for r in responses) == 2
     assert platform.sim_stats()["requests_total"] == 1
-    assert UsageRecord.objects.filter(workload=caller.workload).count() == 1
+    assert len(ledger_rows(1, workload=caller.workload)) == 1
 
 
 def test_same_key_other_body_is_409(platform, make_caller):

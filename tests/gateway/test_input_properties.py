@@ -22,6 +22,8 @@ from budgets.admission import keys
 from budgets.models import UsageRecord
 from gateway.models import Job
 
+from tests.gateway.ledger import ledger_rows
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "0")) or None
@@ -176,11 +178,11 @@ def test_chat_completions_never_500_and_refusals_cost_nothing(platform, sim_call
         response = httpx.post(url, content=raw, headers=headers, timeout=60)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
         assert_well_formed(response, raw)
-        rows_after = UsageRecord.objects.filter(workload=caller.workload).count()
         if response.status_code == 200:
-            # settled (ledger row written) before the answer was published
-            assert rows_after == rows_before + 1
+            # its row, written just after the answer was published
+            assert len(ledger_rows(rows_before + 1, workload=caller.workload)) == rows_before + 1
         else:
+            rows_after = UsageRecord.objects.filter(workload=caller.workload).count()
             assert rows_after == rows_before, (raw[:300], response.text[:300])
             assert counters(redis_client, caller.pool.id, caller.workload.id) == spent_before, raw[:300]
 

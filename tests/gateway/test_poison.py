@@ -30,6 +30,8 @@ from gateway.core.lanes import HOUSEKEEPING
 from gateway.core.records import Outcome, RequestRecord
 from gateway.models import Job
 
+from tests.gateway.ledger import ledger_rows
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELLO = [{"role": "user", "content": "Still fine over here?"}]
@@ -195,5 +197,5 @@ def test_64_poison_requests_do_not_touch_another_tenants_traffic(platform, make_
     assert [r for r in mixed if r[1] == "pool_saturated"] == []
     # (a generous bound, not a speed claim: held slots would mean 429s, not a slower p99)
     assert p99(mixed) <= 3 * p99(solo) + 1.0, (p99(solo), p99(mixed))
-    assert UsageRecord.objects.filter(workload=victim.workload, status="ok").count() == 96
-    assert UsageRecord.objects.filter(workload=attacker.workload, status="worker_error").count() == 64
+    assert len(ledger_rows(96, workload=victim.workload, status="ok")) == 96
+    assert len(ledger_rows(64, workload=attacker.workload, status="worker_error")) == 64

@@ -29,6 +29,7 @@ from gateway.core import keys as gateway_keys
 from gateway.core.keys import WORKERS_READY
 from llm_platform import processes
 from tenants.models import Membership
+from tests.gateway.ledger import ledger_row
 from tests.people import PASSWORD, make_user
 from tests.platform_harness import Process, free_port, wait_http
 
@@ -171,7 +172,7 @@ def test_a_hung_redis_gets_fast_clear_503s_and_running_work_settles_after(platfo
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 7
         request_id = response.headers["x-request-id"]
-        row = UsageRecord.objects.get(request_id=request_id)
+        row = ledger_row(request_id)
         assert (row.status, row.actual_output_tokens) == ("ok", 7)
         assert store.zscore(keys.pool_leases(pool.id), request_id) is None
         assert not store.exists(keys.lease(pool.id, request_id))

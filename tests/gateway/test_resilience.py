@@ -15,6 +15,8 @@ from budgets.admission import keys
 from budgets.models import UsageRecord
 from gateway.models import Job
 
+from tests.gateway.ledger import ledger_rows
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELLO = [{"role": "user", "content": "Status check."}]
@@ -109,8 +111,8 @@ def test_a_five_call_chain_during_an_outage_cannot_amplify(platform, make_caller
     # then every call failed cleanly, and the pool saw at most 1.1 attempts per call
     assert statuses == [502] * 30
     assert 30 <= attempts <= 33
-    rows = UsageRecord.objects.filter(workload=caller.workload)
-    assert rows.count() == 30
+    rows = ledger_rows(30, workload=caller.workload)
+    assert len(rows) == 30
     assert sum(r.attempts for r in rows) == attempts
     assert all(r.status == "upstream_error" for r in rows)
 

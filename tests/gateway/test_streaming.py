@@ -21,23 +21,13 @@ from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from inference_sim.text import completion_text
 
+from tests.gateway.ledger import ledger_row
 from tests.gateway.sdk_calls import counters, sdk
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELLO = [{"role": "user", "content": "Stream a greeting to the gateway, please."}]
 PROMPT_TOKENS = llm_tokens.count_chat_tokens(HELLO)
-
-
-def ledger_row(request_id: str, timeout_s: float = 10.0) -> UsageRecord:
-    """The row is written when the stream ends; poll for it with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        row = UsageRecord.objects.filter(request_id=request_id).first()
-        if row is not None or time.monotonic() > deadline:
-            assert row is not None, f"no ledger row for {request_id}"
-            return row
-        time.sleep(0.05)
 
 
 def settled_counters(redis_client, caller, *, tokens: int, timeout_s: float = 10.0) -> dict[str, int]:
@@ -376,7 +366,7 @@ def test_a_worker_stopped_mid_stream_ends_it_within_its_grace_charged_what_was_p
 
 
 def test_a_non_streamed_answer_has_no_time_to_first_token_in_the_ledger(platform, caller):
-    sdk(platform, caller.api_key).chat.completions.create(
+    raw = sdk(platform, caller.api_key).chat.completions.with_raw_response.create(
         model="sim-small", messages=HELLO, max_tokens=40, extra_body={"sim": {"output_tokens": 3}})
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = ledger_row(raw.headers["x-request-id"])
     assert (row.status, row.usage_source, row.ttft_ms) == ("ok", "pool", None)

@@ -14,7 +14,8 @@ import pytest
 
 from budgets.admission import keys
 from budgets.admission.capacity import capacity_state
-from budgets.models import UsageRecord
+
+from tests.gateway.ledger import ledger_row
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -35,7 +36,7 @@ def assert_refusal_recorded(redis_client, caller, response: httpx.Response, *, s
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["code"] == code
-    row = UsageRecord.objects.get(request_id=response.headers["x-request-id"])
+    row = ledger_row(response.headers["x-request-id"])
     assert (row.status, row.error, row.attempts) == ("invalid_request", code, 1)
     assert (row.actual_input_tokens, row.actual_output_tokens) == (0, 0)
     wid = caller.workload.id
@@ -107,7 +108,7 @@ def test_only_malformed_request_statuses_are_relayed(platform, make_caller, redi
     finally:
         server.shutdown()
     assert response.status_code == relayed, response.text
-    row = UsageRecord.objects.get(request_id=response.headers["x-request-id"])
+    row = ledger_row(response.headers["x-request-id"])
     if relayed == status:
         assert_refusal_recorded(redis_client, caller, response, status=status, code="stubcode")
         assert response.json()["error"]["message"] == f"The inference pool refused the request: stub says {status} !"

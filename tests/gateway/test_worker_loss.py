@@ -23,7 +23,7 @@ from gateway.core.finish import request_finish
 from gateway.core.records import (FINISH, LOST, QUEUED, REAP, REQUEUE, RUNNING, SUPERSEDED, WATCH, WORKER, Outcome,
                                   RequestRecord, claim_call)
 from gateway.core.takeover import lost_requests_reap, request_take_over
-from gateway.worker.execution import request_execute
+from gateway.worker.execution import _answer_keep_settled, request_execute
 from gateway.worker.heartbeat import Heartbeats
 from tests.gateway.stored import HELLO, admitted
 
@@ -184,6 +184,41 @@ def test_the_reaper_takes_over_what_no_web_process_watches(platform, make_caller
     assert platform.sim_stats()["requests_total"] == 1
     assert counters(redis_client, pool.id)[f"{caller.workload.id}.debited_tok"] == \
         row.actual_input_tokens + row.actual_output_tokens
+
+
+@pytest.mark.redis_cluster
+def test_a_worker_lost_between_its_answers_publish_and_its_ledger_row_is_finished_by_the_reaper(
+        make_caller, redis_client):
+    # given a worker that stored, settled and published its own answer in one
+    # round trip (the caller has it), and then died before its ledger row
+    caller = make_caller()
+    record = admitted(redis_client, caller, "req_published")
+    assert claim_call(WORKER, record, holder=DEAD_WORKER).run().verdict == WORKER
+    answer = Outcome(status="ok", body={"id": "chatcmpl-published"}, input_tokens=9, output_tokens=4, attempts=1)
+    assert _answer_keep_settled(redis_client, record, answer, along=[]) == (answer, True, True)
+    assert Outcome.from_json(redis_client.lindex(gateway_keys.request_result("req_published"), 0)) == answer
+    # while its heartbeat lives, it is writing its row: nobody acts
+    assert claim_call(REAP, record).run().changed is False
+    assert lost_requests_reap(pool_ids=[caller.pool.id]) == 0
+    redis_client.delete(gateway_keys.request_heartbeat(record.request_id))
+    # and the web side, which has its answer, does not act either
+    watch = claim_call(WATCH, record).run()
+    assert (watch.verdict, watch.changed) == ("published", False)
+    assert not UsageRecord.objects.filter(request_id="req_published").exists()
+    # when the reaper passes, twice
+    assert lost_requests_reap(pool_ids=[caller.pool.id]) == 1
+    assert lost_requests_reap(pool_ids=[caller.pool.id]) == 0
+    # then the row is written on the published answer, once; the buckets are
+    # charged once and the caller's answer is not published again
+    row = UsageRecord.objects.get(request_id="req_published")
+    assert (row.status, row.actual_input_tokens, row.actual_output_tokens) == ("ok", 9, 4)
+    assert counters(redis_client, caller.pool.id)[f"{caller.workload.id}.debited_tok"] == 13
+    assert redis_client.llen(gateway_keys.request_result("req_published")) == 1
+    assert redis_client.zcard(keys.pool_leases(caller.pool.id)) == 0
+    # and the dead worker's message, handed out again, finds it finished
+    assert request_execute(request_id="req_published", generation=0) == RUNNING
+    assert UsageRecord.objects.filter(request_id="req_published").count() == 1
+    assert counters(redis_client, caller.pool.id)[f"{caller.workload.id}.debited_tok"] == 13
 
 
 def test_a_running_call_keeps_its_heartbeat_until_it_ends(make_caller, redis_client, settings):
