@@ -33,6 +33,8 @@ from gateway.core.enqueue import record_build
 from gateway.core.records import ledger_entry
 from gateway.core.settlement import request_settle
 
+from tests.gateway.ledger import ledger_rows
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis_cluster]
 
 MODEL = "sim-large"
@@ -435,7 +437,7 @@ def test_gateway_refuses_over_the_tenant_cap_across_pools_with_the_429_shape(pla
     assert int(error.response.headers["retry-after-ms"]) == pytest.approx(month_end - time.time() * 1000, abs=10_000)
     assert int(error.response.headers["Retry-After"]) == -(-int(error.response.headers["retry-after-ms"]) // 1000)
     # and month-to-date is the two actual costs, exactly what the ledger holds
-    # (a worker settles and writes the ledger row before it answers)
+    # (a worker settles before it answers, and writes the ledger row just after)
     assert month_to_date(redis_client, first.tenant)[f"T{first.tenant.id}"] == 2 * actual
-    ledger = sorted(UsageRecord.objects.filter(tenant=first.tenant).values_list("pool_id", "cost"))
+    ledger = sorted((row.pool_id, row.cost) for row in ledger_rows(2, tenant=first.tenant))
     assert ledger == sorted([(pools[0].id, Decimal(actual) / 1_000_000), (pools[1].id, Decimal(actual) / 1_000_000)])
