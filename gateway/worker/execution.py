@@ -325,9 +325,10 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     whether it is settled already and whether published; when another
     answer was first, the finish settles and publishes that one.
 
-    The caller has its answer before the ledger row is written (0.4 ms p50
-    here, on every answer: bench/PROFILE.md round 16). A stream's outcome
-    still goes after the row, with its end marker (``finish_steps``)."""
+    The caller has its answer before the ledger row and the departure's
+    round trip (about 0.65 ms p50 off every answer on a fast machine here:
+    bench/PROFILE.md rounds 15 and 16). A stream's outcome still goes after
+    the row, with its end marker (``finish_steps``)."""
     settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
                               pool_called=True)
     publish = () if record.stream else (publish_call(record, outcome),)
