@@ -13,14 +13,23 @@ malformed is ignored: a header never fails a request), and
   call goes out, or waits for it (``provider_take.lua``), and
 * runs the pool's buckets at the provider's current limit over the
   configured one (``prov_factor``), so a provider that halves its limits
-  sheds Sluice's sheddable classes at once (capacity.lua), not after 429s."""
+  sheds Sluice's sheddable classes at once (capacity.lua), not after 429s.
+
+A provider's own refusal (429) says more than its headers: its Retry-After
+is when the refused call would fit. The headers' reset is when the window
+has room for one more token or request, and from there the room is modelled
+as refilling at the stated limit; a provider that counts a sliding window
+frees room in lumps, as calls of a minute ago slide out, so a call can find
+less room than the model gives it. Its refusal then states the small room
+left and a reset of 0, and without the Retry-After every waiting call would
+go again at once into the same window (``refusal_reset``)."""
 
 from __future__ import annotations
 
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from budgets.admission import keys
 from budgets.admission.capacity import capacity_signal
@@ -78,6 +87,22 @@ def _count(text: str | None) -> int | None:
     return int(text)
 
 
+def retry_after_ms(headers: Mapping[str, str]) -> int | None:
+    """An answer's ``retry-after-ms`` (Azure's, ours) or ``retry-after`` in
+    seconds, as whole milliseconds; None when neither is a number (an
+    HTTP date is not read)."""
+    for name, scale in (("retry-after-ms", 1), ("retry-after", 1000)):
+        value = headers.get(name)
+        if isinstance(value, str) and value:
+            try:
+                ms = float(value) * scale
+            except ValueError:
+                continue
+            if ms == ms and ms != float("inf"):  # not NaN or infinite
+                return max(0, int(ms))
+    return None
+
+
 @dataclass(frozen=True)
 class ProviderLimits:
     """One answer's headers; None where the answer said nothing usable."""
@@ -93,6 +118,22 @@ class ProviderLimits:
     def empty(self) -> bool:
         return all(value is None for value in (self.limit_requests, self.limit_tokens, self.remaining_requests,
                                                 self.remaining_tokens))
+
+    def refusal_reset(self, *, retry_after_ms: int | None, tokens: int) -> ProviderLimits:
+        """These limits as a refusal of a call of ``tokens`` states them: the
+        dimension that refused it has no room for it before the refusal's
+        Retry-After. Requests when none remained; else tokens, when fewer
+        remained than the call's and the call fits the limit at all (a call
+        larger than the provider's whole limit never fits: its Retry-After
+        says nothing of the room, and must not hold every other call)."""
+        if retry_after_ms is None:
+            return self
+        if self.remaining_requests is not None and self.remaining_requests < 1:
+            return replace(self, reset_requests_ms=max(self.reset_requests_ms or 0.0, float(retry_after_ms)))
+        if (self.remaining_tokens is not None and 0 < tokens and self.remaining_tokens < tokens
+                and (self.limit_tokens is None or tokens <= self.limit_tokens)):
+            return replace(self, reset_tokens_ms=max(self.reset_tokens_ms or 0.0, float(retry_after_ms)))
+        return self
 
 
 def provider_limits_parse(headers: Mapping[str, str]) -> ProviderLimits:
@@ -119,11 +160,14 @@ def _arg(value: float | None) -> str:
 @dataclass(frozen=True)
 class SentMark:
     """Where one call stands among the calls sent to its pool (provider_take.lua):
-    calls and tokens sent up to and with it, and when it went (Redis clock, ms)."""
+    calls and tokens sent up to and with it, and when it went (Redis clock, ms);
+    ``tokens``: the call's own, as taken (0: not known, a mark read back from
+    a held request's release)."""
 
     sent: int
     sent_tokens: int
     at_ms: float
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,10 +179,10 @@ class ProviderTake:
     mark: SentMark | None = None
 
 
-def _take_parse(raw: str) -> ProviderTake:
+def _take_parse(raw: str, tokens: int = 0) -> ProviderTake:
     if raw.startswith("go "):
         _, sent, sent_tokens, at_ms = raw.split(" ")
-        return ProviderTake(0.0, SentMark(int(sent), int(sent_tokens), float(at_ms)))
+        return ProviderTake(0.0, SentMark(int(sent), int(sent_tokens), float(at_ms), tokens))
     return ProviderTake(float(raw))
 
 
@@ -155,14 +199,18 @@ def provider_limits_record_call(*, pool_id: int, limits: ProviderLimits,
     )
 
 
-def provider_limits_record(*, pool_id: int, headers: Mapping[str, str], mark: SentMark | None = None) -> ProviderLimits:
+def provider_limits_record(*, pool_id: int, headers: Mapping[str, str], mark: SentMark | None = None,
+                           status: int = 200) -> ProviderLimits:
     """Keep what one answer's headers say about the provider's limits; when
     its stated limit moved, the shed scales follow at once. ``mark``: the
     call's, from its take (None: it went untaken, and its statement is taken
-    as news of now)."""
+    as news of now). ``status`` 429: the provider refused the call, and its
+    Retry-After holds the refusing dimension's room (``refusal_reset``)."""
     limits = provider_limits_parse(headers)
     if limits.empty:
         return limits
+    if status == 429:
+        limits = limits.refusal_reset(retry_after_ms=retry_after_ms(headers), tokens=mark.tokens if mark else 0)
     changed, _ = provider_limits_record_call(pool_id=pool_id, limits=limits, mark=mark).run()
     if changed:
         capacity_signal(pool_id=pool_id, event="recompute")
@@ -173,6 +221,6 @@ def provider_take_call(*, pool_id: int, tokens: int, sheddable: bool = False) ->
     """Take a call's share of the provider's stated room as it goes out, or
     learn how long to wait first. A sheddable call (a loan, batch or
     scheduled work) leaves PROVIDER_RESERVE_SHARE of the limit to protected work."""
-    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)],
-                      args=[max(0, int(tokens)), 1 if sheddable else 0],
-                      parse=_take_parse)
+    tokens = max(0, int(tokens))
+    return ScriptCall(script=PROVIDER_TAKE, keys=[keys.pool_capacity(pool_id)], args=[tokens, 1 if sheddable else 0],
+                      parse=lambda raw: _take_parse(raw, tokens))

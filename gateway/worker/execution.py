@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
-from budgets.admission.provider_limits import SentMark
+from budgets.admission.provider_limits import SentMark, retry_after_ms
 from budgets.admission.redis_client import (LuaScript, ScriptCall, Sent, Together, get_redis, redis_now_ms,
                                              script_calls_run)
 from budgets.admission import keys as budget_keys
@@ -73,18 +73,6 @@ def _answer_label(outcome: Outcome) -> str:
         return str(outcome.upstream_status)
     code = str((outcome.body or {}).get("error", {}).get("code", ""))
     return code.removeprefix("upstream_") or "unknown"
-
-
-def _retry_after_ms(exc: openai.APIStatusError) -> int | None:
-    headers = exc.response.headers if exc.response is not None else {}
-    for name, scale in (("retry-after-ms", 1), ("retry-after", 1000)):
-        value = headers.get(name)
-        if value:
-            try:
-                return max(0, int(float(value) * scale))
-            except ValueError:
-                continue
-    return None
 
 
 def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
@@ -142,7 +130,7 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
             body=error_body(message=f"The inference pool answered {exc.status_code}.", error_type="upstream_error",
                             code="upstream_rate_limited" if status == 429 else "upstream_error"),
             upstream_ms=upstream_ms,
-            retry_after_ms=_retry_after_ms(exc),
+            retry_after_ms=retry_after_ms(exc.response.headers) if exc.response is not None else None,
             attempts=1,
             upstream_status=exc.status_code,
         ), exc.status_code in RETRYABLE_STATUSES

@@ -76,14 +76,15 @@ def pool_api_key(*, api_key_env: str) -> str:
     return os.environ.get(api_key_env, "") if api_key_env else ""
 
 
-def _limits_note(pool_id: int, headers: Mapping[str, str], mark: SentMark | None) -> None:
+def _limits_note(pool_id: int, headers: Mapping[str, str], mark: SentMark | None, status: int) -> None:
     """Every answer of the pool, errors included, tells the pool's admission
     what the provider's x-ratelimit-* headers say
     (budgets/admission/provider_limits.py), in the order the calls went
-    (``mark``: the call's, from its take; gateway/worker/lane_slot.py); a
-    failure to record them never fails the call."""
+    (``mark``: the call's, from its take; gateway/worker/lane_slot.py), and
+    a refusal (``status`` 429) its Retry-After; a failure to record them
+    never fails the call."""
     try:
-        provider_limits_record(pool_id=pool_id, headers=headers, mark=mark)
+        provider_limits_record(pool_id=pool_id, headers=headers, mark=mark, status=status)
     except Exception:  # noqa: BLE001 - the answer matters more than the bookkeeping
         logger.warning("pool %s: could not record its rate-limit headers", pool_id, exc_info=True)
 
@@ -91,7 +92,8 @@ def _limits_note(pool_id: int, headers: Mapping[str, str], mark: SentMark | None
 def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
     """``_limits_note`` as an httpx response hook: it runs when the headers
     arrive (the call's mark rides in its request's extensions)."""
-    return lambda response: _limits_note(pool_id, response.headers, response.request.extensions.get(_MARK))
+    return lambda response: _limits_note(pool_id, response.headers, response.request.extensions.get(_MARK),
+                                         response.status_code)
 
 
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
@@ -411,7 +413,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     else:
         connections.give_back(conn)
     if pool_id:
-        _limits_note(pool_id, answer.headers, mark)
+        _limits_note(pool_id, answer.headers, mark, answer.status_code)
     if answer.status_code >= 400:
         raise _plain_status_error(client, response, answer.content)
     return answer
@@ -502,7 +504,7 @@ def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: 
     conn, response, error_body = _plain_send(client, connections, body=body, accept="text/event-stream",
                                              read_all=False)
     if pool_id:
-        _limits_note(pool_id, response.msg, mark)
+        _limits_note(pool_id, response.msg, mark, response.status)
     if response.status >= 400:
         conn.close()
         raise _plain_status_error(client, response, error_body)

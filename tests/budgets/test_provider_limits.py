@@ -16,7 +16,7 @@ from budgets.admission import keys
 from budgets.admission.buckets import admit
 from budgets.admission.capacity import capacity_state
 from budgets.admission.provider_limits import (ProviderLimits, duration_ms, provider_limits_parse,
-                                               provider_limits_record, provider_take_call)
+                                               provider_limits_record, provider_take_call, retry_after_ms)
 from budgets.errors import Rejected
 from tests.hammer import _hammer
 
@@ -292,3 +292,79 @@ def test_answers_recorded_at_once_in_any_order_keep_the_statement_of_the_last_ca
     capacity = redis_client.hgetall(keys.pool_capacity(pool_id))
     assert int(capacity["prov_obs"]) == marks[-1].sent
     assert float(capacity["prov_rem_tok"]) == 800_000 - 10_000 * 59
+
+
+@pytest.mark.parametrize(("headers", "ms"), [
+    ({"retry-after-ms": "250"}, 250), ({"retry-after-ms": "12.7"}, 12), ({"retry-after": "2"}, 2000),
+    ({"retry-after": "0.5"}, 500), ({"retry-after-ms": "soon", "retry-after": "3"}, 3000), ({"retry-after": "-4"}, 0),
+    ({"retry-after": "Wed, 21 Oct 2026 07:28:00 GMT"}, None), ({"retry-after": "nan"}, None),
+    ({"retry-after-ms": "inf"}, None), ({}, None),
+])
+def test_a_retry_after_reads_as_milliseconds_and_anything_else_as_nothing(headers, ms):
+    assert retry_after_ms(httpx.Headers(headers)) == ms
+
+
+# What a provider counting a sliding window says when a call finds less room
+# than the refill model gave it: a little room left, a reset of 0 (there is
+# room for one more token), and when this call would fit.
+REFUSAL = {"x-ratelimit-limit-tokens": "200000", "x-ratelimit-remaining-tokens": "78",
+           "x-ratelimit-reset-tokens": "0s", "x-ratelimit-limit-requests": "6000",
+           "x-ratelimit-remaining-requests": "900", "retry-after-ms": "400"}
+
+
+def test_a_refusal_holds_the_room_for_calls_its_size_until_its_retry_after(make_caller):
+    # given a call of 80 tokens the provider refused, saying 78 remain, reset 0, retry after 400 ms
+    caller = make_caller()
+    pool_id = caller.pool.id
+    refused = _sent(pool_id, 80)
+    provider_limits_record(pool_id=pool_id, mark=refused, headers=REFUSAL, status=429)
+
+    # when the next call of that size is about to go
+    wait_ms = provider_take_call(pool_id=pool_id, tokens=80).run().wait_ms
+
+    # then it waits for the refusal's retry-after (from when the refused call went), not for 78 tokens to
+    # refill at 200,000 a minute (under a millisecond), which sent every waiting call into the same window
+    assert 250 < wait_ms <= 400
+    assert provider_take_call(pool_id=pool_id, tokens=70).run().wait_ms == 0.0  # what still fits, goes
+
+
+def test_the_same_statement_on_an_answer_that_is_not_a_refusal_holds_nothing_past_its_refill(make_caller):
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, 80), headers=REFUSAL, status=200)
+    assert provider_take_call(pool_id=pool_id, tokens=80).run().wait_ms < 50
+
+
+@pytest.mark.parametrize(("tokens", "headers"), [
+    (300, {**REFUSAL, "x-ratelimit-limit-tokens": "200"}),  # larger than the whole limit: it never fits
+    (50, REFUSAL),  # the room was there: something else refused it
+])
+def test_a_refusal_that_says_nothing_of_the_token_room_holds_no_other_call(make_caller, tokens, headers):
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, tokens), headers=headers, status=429)
+    assert provider_take_call(pool_id=pool_id, tokens=10).run().wait_ms == 0.0
+
+
+def test_a_refusal_with_no_request_left_holds_every_call_until_its_retry_after(make_caller):
+    caller = make_caller()
+    pool_id = caller.pool.id
+    headers = {name: value for name, value in REFUSAL.items() if name != "retry-after-ms"}
+    provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, 10), status=429, headers={
+        **headers, "x-ratelimit-remaining-tokens": "150000", "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-reset-requests": "0s", "retry-after": "2"})
+    assert 1_800 < provider_take_call(pool_id=pool_id, tokens=10).run().wait_ms <= 2_000
+
+
+def test_a_refusal_read_back_without_its_calls_size_holds_nothing_more(make_caller):
+    # given the mark of a held request's release (its call's size is not kept with it)
+    from gateway.core.held import mark_parse, mark_text
+
+    caller = make_caller()
+    pool_id = caller.pool.id
+    mark = mark_parse(mark_text(_sent(pool_id, 80)))
+    assert mark.tokens == 0
+
+    # when its call is refused, then the statement is kept as the headers say it
+    provider_limits_record(pool_id=pool_id, mark=mark, headers=REFUSAL, status=429)
+    assert provider_take_call(pool_id=pool_id, tokens=80).run().wait_ms < 50

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from budgets.admission.provider_limits import duration_ms
 from gateway.worker import pool_client as pc
 from llm_platform.processes import Process, free_port, sim_command, wait_http
 
@@ -254,6 +255,60 @@ def test_each_path_keeps_the_answers_statement_in_the_order_its_call_went(limite
     # and when a call that went after them answers, its statement is kept
     call(provider_take_call(pool_id=pool_id, tokens=10).run().mark)
     assert float(redis_client.hget(capacity, "prov_rem_tok")) > 900_000
+
+
+@pytest.fixture(scope="module")
+def refusing_sim_url(tmp_path_factory) -> Iterator[str]:
+    """A simulator whose token limit a few calls fill (100 a minute): the
+    next is refused with a little room left and its retry-after."""
+    import os
+
+    port = free_port()
+    sim = Process("sim-pool-client-refusals",
+                  sim_command(port=port, extra=["--zero-latency", "--seed", "3", "--tpm", "100", "--rpm", "1000"]),
+                  dict(os.environ), tmp_path_factory.mktemp("sim-pool-client-refusals")).start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", sim)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        sim.stop()
+
+
+@pytest.mark.parametrize("path", ["plain", "httpx", "stream"])
+def test_each_path_holds_the_room_a_refusal_states_until_its_retry_after(refusing_sim_url, redis_client, path):
+    # given a provider whose window other calls filled (their answers kept nowhere), and a pool that has
+    # heard nothing from it yet, so its next call of 40 tokens goes
+    from budgets.admission import keys
+    from budgets.admission.provider_limits import provider_take_call
+
+    pool_id = 9_000_002 + ["plain", "httpx", "stream"].index(path)
+    client = pc.pool_client(base_url=refusing_sim_url, api_key_env="", pool_id=pool_id)
+    filler = pc.pool_client(base_url=refusing_sim_url, api_key_env="")
+    if path != "plain":
+        pc._plain[str(client.base_url)] = None
+    body = {**BODY, "max_tokens": 30}
+    for _ in range(10):
+        try:
+            pc.pool_chat_post(filler, body=body)
+        except openai.RateLimitError:
+            break
+    mark = provider_take_call(pool_id=pool_id, tokens=40).run().mark
+    assert mark is not None and mark.tokens == 40
+
+    # when it is refused, with less room left than it took
+    with pytest.raises(openai.RateLimitError) as refused:
+        if path == "stream":
+            pc.pool_chat_stream_open(client, body={**body, "stream": True}, pool_id=pool_id, mark=mark).close()
+        else:
+            pc.pool_chat_post(client, body=body, pool_id=pool_id, mark=mark)
+    headers = refused.value.response.headers
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 40 and duration_ms(headers["x-ratelimit-reset-tokens"]) == 0
+    retry_ms = float(headers["retry-after-ms"])
+
+    # then the token room stays closed until the refusal's retry-after, counted from when the call went
+    reset_at = float(redis_client.hget(keys.pool_capacity(pool_id), "prov_reset_tok_ms"))
+    assert reset_at == pytest.approx(mark.at_ms + retry_ms, abs=50)
+    assert provider_take_call(pool_id=pool_id, tokens=40).run().wait_ms > retry_ms - 1_000
 
 
 STREAM_BODY = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
