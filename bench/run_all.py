@@ -183,7 +183,7 @@ and what went after a call is taken off the room its answer states. Past the dra
 frees room in lumps, as the calls of a minute ago slide out, not at the even rate Sluice models;
 a call that finds less room than modelled is refused, and its refusal's Retry-After (when that call
 would fit) holds the room for calls its size, so the calls waiting behind it do not all go into the
-same window (without it, 8 to 11 refusals came right after the drain in 4 of 10 runs at 69aceb4).
+same window (without it, 8 to 11 refusals came right after the drain in 3 of 10 runs at 69aceb4).
 After the drain chat is served at its reservation; when the provider's limit returns, the next answer says so and admission is
 back at the full rate.""",
     "retry_storm": """**Reading it.** Direct, every naive operation during the outage makes its 3 attempts and
