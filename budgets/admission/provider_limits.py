@@ -48,6 +48,12 @@ PROVIDER_FACTOR_HOLD_MS = 60_000
 # window is first-come, and without it a batch flood would take the room an
 # interactive workload's reservation (I2) needs.
 PROVIDER_RESERVE_SHARE = 0.1
+# The longest a refusal's Retry-After holds the provider's room
+# (``ProviderLimits.refusal_reset``). A window near its limit frees room every
+# few to a few hundred milliseconds as its calls slide out; one caller's
+# refused call (a large one, say) must not close the room to every other
+# caller for longer than this, while its own retry waits the full Retry-After.
+REFUSAL_HOLD_MAX_MS = 1_000.0
 
 _UNITS_MS = {"h": 3_600_000.0, "m": 60_000.0, "s": 1000.0, "ms": 1.0, "us": 0.001, "µs": 0.001, "ns": 0.000001}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|µs|ns|h|m|s)")
@@ -121,18 +127,20 @@ class ProviderLimits:
 
     def refusal_reset(self, *, retry_after_ms: int | None, tokens: int) -> ProviderLimits:
         """These limits as a refusal of a call of ``tokens`` states them: the
-        dimension that refused it has no room for it before the refusal's
-        Retry-After. Requests when none remained; else tokens, when fewer
-        remained than the call's and the call fits the limit at all (a call
-        larger than the provider's whole limit never fits: its Retry-After
-        says nothing of the room, and must not hold every other call)."""
+        dimension that refused it has no more room before the refusal's
+        Retry-After, for at most REFUSAL_HOLD_MAX_MS. Requests when none
+        remained; else tokens, when fewer remained than the call's and the
+        call fits the limit at all (a call larger than the provider's whole
+        limit never fits: its Retry-After says nothing of the room). What
+        remains stays usable meanwhile by calls it fits."""
         if retry_after_ms is None:
             return self
+        hold_ms = min(float(retry_after_ms), REFUSAL_HOLD_MAX_MS)
         if self.remaining_requests is not None and self.remaining_requests < 1:
-            return replace(self, reset_requests_ms=max(self.reset_requests_ms or 0.0, float(retry_after_ms)))
+            return replace(self, reset_requests_ms=max(self.reset_requests_ms or 0.0, hold_ms))
         if (self.remaining_tokens is not None and 0 < tokens and self.remaining_tokens < tokens
                 and (self.limit_tokens is None or tokens <= self.limit_tokens)):
-            return replace(self, reset_tokens_ms=max(self.reset_tokens_ms or 0.0, float(retry_after_ms)))
+            return replace(self, reset_tokens_ms=max(self.reset_tokens_ms or 0.0, hold_ms))
         return self
 
 

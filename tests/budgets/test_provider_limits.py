@@ -346,14 +346,25 @@ def test_a_refusal_that_says_nothing_of_the_token_room_holds_no_other_call(make_
     assert provider_take_call(pool_id=pool_id, tokens=10).run().wait_ms == 0.0
 
 
+def test_a_refusal_holds_the_room_a_second_at_most_whatever_its_retry_after(make_caller):
+    # given a refused call whose provider says it fits in a minute
+    caller = make_caller()
+    pool_id = caller.pool.id
+    provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, 80), status=429,
+                           headers={**REFUSAL, "retry-after-ms": "60000"})
+
+    # then the others wait a second at most (its own retry waits the minute: the retry policy's business)
+    assert 800 < provider_take_call(pool_id=pool_id, tokens=80).run().wait_ms <= 1_000
+
+
 def test_a_refusal_with_no_request_left_holds_every_call_until_its_retry_after(make_caller):
     caller = make_caller()
     pool_id = caller.pool.id
     headers = {name: value for name, value in REFUSAL.items() if name != "retry-after-ms"}
     provider_limits_record(pool_id=pool_id, mark=_sent(pool_id, 10), status=429, headers={
         **headers, "x-ratelimit-remaining-tokens": "150000", "x-ratelimit-remaining-requests": "0",
-        "x-ratelimit-reset-requests": "0s", "retry-after": "2"})
-    assert 1_800 < provider_take_call(pool_id=pool_id, tokens=10).run().wait_ms <= 2_000
+        "x-ratelimit-reset-requests": "0s", "retry-after": "0.6"})
+    assert 450 < provider_take_call(pool_id=pool_id, tokens=10).run().wait_ms <= 600
 
 
 def test_a_refusal_read_back_without_its_calls_size_holds_nothing_more(make_caller):
