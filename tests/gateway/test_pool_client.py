@@ -24,18 +24,26 @@ from llm_platform.processes import Process, free_port, sim_command, wait_http
 BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 
 
-@pytest.fixture(scope="module")
-def sim_url(tmp_path_factory) -> Iterator[str]:
+def _sim(tmp_path_factory, name: str, *, tpm: int | None = None) -> Iterator[str]:
+    """A zero-latency simulator's /v1 URL for a module's tests; with ``tpm``
+    it states its limits (x-ratelimit-* on every answer): ``tpm`` tokens and
+    1,000 requests a minute."""
     import os
 
     port = free_port()
-    sim = Process("sim-pool-client", sim_command(port=port, extra=["--zero-latency", "--seed", "3"]), dict(os.environ),
-                  tmp_path_factory.mktemp("sim-pool-client")).start()
+    limits = ["--tpm", str(tpm), "--rpm", "1000"] if tpm is not None else []
+    sim = Process(name, sim_command(port=port, extra=["--zero-latency", "--seed", "3", *limits]), dict(os.environ),
+                  tmp_path_factory.mktemp(name)).start()
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", sim)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         sim.stop()
+
+
+@pytest.fixture(scope="module")
+def sim_url(tmp_path_factory) -> Iterator[str]:
+    yield from _sim(tmp_path_factory, "sim-pool-client")
 
 
 @pytest.fixture(autouse=True)
@@ -210,26 +218,10 @@ def test_the_setting_off_keeps_httpx_for_every_pool(settings):
     assert pc._plain_connections(client) is None
 
 
-def _sim_stating_limits(tmp_path_factory, name: str, *, tpm: int) -> Iterator[str]:
-    """A zero-latency simulator that states its limits (x-ratelimit-* on
-    every answer): ``tpm`` tokens and 1,000 requests a minute."""
-    import os
-
-    port = free_port()
-    sim = Process(name, sim_command(port=port, extra=["--zero-latency", "--seed", "3", "--tpm", str(tpm),
-                                                      "--rpm", "1000"]),
-                  dict(os.environ), tmp_path_factory.mktemp(name)).start()
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", sim)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        sim.stop()
-
-
 @pytest.fixture(scope="module")
 def limited_sim_url(tmp_path_factory) -> Iterator[str]:
     """A simulator with room for every call here."""
-    yield from _sim_stating_limits(tmp_path_factory, "sim-pool-client-limits", tpm=1_000_000)
+    yield from _sim(tmp_path_factory, "sim-pool-client-limits", tpm=1_000_000)
 
 
 @pytest.mark.parametrize("path", ["plain", "httpx", "stream"])
@@ -267,7 +259,7 @@ def test_each_path_keeps_the_answers_statement_in_the_order_its_call_went(limite
 def refusing_sim_url(tmp_path_factory) -> Iterator[str]:
     """A simulator whose token limit a few calls fill (100 a minute): the
     next is refused with a little room left and its retry-after."""
-    yield from _sim_stating_limits(tmp_path_factory, "sim-pool-client-refusals", tpm=100)
+    yield from _sim(tmp_path_factory, "sim-pool-client-refusals", tpm=100)
 
 
 @pytest.mark.parametrize("path", ["plain", "httpx", "stream"])
