@@ -7,7 +7,9 @@ import statement, module level or inside a function, counts):
   tokens with) import none of the Django apps; no app imports llm_platform
   (the project wires the apps, not the other way round);
 - gateway's two sides share gateway.core and never import each other: the
-  web side enqueues by task name.
+  web side enqueues by task name;
+- no app imports inference_sim (the request path never loads the test
+  simulator), and adapters/ imports no app.
 
 docs/architecture.md draws the same picture."""
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tenants", "budgets", "gateway", "llm_platform", "inference_sim", "llm_tokens")
+PACKAGES = ("tenants", "budgets", "gateway", "llm_platform", "inference_sim", "llm_tokens", "adapters")
 DJANGO_APPS = ("tenants", "budgets", "gateway")
 
 # (importer prefix, imported prefix): never allowed.
@@ -30,6 +32,10 @@ FORBIDDEN = [
     ("budgets", "gateway"),
     *[(app, "llm_platform") for app in (*DJANGO_APPS, "inference_sim", "llm_tokens")],
     *[(lib, app) for lib in ("inference_sim", "llm_tokens") for app in DJANGO_APPS],
+    # The request path never loads the test simulator: it stands in for a GPU server.
+    *[(app, "inference_sim") for app in DJANGO_APPS],
+    # The adapters wrap libraries; the apps use them, never the other way round.
+    *[("adapters", app) for app in (*DJANGO_APPS, "llm_platform", "inference_sim", "llm_tokens")],
     ("llm_tokens", "inference_sim"),
     ("gateway.core", "gateway.web"), ("gateway.core", "gateway.worker"),
     ("gateway.web", "gateway.worker"), ("gateway.worker", "gateway.web"),
@@ -156,6 +162,15 @@ def test_the_checker_finds_a_circle(tmp_path, source_a, source_b, expected):
     (package / "a.py").write_text(source_a)
     (package / "b.py").write_text(source_b)
     assert import_cycles(import_graph(tmp_path, packages=("pkg",))) == expected
+
+
+def test_the_checker_finds_an_app_importing_the_simulator(tmp_path):
+    for package, source in (("gateway", "from inference_sim.protocol import SIM_FIELDS\n"), ("inference_sim", "")):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(source)
+    (tmp_path / "inference_sim" / "protocol.py").write_text("SIM_FIELDS = ()\n")
+    graph = import_graph(tmp_path, packages=("gateway", "inference_sim"))
+    assert forbidden_imports(graph) == ["gateway imports inference_sim.protocol"]
 
 
 def test_the_checker_finds_a_forbidden_import(tmp_path):

@@ -34,8 +34,7 @@ from budgets.admission.estimation import Estimate, request_estimate
 from budgets.errors import Rejected
 from gateway.core.context import CallerContext
 from gateway.core.errors import bad_request, no_reservation
-from inference_sim.config import OUTAGE_STATUSES
-from inference_sim.protocol import SIM_FIELDS
+from gateway.core.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
 from llm_tokens import PROMPT_FIELDS
 
 MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -382,8 +381,8 @@ def _check_logit_bias(name: str, value: Any) -> None:
 
 
 def _check_sim(name: str, value: Any) -> None:
-    """The simulator's own rules (inference_sim.protocol), checked here too so
-    a bad switch is refused before it costs a pool call."""
+    """The simulator's own rules (gateway/core/sim_controls.py), checked here
+    too so a bad switch is refused before it costs a pool call."""
     sim = _object(value, name)
     _only_keys(sim, set(SIM_FIELDS), name)
     for key, low in (("output_tokens", 0), ("latency_ms", 0), ("fail_retry_after", 0), ("fail_after_tokens", 0)):
@@ -391,8 +390,9 @@ def _check_sim(name: str, value: Any) -> None:
         if item is not None and (not _is_number(item) or item < low
                                  or (key in ("output_tokens", "fail_after_tokens") and not _is_int(item))):
             raise bad_request(f"'{name}.{key}' must be a number >= {low}.", param=f"{name}.{key}")
-    if sim.get("fail_status") is not None and sim["fail_status"] not in OUTAGE_STATUSES:
-        raise bad_request(f"'{name}.fail_status' must be one of {list(OUTAGE_STATUSES)}.", param=f"{name}.fail_status")
+    if sim.get("fail_status") is not None and sim["fail_status"] not in SIM_OUTAGE_STATUSES:
+        raise bad_request(f"'{name}.fail_status' must be one of {list(SIM_OUTAGE_STATUSES)}.",
+                          param=f"{name}.fail_status")
 
 
 # Parameters forwarded to the pool as given, once their checker accepts them.
