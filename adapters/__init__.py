@@ -1,6 +1,6 @@
 """Sluice's adapters: the one place where a library's private names are used
-or its behaviour is overridden (shared/DESIGN.md, "Dependencies and library
-internals").
+or its behaviour is overridden, and only where a measured gain pays for it
+(docs/architecture.md, "Library internals").
 
 One module per library. Each module's docstring names the library versions
 it was written against, what it replaces, its measured gain (the number and
