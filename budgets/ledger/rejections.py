@@ -6,8 +6,7 @@ counters by workload and reason and keeps the first few rejections of each
 as detailed samples. The /v1 views note each refusal in the web process's
 memory (``rejection_note``) and send the tally once per tick
 (SLUICE_REJECTION_PUSH_S, and at exit): one call per pool minute for a
-whole storm, instead of a round trip per refusal (about a tenth of a
-refusal's CPU, bench/PROFILE.md). Other callers count one at a time
+whole storm, instead of a round trip per refusal. Other callers count one at a time
 (``rejection_count_call``, ``rejection_count``). A beat task (``budgets.flush_rejections``) moves closed minutes into
 ``RejectionStat`` / ``RejectionSample`` with a couple of bulk statements.
 

@@ -76,11 +76,9 @@ _inserts: dict[str, tuple[str, list]] = {}
 def _insert_ignoring_conflicts(row: dict) -> None:
     """One INSERT ... ON CONFLICT DO NOTHING in autocommit: bulk_create wraps
     even one row in a transaction (BEGIN, INSERT, COMMIT: two more round
-    trips and a fifth of the lane worker's samples per request, bench/PROFILE.md).
-    The values go straight from ``row`` (keyed by column attribute names:
-    ``tenant_id``) through each field's own preparation for this database,
-    without a model instance (its ``__init__`` was a quarter of the write's
-    CPU, bench/PROFILE.md round 6); a field the row leaves out gets its
+    trips per request). The values go straight from ``row`` (keyed by column
+    attribute names: ``tenant_id``) through each field's own preparation for
+    this database, without building a model instance; a field the row leaves out gets its
     default, as the model would give it."""
     alias = router.db_for_write(UsageRecord)
     connection = connections[alias]

@@ -75,8 +75,8 @@ _failed: set[str] = set()
 
 # A metric's child per label values, looked up once: prometheus_client's
 # ``labels()`` checks and orders its arguments and takes the metric's lock on
-# every call (about 1.6% of a lane worker's CPU, eight calls a request,
-# bench/PROFILE.md). The values are bounded (see above), so is this.
+# every call, and a request makes eight. The values are bounded (see above),
+# so is this.
 _children: dict[tuple, object] = {}
 
 

@@ -170,8 +170,7 @@ class Outcome:
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict: that deep-copies the body
-        # (the pool's whole answer) before json.dumps walks it again (30 µs
-        # of a worker's CPU per call, twice per request).
+        # (the pool's whole answer) before json.dumps walks it again.
         return json.dumps({name: getattr(self, name) for name in _OUTCOME_FIELDS})
 
     @classmethod

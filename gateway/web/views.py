@@ -65,8 +65,7 @@ def _header(request: HttpRequest, meta_name: str) -> str:
     """A request header's value, read from META under its CGI name
     (``HTTP_X_SESSION_ID``; ``CONTENT_LENGTH``), "" when absent: the value
     ``request.headers`` gives, without building that mapping from every
-    META key on each request (about 3% of a refusal's CPU, bench/PROFILE.md
-    round 15)."""
+    META key on each request."""
     return request.META.get(meta_name, "")
 
 
