@@ -39,6 +39,7 @@ import socket
 import ssl
 import threading
 import urllib.request
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -48,11 +49,15 @@ from django.conf import settings
 from openai import APIConnectionError, APITimeoutError, OpenAI
 
 from budgets.admission.provider_limits import SentMark, provider_limits_record
+from gateway.worker.pool_errors import pool_status_error
 from gateway.worker.shutdown import CallInterrupted, call_socket_watched
 
 logger = logging.getLogger(__name__)
 
 _clients: dict[tuple[str, str, int], OpenAI] = {}
+# The httpx client each SDK client was handed (the SDK keeps it under a
+# private name): the calls below send on it themselves.
+_http_clients: weakref.WeakKeyDictionary[OpenAI, httpx.Client] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _sent = threading.local()
 
@@ -97,7 +102,8 @@ def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
 
 
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
-    """The SDK client of one pool (``pool_id`` 0: none, no headers recorded)."""
+    """The SDK client of one pool (``pool_id`` 0: none, no headers recorded);
+    the calls below take only a client made here."""
     api_key = pool_api_key(api_key_env=api_key_env)
     cache_key = (base_url, api_key_env, pool_id)
     client = _clients.get(cache_key)
@@ -105,15 +111,17 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
         with _lock:
             client = _clients.get(cache_key)
             if client is None:
+                http_client = httpx.Client(
+                    limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                    event_hooks={"request": [_count_sent], "response": [_limits_reader(pool_id)] if pool_id else []})
                 client = OpenAI(
                     base_url=base_url,
                     api_key=api_key or "sluice-no-key",
                     max_retries=0,
                     timeout=httpx.Timeout(settings.SLUICE_UPSTREAM_TIMEOUT_S, connect=5.0),
-                    http_client=httpx.Client(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                             event_hooks={"request": [_count_sent],
-                                                          "response": [_limits_reader(pool_id)] if pool_id else []}),
+                    http_client=http_client,
                 )
+                _http_clients[client] = http_client
                 _clients[cache_key] = client
     return client
 
@@ -137,16 +145,16 @@ _MARK = "sluice_sent_mark"
 
 
 def _chat_request(client: OpenAI, *, body: dict, accept: str, mark: SentMark | None = None) -> httpx.Request:
-    return client._client.build_request("POST", _chat_url(client), content=_json_bytes(body),
-                                        headers=_chat_headers(client, accept=accept), timeout=client.timeout,
-                                        extensions={_MARK: mark})
+    return _http_clients[client].build_request("POST", _chat_url(client), content=_json_bytes(body),
+                                               headers=_chat_headers(client, accept=accept), timeout=client.timeout,
+                                               extensions={_MARK: mark})
 
 
 def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx.Response:
     """Send on ``client``'s httpx client; the answer (status < 400), or the
     SDK's exception (an error answer read first: its body is the error's)."""
     try:
-        response = client._client.send(request, stream=stream)
+        response = _http_clients[client].send(request, stream=stream)
     except httpx.TimeoutException as exc:
         raise APITimeoutError(request=request) from exc
     except (httpx.RequestError, ssl.SSLError) as exc:
@@ -159,7 +167,7 @@ def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx
                 pass  # the status says enough
             finally:
                 response.close()
-        raise client._make_status_error_from_response(response)
+        raise pool_status_error(response)
     return response
 
 
@@ -286,7 +294,7 @@ def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, a
 
 def _plain_status_error(client: OpenAI, response: http.client.HTTPResponse, content: bytes) -> Exception:
     """The SDK's exception for an error answer on the plain path."""
-    return client._make_status_error_from_response(httpx.Response(
+    return pool_status_error(httpx.Response(
         response.status, headers=response.getheaders(), content=content,
         request=httpx.Request("POST", _chat_url(client))))
 
