@@ -2,31 +2,31 @@
 the gateway decides about retries (a retry the SDK makes on its own is load
 the admission step never saw).
 
-A non-streamed call goes through ``pool_chat_post``: the SDK client's own
-httpx client (its connection pool, timeout and event hooks) without the
-SDK's request building, which cost about as much worker CPU as everything
-else in the call (bench/pool_client_overhead.py, bench/PROFILE.md). Its
-failures are the SDK's exceptions, made by the SDK: an error status raises
-what ``client.chat.completions.create`` would (RateLimitError,
-InternalServerError, ...: ``_make_status_error_from_response``), a timeout
-APITimeoutError, any other transport failure APIConnectionError. A stream
-opens the same way (``pool_chat_stream_open``: the answer's headers, its
-events read by gateway/worker/streaming.py), so a stream's time to first
-token no longer carries the SDK's request building either.
+A non-streamed call goes through ``pool_chat_post``: the httpx client this
+module hands the SDK client (its connection pool, timeout and event hooks),
+without the SDK's request building, which costs about as much worker CPU as
+everything else in the call (bench/pool_client_overhead.py). Its failures
+are the SDK's exceptions: an error status raises what
+``client.chat.completions.create`` would (RateLimitError,
+InternalServerError, ...: ``pool_status_error``), a timeout APITimeoutError,
+any other transport failure APIConnectionError. A stream opens the same way
+(``pool_chat_stream_open``: the answer's headers, its events read by
+gateway/worker/streaming.py), so a stream's time to first token does not
+carry the SDK's request building either.
 
 To a plain ``http://`` pool that no proxy setting covers (a vLLM server
-beside the gateway, the simulator), the non-streamed POST goes out on the
-standard library's ``http.client`` over kept-alive connections instead of
-httpx (its answer's header fields read by ``_PlainResponse``, not the email
-package): about a quarter of httpx's CPU per call (bench/PROFILE.md, round 4),
-the same bytes on the wire, the same results and the same SDK exceptions
-(``tests/gateway/test_pool_client.py`` holds the two side by side).
-A stream to such a pool opens the same way (``PlainStream``: its lines read
-as they come, a close that closes the connection unless the answer was read
-to its end): about half of httpx's CPU per stream of 32 tokens, opening
-included. ``https://`` pools and proxied ones keep httpx, whose TLS and
-proxy handling they need; ``SLUICE_POOL_PLAIN_HTTP=false`` turns the plain
-path off."""
+beside the gateway, the simulator), the POST goes out on the standard
+library's ``http.client`` over kept-alive connections instead of httpx: a
+fraction of httpx's CPU per call (bench/pool_client_overhead.py), the same
+bytes on the wire, the same results and the same SDK exceptions
+(``tests/gateway/test_pool_client.py`` holds the two side by side). A
+stream to such a pool opens the same way (``PlainStream``: its lines read as
+they come, a close that closes the connection unless the answer was read to
+its end). Its sockets are the ones a stopping worker cuts at the end of its
+grace (gateway/worker/shutdown.py), so such a call needs no thread of its
+own. ``https://`` pools and proxied ones keep httpx, whose TLS and proxy
+handling they need; ``SLUICE_POOL_PLAIN_HTTP=false`` turns the plain path
+off."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import socket
 import ssl
 import threading
 import urllib.request
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -48,11 +49,15 @@ from django.conf import settings
 from openai import APIConnectionError, APITimeoutError, OpenAI
 
 from budgets.admission.provider_limits import SentMark, provider_limits_record
+from gateway.worker.pool_errors import pool_status_error
 from gateway.worker.shutdown import CallInterrupted, call_socket_watched
 
 logger = logging.getLogger(__name__)
 
 _clients: dict[tuple[str, str, int], OpenAI] = {}
+# The httpx client each SDK client was handed (the SDK keeps it under a
+# private name): the calls below send on it themselves.
+_http_clients: weakref.WeakKeyDictionary[OpenAI, httpx.Client] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _sent = threading.local()
 
@@ -97,7 +102,8 @@ def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
 
 
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
-    """The SDK client of one pool (``pool_id`` 0: none, no headers recorded)."""
+    """The SDK client of one pool (``pool_id`` 0: none, no headers recorded);
+    the calls below take only a client made here."""
     api_key = pool_api_key(api_key_env=api_key_env)
     cache_key = (base_url, api_key_env, pool_id)
     client = _clients.get(cache_key)
@@ -105,15 +111,17 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
         with _lock:
             client = _clients.get(cache_key)
             if client is None:
+                http_client = httpx.Client(
+                    limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                    event_hooks={"request": [_count_sent], "response": [_limits_reader(pool_id)] if pool_id else []})
                 client = OpenAI(
                     base_url=base_url,
                     api_key=api_key or "sluice-no-key",
                     max_retries=0,
                     timeout=httpx.Timeout(settings.SLUICE_UPSTREAM_TIMEOUT_S, connect=5.0),
-                    http_client=httpx.Client(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                             event_hooks={"request": [_count_sent],
-                                                          "response": [_limits_reader(pool_id)] if pool_id else []}),
+                    http_client=http_client,
                 )
+                _http_clients[client] = http_client
                 _clients[cache_key] = client
     return client
 
@@ -137,16 +145,16 @@ _MARK = "sluice_sent_mark"
 
 
 def _chat_request(client: OpenAI, *, body: dict, accept: str, mark: SentMark | None = None) -> httpx.Request:
-    return client._client.build_request("POST", _chat_url(client), content=_json_bytes(body),
-                                        headers=_chat_headers(client, accept=accept), timeout=client.timeout,
-                                        extensions={_MARK: mark})
+    return _http_clients[client].build_request("POST", _chat_url(client), content=_json_bytes(body),
+                                               headers=_chat_headers(client, accept=accept), timeout=client.timeout,
+                                               extensions={_MARK: mark})
 
 
 def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx.Response:
     """Send on ``client``'s httpx client; the answer (status < 400), or the
     SDK's exception (an error answer read first: its body is the error's)."""
     try:
-        response = client._client.send(request, stream=stream)
+        response = _http_clients[client].send(request, stream=stream)
     except httpx.TimeoutException as exc:
         raise APITimeoutError(request=request) from exc
     except (httpx.RequestError, ssl.SSLError) as exc:
@@ -159,7 +167,7 @@ def _chat_send(client: OpenAI, request: httpx.Request, *, stream: bool) -> httpx
                 pass  # the status says enough
             finally:
                 response.close()
-        raise client._make_status_error_from_response(response)
+        raise pool_status_error(response)
     return response
 
 
@@ -168,123 +176,12 @@ class PoolAnswer:
     """A pool's answer on the plain path: what the worker reads of it."""
 
     status_code: int
-    headers: Mapping[str, str]  # case-insensitive (http.client's message)
+    headers: Mapping[str, str]  # http.client's message: names case-insensitive
     content: bytes
 
     @property
     def text(self) -> str:
         return self.content.decode("utf-8", errors="replace")
-
-
-class _Headers(Mapping[str, str]):
-    """An answer's header fields as the plain path reads them: names
-    case-insensitive, the first value of a repeated field for ``get``, every
-    field in order for ``items``: what the worker asks of http.client's
-    message, without the email package's parser (17 µs per answer against 54,
-    bench/PROFILE.md round 13)."""
-
-    __slots__ = ("_fields", "_first")
-
-    def __init__(self, fields: list[tuple[str, str]]) -> None:
-        self._fields = fields
-        self._first: dict[str, str] = {}
-        for name, value in fields:
-            self._first.setdefault(name.lower(), value)
-
-    def __getitem__(self, name: str) -> str:
-        return self._first[name.lower()]
-
-    def get(self, name: str, default=None):
-        return self._first.get(name.lower(), default)
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name.lower() in self._first
-
-    def __iter__(self):
-        return iter(self._first)
-
-    def __len__(self) -> int:
-        return len(self._first)
-
-    def items(self):
-        return list(self._fields)
-
-    def get_all(self, name: str, failobj=None):
-        wanted = name.lower()
-        found = [value for field, value in self._fields if field.lower() == wanted]
-        return found or failobj
-
-
-def _header_fields(lines: list[bytes]) -> list[tuple[str, str]]:
-    """The fields of an answer's header lines (the empty line that ends them
-    included, as http.client reads them). A line that starts with a space or
-    a tab continues the field before it (obsolete folding, RFC 9112 section
-    5.2); a line without a colon is not a field and is skipped, as the email
-    package's parser leaves it out of the fields."""
-    fields: list[tuple[str, str]] = []
-    for raw in lines:
-        line = raw.decode("iso-8859-1").rstrip("\r\n")
-        if not line:
-            continue
-        if line[0] in " \t":
-            if fields:
-                name, value = fields[-1]
-                fields[-1] = (name, f"{value} {line.strip()}")
-            continue
-        name, colon, value = line.partition(":")
-        if colon and name and name == name.strip():
-            fields.append((name, value.strip()))
-    return fields
-
-
-class _PlainResponse(http.client.HTTPResponse):
-    """http.client's answer with the header fields read by ``_header_fields``
-    instead of the email package. The standard library has no hook for that
-    parse alone, so ``begin`` states its rules again (status line, 100-continue,
-    chunking, length, keep-alive), applied to the same fields;
-    tests/gateway/test_pool_client.py holds them to http.client's own."""
-
-    def begin(self) -> None:
-        if self.headers is not None:
-            return
-        while True:
-            version, status, reason = self._read_status()
-            if status != http.client.CONTINUE:
-                break
-            http.client._read_headers(self.fp)
-        self.code = self.status = status
-        self.reason = reason.strip()
-        if version in ("HTTP/1.0", "HTTP/0.9"):
-            self.version = 10
-        elif version.startswith("HTTP/1."):
-            self.version = 11
-        else:
-            raise http.client.UnknownProtocol(version)
-        self.headers = self.msg = _Headers(_header_fields(http.client._read_headers(self.fp)))
-        transfer = self.headers.get("transfer-encoding")
-        self.chunked = bool(transfer) and transfer.lower() == "chunked"
-        if self.chunked:
-            self.chunk_left = None
-        self.will_close = self._check_close()
-        self.length = None
-        length = self.headers.get("content-length")
-        if length and not self.chunked:
-            try:
-                self.length = int(length)
-            except ValueError:
-                self.length = None
-            else:
-                if self.length < 0:
-                    self.length = None
-        if status in (http.client.NO_CONTENT, http.client.NOT_MODIFIED) or 100 <= status < 200 \
-                or self._method == "HEAD":
-            self.length = 0
-        if not self.will_close and not self.chunked and self.length is None:
-            self.will_close = True
-
-
-class _PlainConnection(http.client.HTTPConnection):
-    response_class = _PlainResponse
 
 
 PLAIN_IDLE_MAX = 64  # kept-alive connections per pool host, as httpx's max_keepalive_connections
@@ -371,7 +268,7 @@ def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, a
     conn = connections.take()
     try:
         if conn is None:
-            conn = _PlainConnection(connections.host, connections.port, timeout=timeout.connect)
+            conn = http.client.HTTPConnection(connections.host, connections.port, timeout=timeout.connect)
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sock.settimeout(timeout.read)
@@ -397,8 +294,8 @@ def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, a
 
 def _plain_status_error(client: OpenAI, response: http.client.HTTPResponse, content: bytes) -> Exception:
     """The SDK's exception for an error answer on the plain path."""
-    return client._make_status_error_from_response(httpx.Response(
-        response.status, headers=list(response.msg.items()), content=content,
+    return pool_status_error(httpx.Response(
+        response.status, headers=response.getheaders(), content=content,
         request=httpx.Request("POST", _chat_url(client))))
 
 
@@ -407,7 +304,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     """The plain path's POST: one kept-alive connection, the SDK's exceptions
     as ``_chat_send`` raises them."""
     conn, response, content = _plain_send(client, connections, body=body, accept="application/json", read_all=True)
-    answer = PoolAnswer(status_code=response.status, headers=response.msg, content=content)
+    answer = PoolAnswer(status_code=response.status, headers=response.headers, content=content)
     if response.will_close:
         conn.close()
     else:
@@ -454,7 +351,7 @@ class PlainStream:
                  response: http.client.HTTPResponse, url: str) -> None:
         self._conn, self._connections, self._response, self._url = conn, connections, response, url
         self.status_code = response.status
-        self.headers = response.msg
+        self.headers = response.headers
         self._done = False
         self._closed = False
 
@@ -504,7 +401,7 @@ def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: 
     conn, response, error_body = _plain_send(client, connections, body=body, accept="text/event-stream",
                                              read_all=False)
     if pool_id:
-        _limits_note(pool_id, response.msg, mark, response.status)
+        _limits_note(pool_id, response.headers, mark, response.status)
     if response.status >= 400:
         conn.close()
         raise _plain_status_error(client, response, error_body)

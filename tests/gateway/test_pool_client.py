@@ -6,8 +6,6 @@ cases that keep httpx (https://, a proxy, the setting off)."""
 
 from __future__ import annotations
 
-import http.client
-import io
 import json
 import socket
 import threading
@@ -394,56 +392,3 @@ def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
     # error on both (what gateway/worker/streaming.py catches)
     assert [line for line, _ in broken] == ['data: {"choices": []}'] * 2
     assert broken[0][1] is httpx.ReadError
-
-
-class _Bytes:
-    """A socket whose answer is ``data`` (what HTTPResponse reads through makefile)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def makefile(self, mode):
-        return io.BytesIO(self.data)
-
-
-@pytest.mark.parametrize("answer", [
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
-    b"X-RateLimit-Remaining-Tokens: 1999\r\nx-ratelimit-reset-tokens: 30ms\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: text/event-stream\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
-    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}",
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{}",  # no length: read to the close
-    b"HTTP/1.0 200 OK\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n{}",
-    b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-    b"HTTP/1.1 100 Continue\r\nX-Ignored: 1\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
-    b"HTTP/1.1 204 No Content\r\nSet-Cookie: a=1\r\nset-cookie: b=2\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nX-Folded: first\r\n  second\r\nContent-Length: -5\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nContent-Length: two\r\nNot a header line\r\n\r\n",
-])
-def test_the_plain_answer_reads_the_header_fields_as_http_client_does(answer):
-    theirs = http.client.HTTPResponse(_Bytes(answer), method="POST")
-    ours = pc._PlainResponse(_Bytes(answer), method="POST")
-    theirs.begin()
-    ours.begin()
-    for attribute in ("status", "reason", "version", "chunked", "length", "will_close"):
-        assert getattr(ours, attribute) == getattr(theirs, attribute), attribute
-    # A folded field's value is one line here (RFC 9112 section 5.2: each fold
-    # replaced by a space); the email package keeps the fold's bytes.
-    def same(value):
-        return " ".join(value.split()) if isinstance(value, str) else value
-
-    names = {name.lower() for name in theirs.msg.keys()}
-    for name in names | {"x-absent"}:
-        assert ours.msg.get(name) == same(theirs.msg.get(name)), name
-        assert ours.msg.get(name.upper()) == same(theirs.msg.get(name.upper())), name
-        expected = theirs.msg.get_all(name)
-        assert ours.msg.get_all(name) == (None if expected is None else [same(v) for v in expected]), name
-    assert [(n.lower(), v) for n, v in ours.msg.items()] == [(n.lower(), same(v)) for n, v in theirs.msg.items()]
-    assert ours.read() == theirs.read()
-
-
-def test_the_plain_answer_refuses_what_http_client_refuses():
-    for answer, error in [(b"SPDY/3 200 OK\r\n\r\n", http.client.BadStatusLine),
-                          (b"HTTP/2.0 200 OK\r\n\r\n", http.client.UnknownProtocol),
-                          (b"", http.client.RemoteDisconnected)]:
-        with pytest.raises(error):
-            pc._PlainResponse(_Bytes(answer), method="POST").begin()
