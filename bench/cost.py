@@ -21,7 +21,7 @@ phases and the web process during the refused phase (``py-spy record --format ra
 or ptrace rights), and the result lists each one's top functions by
 self-time and by inclusive time (bench/out/profile/*.txt keeps the raw
 stacks). bench/PROFILE.md is the written-up profile that RESULTS.md
-includes.
+links to.
 
 Run alone: ``python -m bench.cost --seed 1 [--profile]``."""
 
@@ -345,9 +345,8 @@ def summarize(data: dict) -> str:
             continue
         lines += ["", f"py-spy, {name} ({prof['samples']} on-CPU samples), top self-time:", "",
                   md_table(["function", "% self"], [[f"`{f}`", p] for f, p in prof["self"][:10]])]
-    profile_md = Path(__file__).with_name("PROFILE.md")
-    if profile_md.exists():
-        lines += ["", profile_md.read_text().strip()]
+    # The written-up profile and its history live in one place, linked, not copied.
+    lines += ["", "Where the CPU goes and what was changed for it, round by round: [PROFILE.md](PROFILE.md)."]
     return "\n".join(lines)
 
 
