@@ -103,7 +103,9 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
-    "llm_platform.static_files.StaticFilesMiddleware",
+    # Static files answer here, before sessions and auth. Sync-only, like
+    # StoreUnavailableMiddleware below: the stack runs in one thread hop either way.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -407,8 +409,10 @@ SPECTACULAR_SETTINGS = {
     # The /v1 API is plain Django views: gateway/web/openapi.py adds it.
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.web.openapi.add_v1_paths"],
 }
-# Static files (the API docs' assets) are served by WhiteNoise straight from
-# the installed packages, so no collectstatic step is needed to run.
+# Static files (the web UI's and the API docs' assets) are served by
+# WhiteNoise straight from the installed packages, so no collectstatic step
+# is needed to run (until one fills STATIC_ROOT, WhiteNoise warns once at
+# startup that it is missing).
 WHITENOISE_USE_FINDERS = env_bool("SLUICE_STATIC_FROM_FINDERS", True)
 
 # Rejections: detailed samples kept per minute per workload and reason, and
