@@ -146,7 +146,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # writer, and the busy timeout queues writers instead of failing them.
     # Connections are kept like PostgreSQL's (DB_CONN_MAX_AGE): a new one per
     # ledger row reran the PRAGMAs and Django's function registration on
-    # every request (3% of the lane worker's CPU, bench/PROFILE.md round 3).
+    # every request.
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 20,
         "transaction_mode": "IMMEDIATE",
