@@ -103,7 +103,9 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "csp.middleware.CSPMiddleware",
-    "llm_platform.static_files.StaticFilesMiddleware",
+    # Static files answer here, before sessions and auth. Sync-only, like
+    # StoreUnavailableMiddleware below: the stack runs in one thread hop either way.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -267,6 +269,19 @@ SLUICE_TRUSTED_PROXIES = tuple(p.strip() for p in os.environ.get("SLUICE_TRUSTED
 # Keys remembered per web process: valid ones and, apart, unknown ones (a
 # flood of random keys only churns the second).
 SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
+_KEY_CACHE = {
+    "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+    "TIMEOUT": SLUICE_AUTH_CACHE_S,
+    # Full, one entry out per entry in, the least recently used (a cull of
+    # one: MAX_ENTRIES // CULL_FREQUENCY).
+    "OPTIONS": {"MAX_ENTRIES": max(1, SLUICE_AUTH_CACHE_SIZE), "CULL_FREQUENCY": max(1, SLUICE_AUTH_CACHE_SIZE)},
+}
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},  # Django's own default
+    # gateway/web/auth.py: each a store of its own (its LOCATION), per process.
+    "api_keys": {**_KEY_CACHE, "LOCATION": "sluice-api-keys"},
+    "api_keys_unknown": {**_KEY_CACHE, "LOCATION": "sluice-api-keys-unknown"},
+}
 # How often (at most) each web process asks the database which keys were
 # revoked lately: a revoked key stops working within about this long.
 SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)
@@ -407,8 +422,10 @@ SPECTACULAR_SETTINGS = {
     # The /v1 API is plain Django views: gateway/web/openapi.py adds it.
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.web.openapi.add_v1_paths"],
 }
-# Static files (the API docs' assets) are served by WhiteNoise straight from
-# the installed packages, so no collectstatic step is needed to run.
+# Static files (the web UI's and the API docs' assets) are served by
+# WhiteNoise straight from the installed packages, so no collectstatic step
+# is needed to run (until one fills STATIC_ROOT, WhiteNoise warns once at
+# startup that it is missing).
 WHITENOISE_USE_FINDERS = env_bool("SLUICE_STATIC_FROM_FINDERS", True)
 
 # Rejections: detailed samples kept per minute per workload and reason, and

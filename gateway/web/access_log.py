@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from django.http import HttpRequest, HttpResponse
 
+from adapters.django import GetResponse, response_on_close
 from gateway.core.enqueue import new_request_id
 from gateway.core.log_context import log_context
 from gateway.core.observability import api_response_observe, refusal_observe
@@ -30,8 +30,6 @@ access_log = logging.getLogger("sluice.access")
 ADMITTING_ROUTES = {"chat-completions", "jobs"}
 CLIENT_GONE = 499  # nginx's code: the client closed the connection before the answer
 MAX_LOGGED_PATH = 200
-
-GetResponse = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
 
 def error_code(response: HttpResponse) -> str:
@@ -74,10 +72,10 @@ def api_observed(get_response: GetResponse) -> GetResponse:
                 return response
             finally:
                 if response is not None and response.streaming:
-                    # A stream's line when it has ended (its closers run
-                    # then: llm_platform/asgi.py), with its whole time, and
-                    # not between its first chunk and the caller.
-                    response._resource_closers.append(lambda: _report(request, response, fields, started))
+                    # A stream's line when it has ended (when the response
+                    # is closed), with its whole time, and not between its
+                    # first chunk and the caller.
+                    response_on_close(response, lambda: _report(request, response, fields, started))
                 else:
                     # Also when the client went away mid-request (the task
                     # is cancelled): that line is the only trace of it.

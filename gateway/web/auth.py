@@ -19,11 +19,13 @@ SLUICE_KEY_LAST_USED_PUSH_S, also when no request follows) and a beat task
 writes them to ``ApiKey.last_used_at`` in one batch
 (gateway/core/key_usage.py): never an UPDATE per request.
 
-Valid and unknown keys are remembered in two separate bounded LRU caches: a
-flood of random keys only churns the unknown ones, never evicting the keys
-real callers use. Unknown keys also count against the caller's address
-(gateway/core/throttle.py); past SLUICE_API_KEY_FAILURES_PER_ADDRESS in a
-window the address is answered 429 without a database lookup.
+Valid and unknown keys are remembered in two separate bounded caches
+(Django's locmem cache, the ``api_keys`` and ``api_keys_unknown`` aliases,
+least recently used out first): a flood of random keys only churns the
+unknown ones, never evicting the keys real callers use. Unknown keys also
+count against the caller's address (gateway/core/throttle.py); past
+SLUICE_API_KEY_FAILURES_PER_ADDRESS in a window the address is answered 429
+without a database lookup.
 
 A cache miss is single-flight per key and process: when the cached context
 of a busy key expires, the first caller looks it up and every caller of the
@@ -37,15 +39,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Generic, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.core.cache import BaseCache, caches
 from django.db import DatabaseError
 from django.utils import timezone
 
@@ -59,60 +59,16 @@ logger = logging.getLogger(__name__)
 
 REVOCATION_OVERLAP_S = 5.0
 
-V = TypeVar("V")
-
-
-class ExpiringLRU(Generic[V]):
-    """At most ``max_size`` entries, each until its expiry; the least
-    recently used goes first when full. Thread-safe."""
-
-    def __init__(self, max_size: int):
-        self.max_size = max(1, max_size)
-        self._entries: OrderedDict[str, tuple[float, V]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str, now: float) -> V | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            if entry[0] <= now:
-                del self._entries[key]
-                return None
-            self._entries.move_to_end(key)
-            return entry[1]
-
-    def put(self, key: str, value: V, expires: float) -> None:
-        with self._lock:
-            self._entries[key] = (expires, value)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_size:
-                self._entries.popitem(last=False)
-
-    def discard(self, key: str) -> None:
-        with self._lock:
-            self._entries.pop(key, None)
-
-    def __contains__(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
 @dataclass(frozen=True)
 class CachedKey:
     context: CallerContext
     key_id: int
 
 
-_valid: ExpiringLRU[CachedKey] = ExpiringLRU(settings.SLUICE_AUTH_CACHE_SIZE)
-_unknown: ExpiringLRU[bool] = ExpiringLRU(settings.SLUICE_AUTH_CACHE_SIZE)
+# Django's cache framework, two locmem aliases (settings.CACHES), bound once:
+# ``caches[alias]`` builds a new backend object per asyncio task on first use.
+_valid: BaseCache = caches["api_keys"]  # digest -> CachedKey
+_unknown: BaseCache = caches["api_keys_unknown"]  # digest -> True
 
 
 @dataclass(frozen=True)
@@ -148,8 +104,7 @@ _tick = _Tick()
 
 
 def _revocations_apply(hashes: list[str]) -> None:
-    for key_hash in hashes:
-        _valid.discard(key_hash)
+    _valid.delete_many(hashes)
 
 
 async def _tick_run(now: float) -> None:
@@ -232,9 +187,8 @@ def _digest(raw_key: str) -> str:
 
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     digest = _digest(raw_key)
-    now = time.monotonic()
-    await _tick_run(now)
-    cached = _valid.get(digest, now)
+    await _tick_run(time.monotonic())
+    cached = _valid.get(digest)
     if cached is not None:
         return _noted(cached)
     loop = asyncio.get_running_loop()
@@ -246,17 +200,17 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
             return KeyCheck(None)
         if shared is not _FAILED:
             return _noted(shared[0])
-        return (await _key_load(raw_key, digest=digest, address=address, now=now))[0]
+        return (await _key_load(raw_key, digest=digest, address=address))[0]
     pending = _inflight[digest] = loop.create_future()
     result: object = _FAILED
     try:
-        check, result = await _key_load(raw_key, digest=digest, address=address, now=now)
+        check, result = await _key_load(raw_key, digest=digest, address=address)
         return check
     finally:
         _inflight_done(digest, pending, result)
 
 
-async def _key_load(raw_key: str, *, digest: str, address: str, now: float) -> tuple[KeyCheck, object]:
+async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyCheck, object]:
     """The check of a key not in the valid cache, and what callers waiting on
     it take from it: the lookup's result, or _FAILED (throttled: none made)."""
     # Not known to be good: it costs the address an attempt, given back if
@@ -266,16 +220,17 @@ async def _key_load(raw_key: str, *, digest: str, address: str, now: float) -> t
     taken = await budget.take_call(address).run_async()
     if not taken.allowed:
         return KeyCheck(None, retry_after_ms=taken.retry_after_ms), _FAILED
-    if _unknown.get(digest, now):
+    if _unknown.get(digest):
         return KeyCheck(None), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
-        _unknown.put(digest, True, time.monotonic() + cache_s)
+        _unknown.set(digest, True, timeout=cache_s)
         return KeyCheck(None), None
     cached, expires_in = loaded
     await budget.refund_call(address).run_async()
-    _valid.put(digest, cached, time.monotonic() + (cache_s if expires_in is None else min(cache_s, expires_in)))
+    # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
+    _valid.set(digest, cached, timeout=cache_s if expires_in is None else min(cache_s, expires_in))
     return _noted(cached), loaded
 
 

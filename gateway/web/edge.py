@@ -10,6 +10,8 @@ answer on /v1 is OpenAI-shaped JSON, whatever goes wrong and wherever.
   error instead of Django's HTML page.
 - ``as_openai_error``: any non-JSON error response (Django's 404/405/400
   pages) rewritten in OpenAI's shape, keeping its status and headers.
+- ``api_answered``: the two above around Django's view call, with a bad
+  Host refused before any view runs.
 
 llm_platform/asgi.py wires them around the /v1 handler."""
 
@@ -23,6 +25,7 @@ from django.conf import settings
 from django.core.exceptions import BadRequest, DisallowedHost, PermissionDenied, RequestDataTooBig, SuspiciousOperation
 from django.http import Http404, HttpRequest, HttpResponse
 
+from adapters.django import GetResponse
 from gateway.core.errors import error_body
 from gateway.web.responses import openai_error
 
@@ -138,3 +141,20 @@ def as_openai_error(response: HttpResponse) -> HttpResponse:
         if name in response:
             rewritten[name] = response[name]
     return rewritten
+
+
+def api_answered(view_response: GetResponse) -> GetResponse:
+    """``view_response`` (Django's URL resolution and view call) with every
+    answer OpenAI-shaped JSON, whatever went wrong."""
+
+    async def answered(request: HttpRequest) -> HttpResponse:
+        try:
+            # A bad Host is refused before any view runs: a view that asked
+            # only after its work (a job created) would answer 400 for work done.
+            request.get_host()
+            response = await view_response(request)
+        except Exception as exc:  # noqa: BLE001 - every /v1 answer is JSON, whatever went wrong
+            response = api_error_response(request, exc)
+        return as_openai_error(response)
+
+    return answered

@@ -1,6 +1,7 @@
-"""The /v1 ASGI handler (llm_platform/asgi.py) answers without starting a
-thread per request (Django's own handler starts and joins one for each), and
-a client that goes away cancels its view as in Django's."""
+"""The /v1 ASGI handler (adapters/django.py, wired in llm_platform/asgi.py)
+answers without starting a thread per request (Django's own handler starts
+and joins one for each), and a client that goes away cancels its view as in
+Django's."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def test_v1_answers_start_no_thread_per_request(monkeypatch):
 
 
 def test_a_client_that_leaves_cancels_its_view(monkeypatch):
+    from adapters.django import MiddlewareFreeASGIHandler
     from llm_platform import asgi
 
     cancelled = asyncio.Event()
@@ -79,7 +81,7 @@ def test_a_client_that_leaves_cancels_its_view(monkeypatch):
             raise
 
     async def main() -> list[dict]:
-        monkeypatch.setattr(asgi.ApiHandler, "get_response_async", lambda self, request: slow_view(request))
+        monkeypatch.setattr(MiddlewareFreeASGIHandler, "get_response_async", lambda self, request: slow_view(request))
         return await asyncio.wait_for(_call(asgi.api_application, _scope("/v1/models"), disconnect_after_s=0.05),
                                       timeout=5)
 
@@ -111,7 +113,7 @@ def test_a_view_whose_cancel_python_lost_is_cancelled_again():
     """Python 3.11's wait_for returns its result instead of raising when the
     cancel reaches it in the same turn as its inner call finishes: the
     handler cancels again until the view has ended."""
-    from llm_platform.asgi import cancel_until_done
+    from adapters.django import cancel_until_done
 
     async def main() -> tuple[bool, list]:
         loop = asyncio.get_running_loop()
@@ -136,7 +138,7 @@ def test_a_view_whose_cancel_python_lost_is_cancelled_again():
 
 
 def test_no_cancel_once_the_handler_has_finished():
-    from llm_platform.asgi import cancel_until_done
+    from adapters.django import cancel_until_done
 
     async def main() -> list[str]:
         finished = {"v": False}
@@ -158,62 +160,6 @@ def test_no_cancel_once_the_handler_has_finished():
         return steps
 
     assert asyncio.run(main()) == ["cancelled", "after"]
-
-
-def test_a_path_is_resolved_once_and_its_match_kept(monkeypatch):
-    import uuid
-
-    from django.urls import resolvers
-
-    from llm_platform import asgi
-
-    walks: list[str] = []
-    original = resolvers.URLResolver.resolve
-
-    def counting_resolve(self, path):
-        if self.pattern.regex.pattern == "^/":  # the root's walk, not its includes'
-            walks.append(path)
-        return original(self, path)
-
-    monkeypatch.setattr(resolvers.URLResolver, "resolve", counting_resolve)
-    asgi._resolved.cache_clear()
-    job_a, job_b = uuid.uuid4(), uuid.uuid4()
-    paths = ["/v1/models", "/v1/models", f"/v1/jobs/{job_a}", f"/v1/jobs/{job_b}", f"/v1/jobs/{job_a}",
-             "/v1/models"]
-    seen = []
-
-    async def observed(request):
-        response = await handler._api_response(request)  # resolves the path and runs its view
-        seen.append((request.path, request.resolver_match.url_name, dict(request.resolver_match.kwargs)))
-        return response
-
-    handler = asgi.ApiHandler()
-    handler._observed_chain = observed
-
-    async def main() -> list[int]:
-        return [(await _call(handler, _scope(path)))[0]["status"] for path in paths]
-
-    statuses = asyncio.run(main())
-    assert statuses == [401] * len(paths)  # no key: each view ran and answered
-    assert walks == ["/v1/models", f"/v1/jobs/{job_a}", f"/v1/jobs/{job_b}"]  # one walk per path
-    assert seen == [
-        ("/v1/models", "models", {}), ("/v1/models", "models", {}),
-        (f"/v1/jobs/{job_a}", "job-detail", {"job_id": job_a}), (f"/v1/jobs/{job_b}", "job-detail", {"job_id": job_b}),
-        (f"/v1/jobs/{job_a}", "job-detail", {"job_id": job_a}), ("/v1/models", "models", {}),
-    ]
-
-
-def test_a_path_that_resolves_to_nothing_is_not_kept():
-    from llm_platform import asgi
-
-    asgi._resolved.cache_clear()
-
-    async def main() -> list[dict]:
-        return [await _call(asgi.application, _scope(f"/v1/nothing-{n}")) for n in range(50)]
-
-    answers = asyncio.run(main())
-    assert [sent[0]["status"] for sent in answers] == [404] * 50
-    assert asgi._resolved.cache_info().currsize == 0
 
 
 def test_header_reads_what_request_headers_gives():
