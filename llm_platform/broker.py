@@ -23,9 +23,6 @@ sends the same two writes in the same MULTI/EXEC as ``Commands``
 (budgets/admission/redis_client.py) rather than through redis-py's
 ``Pipeline``, which cost about as much again as the writes themselves.
 
-Its connection pools are ``LeanPool``s (budgets/admission/redis_client.py):
-redis-py's pool without the metrics it records on every checkout and return.
-
 Selected for every ``redis`` broker URL of Sluice's processes (``redis://``
 and the embedded ``redis+socket://``): kombu takes the transport from the
 URL's scheme, so the alias is what picks it (``broker_transport`` cannot win
@@ -46,7 +43,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-from budgets.admission.redis_client import Commands, LeanPool, Sent
+from budgets.admission.redis_client import Commands, Sent
 
 TRANSPORT = "llm_platform.broker:Transport"
 
@@ -215,11 +212,6 @@ class Channel(kombu_redis.Channel):
 
         self.connection._callbacks[queue] = deliver
         return ret
-
-    def _get_pool(self, asynchronous: bool = False):
-        params = self._connparams(asynchronous=asynchronous)
-        self.keyprefix_fanout = self.keyprefix_fanout.format(db=params["db"])  # as kombu's own does
-        return LeanPool(**params)
 
     def _create_client(self, asynchronous: bool = False):
         if asynchronous:

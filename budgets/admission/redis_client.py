@@ -68,77 +68,6 @@ def _options(blocking: bool) -> dict:
     }
 
 
-class LeanPool(redis.ConnectionPool):
-    """redis-py's connection pool, checking a connection out and back in
-    without the metrics it records on both (four counter updates, each
-    behind a lookup of the pool's name, and a deprecation check of the
-    arguments: about 11 µs of CPU a round trip on redis-py 8, measured in
-    bench/PROFILE.md round 7). What a checkout guarantees is kept: a
-    process that forked starts a pool of its own; the connection is
-    connected; one with unread data or closed by Redis while idle is
-    reconnected before it is handed out. Sluice reads no redis-py metrics."""
-
-    def get_connection(self, command_name=None, *keys, **options):  # noqa: ARG002 - the parent's signature
-        self._checkpid()
-        with self._lock:
-            try:
-                connection = self._available_connections.pop()
-            except IndexError:
-                connection = self.make_connection()
-            self._in_use_connections.add(connection)
-        try:
-            connection.connect()
-            try:
-                stale = connection.can_read()  # data left over, or Redis closed it (EOF reads as data)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                stale = True
-            if stale:
-                connection.disconnect()
-                connection.connect()
-                if connection.can_read():
-                    raise redis.exceptions.ConnectionError("Connection not ready")
-        except BaseException:
-            self.release(connection)
-            raise
-        return connection
-
-    def release(self, connection) -> None:
-        self._checkpid()
-        with self._lock:
-            if connection not in self._in_use_connections:
-                return  # not this pool's (or this process's pool's) connection
-            self._in_use_connections.remove(connection)
-            if not self.owns_connection(connection):
-                connection.disconnect()  # made before a fork: its socket is the parent's
-                return
-            if connection.should_reconnect():
-                connection.disconnect()
-            self._available_connections.append(connection)
-
-
-class LeanAsyncPool(aioredis.ConnectionPool):
-    """``LeanPool`` for the asyncio client. A pool serves one event loop
-    (``get_async_redis``) and taking a connection off its list never awaits,
-    so no lock is needed around it."""
-
-    async def get_connection(self, command_name=None, *keys, **options):  # noqa: ARG002
-        connection = self.get_available_connection()
-        try:
-            await self.ensure_connection(connection)
-        except BaseException:
-            await self.release(connection)
-            raise
-        return connection
-
-    async def release(self, connection) -> None:
-        if connection not in self._in_use_connections:
-            return
-        self._in_use_connections.remove(connection)
-        if connection.should_reconnect():
-            await connection.disconnect()
-        self._available_connections.append(connection)
-
-
 def get_redis(*, blocking: bool = False) -> SyncRedis:
     key = "blocking" if blocking else "fast"
     client = _sync_clients.get(key)
@@ -151,9 +80,7 @@ def get_redis(*, blocking: bool = False) -> SyncRedis:
                     client = redis.cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=512,
                                                                  **_options(blocking))
                 else:
-                    client = redis.Redis(connection_pool=LeanPool.from_url(
-                        settings.REDIS_URL, max_connections=512, **_options(blocking)))
-                    client.auto_close_connection_pool = True  # as from_url's client: its close() closes the pool
+                    client = redis.Redis.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
                 _sync_clients[key] = client
     return client
 
@@ -168,9 +95,7 @@ def get_async_redis(*, blocking: bool = False) -> AsyncRedis:
             client = aioredis_cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=4096,
                                                             **_options(blocking))
         else:
-            client = aioredis.Redis(connection_pool=LeanAsyncPool.from_url(
-                settings.REDIS_URL, max_connections=4096, **_options(blocking)))
-            client.auto_close_connection_pool = True
+            client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
         _async_clients[key] = client
     return client
 
