@@ -269,19 +269,6 @@ SLUICE_TRUSTED_PROXIES = tuple(p.strip() for p in os.environ.get("SLUICE_TRUSTED
 # Keys remembered per web process: valid ones and, apart, unknown ones (a
 # flood of random keys only churns the second).
 SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
-_KEY_CACHE = {
-    "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
-    "TIMEOUT": SLUICE_AUTH_CACHE_S,
-    # Full, one entry out per entry in, the least recently used (a cull of
-    # one: MAX_ENTRIES // CULL_FREQUENCY).
-    "OPTIONS": {"MAX_ENTRIES": max(1, SLUICE_AUTH_CACHE_SIZE), "CULL_FREQUENCY": max(1, SLUICE_AUTH_CACHE_SIZE)},
-}
-CACHES = {
-    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},  # Django's own default
-    # gateway/web/auth.py: each a store of its own (its LOCATION), per process.
-    "api_keys": {**_KEY_CACHE, "LOCATION": "sluice-api-keys"},
-    "api_keys_unknown": {**_KEY_CACHE, "LOCATION": "sluice-api-keys-unknown"},
-}
 # How often (at most) each web process asks the database which keys were
 # revoked lately: a revoked key stops working within about this long.
 SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)

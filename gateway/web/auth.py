@@ -20,9 +20,11 @@ writes them to ``ApiKey.last_used_at`` in one batch
 (gateway/core/key_usage.py): never an UPDATE per request.
 
 Valid and unknown keys are remembered in two separate bounded caches
-(Django's locmem cache, the ``api_keys`` and ``api_keys_unknown`` aliases,
-least recently used out first): a flood of random keys only churns the
-unknown ones, never evicting the keys real callers use. Unknown keys also
+(cachetools' ``TLRUCache``: each entry with its own expiry, least recently
+used out first when full; SLUICE_AUTH_CACHE_SIZE entries each): a flood of
+random keys only churns the unknown ones, never evicting the keys real
+callers use. Both live on the event loop's thread, which alone reads and
+writes them. Unknown keys also
 count against the caller's address (gateway/core/throttle.py); past
 SLUICE_API_KEY_FAILURES_PER_ADDRESS in a window the address is answered 429
 without a database lookup.
@@ -44,8 +46,8 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from asgiref.sync import sync_to_async
+from cachetools import TLRUCache
 from django.conf import settings
-from django.core.cache import BaseCache, caches
 from django.db import DatabaseError
 from django.utils import timezone
 
@@ -65,10 +67,34 @@ class CachedKey:
     key_id: int
 
 
-# Django's cache framework, two locmem aliases (settings.CACHES), bound once:
-# ``caches[alias]`` builds a new backend object per asyncio task on first use.
-_valid: BaseCache = caches["api_keys"]  # digest -> CachedKey
-_unknown: BaseCache = caches["api_keys_unknown"]  # digest -> True
+@dataclass(frozen=True)
+class Kept:
+    """A cache entry and the monotonic time it lapses."""
+
+    value: object
+    until: float
+
+
+def key_cache(size: int) -> TLRUCache:
+    """A bounded cache whose entries lapse at their own ``Kept.until``."""
+    return TLRUCache(maxsize=max(1, size), ttu=lambda _key, kept, _now: kept.until, timer=time.monotonic)
+
+
+def _keep(cache: TLRUCache, digest: str, value: object, seconds: float) -> None:
+    """Keep ``value`` for ``seconds`` (0 or less: not kept)."""
+    if seconds > 0:
+        cache[digest] = Kept(value=value, until=time.monotonic() + seconds)
+    else:
+        cache.pop(digest, None)
+
+
+def _kept(cache: TLRUCache, digest: str):
+    kept = cache.get(digest)
+    return None if kept is None else kept.value
+
+
+_valid = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> CachedKey
+_unknown = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> True
 
 
 @dataclass(frozen=True)
@@ -104,7 +130,8 @@ _tick = _Tick()
 
 
 def _revocations_apply(hashes: list[str]) -> None:
-    _valid.delete_many(hashes)
+    for digest in hashes:
+        _valid.pop(digest, None)
 
 
 async def _tick_run(now: float) -> None:
@@ -188,7 +215,7 @@ def _digest(raw_key: str) -> str:
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     digest = _digest(raw_key)
     await _tick_run(time.monotonic())
-    cached = _valid.get(digest)
+    cached = _kept(_valid, digest)
     if cached is not None:
         return _noted(cached)
     loop = asyncio.get_running_loop()
@@ -220,17 +247,17 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
     taken = await budget.take_call(address).run_async()
     if not taken.allowed:
         return KeyCheck(None, retry_after_ms=taken.retry_after_ms), _FAILED
-    if _unknown.get(digest):
+    if _kept(_unknown, digest):
         return KeyCheck(None), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
-        _unknown.set(digest, True, timeout=cache_s)
+        _keep(_unknown, digest, True, cache_s)
         return KeyCheck(None), None
     cached, expires_in = loaded
     await budget.refund_call(address).run_async()
     # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
-    _valid.set(digest, cached, timeout=cache_s if expires_in is None else min(cache_s, expires_in))
+    _keep(_valid, digest, cached, cache_s if expires_in is None else min(cache_s, expires_in))
     return _noted(cached), loaded
 
 

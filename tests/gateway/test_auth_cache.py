@@ -1,5 +1,5 @@
-"""The key cache in one web process (gateway/web/auth.py, Django's locmem
-cache): a cached key is kept no later than its expiry, and a revocation the
+"""The key cache in one web process (gateway/web/auth.py, cachetools'
+TLRUCache): a cached key is kept no later than its expiry, and a revocation the
 poll finds drops it at once, however long SLUICE_AUTH_CACHE_S is. Across
 processes: tests/gateway/test_key_revocation.py."""
 

@@ -12,7 +12,6 @@ import threading
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
-from django.core.cache import caches
 from django.db import connection
 from django.utils import timezone
 
@@ -45,14 +44,9 @@ def lookups_close_their_connections(monkeypatch):
 
 @pytest.fixture
 def small_caches(settings, monkeypatch):
-    """Key caches of 8 entries each, stores of their own, so a flood
-    overflows them in a test (the aliases as settings.py defines them)."""
-    small = {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "TIMEOUT": settings.SLUICE_AUTH_CACHE_S,
-             "OPTIONS": {"MAX_ENTRIES": 8, "CULL_FREQUENCY": 8}}
-    settings.CACHES = {**settings.CACHES, "api_keys": {**small, "LOCATION": f"test-valid-{secrets.token_hex(4)}"},
-                       "api_keys_unknown": {**small, "LOCATION": f"test-unknown-{secrets.token_hex(4)}"}}
-    monkeypatch.setattr(auth, "_valid", caches["api_keys"])
-    monkeypatch.setattr(auth, "_unknown", caches["api_keys_unknown"])
+    """Key caches of 8 entries each, so a flood overflows them in a test."""
+    monkeypatch.setattr(auth, "_valid", auth.key_cache(8))
+    monkeypatch.setattr(auth, "_unknown", auth.key_cache(8))
 
 
 def test_a_flood_of_random_keys_does_not_evict_valid_keys(settings, make_caller, small_caches, monkeypatch):
@@ -69,7 +63,7 @@ def test_a_flood_of_random_keys_does_not_evict_valid_keys(settings, make_caller,
     # then the unknown-key cache kept the last 8, least recently used out
     # first, and the valid key is still served from its cache: revoked
     # meanwhile (the revocation poll held off), it still passes, so no lookup happened
-    remembered = [caches["api_keys_unknown"].get(auth._digest(key)) for key in flood]
+    remembered = [auth._kept(auth._unknown, auth._digest(key)) for key in flood]
     assert remembered == [None] * 92 + [True] * 8
     ApiKey.objects.filter(workload=caller.workload).update(revoked_at=timezone.now())
     assert check(caller.api_key, address="198.51.100.7").context.workload_id == caller.workload.id
