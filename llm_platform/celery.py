@@ -123,20 +123,11 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  
 
 from budgets.admission.redis_client import get_redis  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
-from llm_platform.broker import ARRIVAL_SENDS  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
-    # A request's first round trip (its record read, its claim) sent as its
-    # message arrives, alongside kombu's unacked write (gateway/worker/execution.py).
-    # Imported here: only a worker runs it (the web side never loads
-    # gateway.worker's tasks), and with the apps loaded.
-    from gateway.core.enqueue import EXECUTE_REQUEST_TASK
-    from gateway.worker.execution import delivery_trip_send
-
-    ARRIVAL_SENDS[EXECUTE_REQUEST_TASK] = delivery_trip_send
     gc_tune()
     shutdown_watch_start()
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
