@@ -1,11 +1,11 @@
-"""The broker transport (llm_platform/broker.py): kombu's Redis channel with
-one synchronous redis-py client per connection pool, against the real Redis
-the tests' broker uses."""
+"""The broker transport (adapters/kombu.py, installed by llm_platform/celery.py):
+picked for every redis broker URL and none other, and kombu's ack emulation
+through it, against the real Redis the tests' broker uses. Its client reuse
+and what it relies on in kombu: tests/adapters/test_kombu.py."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 
@@ -13,7 +13,7 @@ from celery import current_app
 from kombu import Connection, Exchange, Queue
 from kombu.transport import resolve_transport
 
-from llm_platform.broker import Channel, Transport
+from adapters.kombu import Transport
 
 
 def test_every_redis_broker_url_resolves_to_it_and_tls_and_sentinel_keep_kombus():
@@ -26,42 +26,6 @@ def test_every_redis_broker_url_resolves_to_it_and_tls_and_sentinel_keep_kombus(
     # and the app's own connection
     with current_app.connection_for_write() as conn:
         assert type(conn.transport) is Transport
-
-
-def test_a_channel_hands_out_one_sync_client_per_pool_and_a_new_one_for_a_new_pool():
-    with current_app.connection_for_write() as conn:
-        channel = conn.default_channel
-        assert isinstance(channel, Channel)
-        first = channel._create_client()
-        assert channel._create_client() is first
-        with channel.conn_or_acquire() as client:
-            assert client is first
-        # the asynchronous client (kombu's BRPOP connection) is still its own each time
-        assert channel._create_client(asynchronous=True) is not channel._create_client(asynchronous=True)
-        # a reconnect replaces the pool: the client follows it
-        channel._pool = None
-        second = channel._create_client()
-        assert second is not first and second.connection_pool is channel.pool
-
-
-def test_threads_racing_for_the_first_client_all_get_the_same_one():
-    with current_app.connection_for_write() as conn:
-        channel = conn.default_channel
-        channel._pool = None
-        channel._sync_client = None
-        start = threading.Barrier(8)
-        got = []
-
-        def take() -> None:
-            start.wait()
-            got.append(channel._create_client())
-
-        threads = [threading.Thread(target=take) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(got) == 8 and len({id(c) for c in got}) == 1
 
 
 def test_a_message_goes_through_and_its_ack_clears_the_unacked_bookkeeping(redis_client):
