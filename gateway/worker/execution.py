@@ -312,9 +312,8 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     answer was first, the finish settles and publishes that one.
 
     The caller has its answer before the ledger row and the departure's
-    round trip (about 0.65 ms p50 off every answer on a fast machine here:
-    bench/PROFILE.md rounds 15 and 16). A stream's outcome still goes after
-    the row, with its end marker (``finish_steps``)."""
+    round trip, which it does not wait for. A stream's outcome still goes
+    after the row, with its end marker (``finish_steps``)."""
     settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
                               pool_called=True)
     publish = () if record.stream else (publish_call(record, outcome),)
