@@ -11,13 +11,13 @@ from celery import Celery
 from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
+from adapters.kombu import transport_install
 from gateway.core.keys import WORKERS_READY
 from gateway.core.lanes import HOUSEKEEPING
-from llm_platform.broker import broker_transport_install
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
-# kombu's redis transport with one redis-py client per channel (llm_platform/broker.py).
-broker_transport_install()
+# kombu's redis transport with one redis-py client per connection pool (adapters/kombu.py).
+transport_install()
 
 app = Celery("sluice")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -43,8 +43,8 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     # Celery's Django fixup closes the task thread's database connection
     # before and after every task unless this is set: a new PostgreSQL
-    # connection per request (py-spy: psycopg's connect in the lane worker's
-    # top entries, bench/PROFILE.md). Kept instead, like any Django
+    # connection per request (psycopg's connect was among the lane worker's
+    # top entries in a profile). Kept instead, like any Django
     # connection (CONN_MAX_AGE); execute_request replaces a broken one
     # (close_old_connections) and retries on DATABASE_AWAY.
     CELERY_DB_REUSE_MAX=1_000,
@@ -123,20 +123,11 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  
 
 from budgets.admission.redis_client import get_redis  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
-from llm_platform.broker import ARRIVAL_SENDS  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 
 @worker_ready.connect
 def _mark_ready(sender=None, **kwargs) -> None:
-    # A request's first round trip (its record read, its claim) sent as its
-    # message arrives, alongside kombu's unacked write (gateway/worker/execution.py).
-    # Imported here: only a worker runs it (the web side never loads
-    # gateway.worker's tasks), and with the apps loaded.
-    from gateway.core.enqueue import EXECUTE_REQUEST_TASK
-    from gateway.worker.execution import delivery_trip_send
-
-    ARRIVAL_SENDS[EXECUTE_REQUEST_TASK] = delivery_trip_send
     gc_tune()
     shutdown_watch_start()
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())

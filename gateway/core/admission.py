@@ -30,7 +30,6 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
 from gateway.core.context import CallerContext
-from gateway.core.enqueue import EnqueueAlong
 from gateway.core.errors import budget_unavailable, no_reservation
 
 logger = logging.getLogger(__name__)
@@ -108,63 +107,42 @@ def _spend_held(hold: SpendHold, call: ScriptCall[bool], answered: object = None
 
 # A workload the pool refused in the last second (in this process) is asked
 # the old way, admission alone, the hold after it only if admitted: a storm of
-# refusals pays one plain script each, not the composed pair (bench/PROFILE.md
-# round 7). Bounded by the number of workloads.
+# refusals pays one plain script each, not the composed pair. Bounded by the
+# number of workloads.
 REFUSED_RECENTLY_S = 1.0
 _refused_at: dict[int, float] = {}
 
 
 def refused_recently(workload_id: int) -> bool:
     """Whether the pool refused this workload in this process within
-    ``REFUSED_RECENTLY_S``: its next admission goes alone, and its caller
-    builds nothing for after it (gateway/web/dispatch.py)."""
+    ``REFUSED_RECENTLY_S``: its next admission goes alone."""
     return time.monotonic() - _refused_at.get(workload_id, -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
 
 
-# ``spend`` not given: the plan works it out itself, when it needs it.
-SPEND_UNKNOWN = object()
-
-
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                   lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = SPEND_UNKNOWN,
-                   along: EnqueueAlong | None = None) -> Plan[Admission]:
+                   lease_ms: int, body_digest: str = "") -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
     if the spend refuses. Raises Rejected (the pool's reasons, spend_budget,
     no_reservation) or BudgetUnavailable. The pool goes first because it is
     what refuses most (a workload over its rate): such a refusal costs one
-    script, not a hold, the admission and the hold taken back
-    (bench/PROFILE.md). Both go in one round trip (``Together``), the hold
-    run only if the pool admitted (its guard: budgets/admission/admit.lua's 1
-    or 2), unless
-    the pool refused this workload within ``REFUSED_RECENTLY_S``; a config
-    to rebuild takes them apart again. ``body_digest``: the request body's,
-    which tells a client's retry of a held request (budgets/admission/admit.lua).
-    ``spend``: the request's ``spend_hold_for``, when the caller has it.
-    ``along``: the request's record and lane message, written by the round
-    trip's last step when the admission admits it on its own reservation
-    (gateway/core/enqueue.lua; ``along.written`` says whether it did); not
-    sent for a workload refused recently, whose admission goes alone."""
+    script, not a hold, the admission and the hold taken back. Both go in
+    one round trip (``Together``), the hold run only if the pool admitted
+    (its guard: budgets/admission/admit.lua's 1 or 2), unless the pool
+    refused this workload within ``REFUSED_RECENTLY_S``; a config to rebuild
+    takes them apart again. ``body_digest``: the request body's, which tells
+    a client's retry of a held request (budgets/admission/admit.lua)."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms, body_digest=body_digest)
     together = not refused_recently(ctx.workload_id)
-    if spend is SPEND_UNKNOWN and together:
-        spend = spend_hold_for(ctx, model=model, estimate=estimate)
-    hold = spend if together else None
+    hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                                           estimated_tokens=estimate.total_tokens)
-    along = along if together else None
     answered = None
     try:
         try:
-            if hold_call is None and along is None:
+            if hold_call is None:
                 admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
             else:
-                if hold_call is None:
-                    raw_admission, _ = yield Together((_raw(admit), along.call(admit_step=1, hold_step=0)))
-                elif along is None:
-                    raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
-                else:
-                    raw_admission, answered, _ = yield Together(
-                        (_raw(admit), _raw(hold_call), along.call(admit_step=1, hold_step=2)), guards=("", "1,2", ""))
+                raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
                 try:
                     admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
                 except NotConfigured:
@@ -177,7 +155,8 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     except NotConfigured as exc:
         raise no_reservation() from exc
     if not together:
-        hold = spend_hold_for(ctx, model=model, estimate=estimate) if spend is SPEND_UNKNOWN else spend
+        # Admitted alone: its spend is worked out and held now.
+        hold = spend_hold_for(ctx, model=model, estimate=estimate)
         if hold is not None:
             hold_call = spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                         estimated_tokens=estimate.total_tokens)
@@ -209,12 +188,10 @@ def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: 
 
 
 async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                              lease_ms: int, body_digest: str = "", spend: SpendHold | None | object = SPEND_UNKNOWN,
-                              along: EnqueueAlong | None = None) -> Admission:
-    """``request_admit`` for the async API views (``spend``, ``along``: as ``admission_plan``'s)."""
+                              lease_ms: int, body_digest: str = "") -> Admission:
+    """``request_admit`` for the async API views."""
     try:
         return await plan_run_async(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
-                                                   lease_ms=lease_ms, body_digest=body_digest, spend=spend,
-                                                   along=along))
+                                                   lease_ms=lease_ms, body_digest=body_digest))
     except BudgetUnavailable as exc:
         raise budget_unavailable() from exc

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from celery import current_app
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import Commands, LuaScript, ScriptCall, get_redis
+from budgets.admission.redis_client import Commands, get_redis
 from gateway.core import keys
 from gateway.core.concurrency import lane_limited
 from gateway.core.context import CallerContext
 from gateway.core.errors import budget_unavailable
 from gateway.core.held import held_commands
 from gateway.core.lanes import lane_for, queue_for_lane
-from gateway.core.metrics import arrival_commands, arrival_keys
+from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
 from gateway.core.records import RequestRecord, ttl_ms
 from gateway.core.settlement import request_refund, request_refund_async
@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 # The worker side's task (gateway/worker/tasks.py): a stable name, so queued
 # messages survive a deploy that moves code.
 EXECUTE_REQUEST_TASK = "gateway.execute_request"
-ENQUEUE = LuaScript(__package__, "enqueue.lua")
 
 
 def new_request_id() -> str:
@@ -116,61 +115,6 @@ def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: boo
         queue = queue_for_lane(record.lane)
         pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
                                        args=[record.request_id], kwargs=call_hint(record)))
-
-
-# A record's fields that its admission decides (enqueue.lua writes them).
-_ADMISSION_FIELDS = ("borrowed", "held", "admitted_ms", "deadline_ms", "retry_deadline_ms")
-
-
-@dataclass
-class EnqueueAlong:
-    """A request's record, arrival metrics and lane message, to be written by
-    the last step of its admission's round trip (gateway/core/enqueue.lua):
-    one round trip for the admission and the enqueue instead of two. Built
-    before the admission from ``record``, the record as it will be when the
-    request is admitted on its own reservation (not borrowed, not held),
-    ``admitted_ms`` 0, so that its deadlines are their offsets from it.
-    ``written``: the record as written, once the admission has run the step
-    and it wrote (None: it did not, and the caller enqueues as before)."""
-
-    record: RequestRecord
-    lease_ms: int
-    written: RequestRecord | None = None
-
-    def call(self, *, admit_step: int, hold_step: int) -> ScriptCall[RequestRecord | None]:
-        """The step, after the admission's at ``admit_step`` and its spend
-        hold's at ``hold_step`` (0: none), counted from 1 in the composed call."""
-        record = self.record
-        queue = queue_for_lane(record.lane)
-        static = [item for name, value in record.to_redis().items() if name not in _ADMISSION_FIELDS
-                  for item in (name, value)]
-        metrics, field, in_flight = arrival_keys(pool_id=record.pool_id, lane=record.lane)
-
-        def parse(raw) -> RequestRecord | None:
-            if int(raw[0]) != 1:
-                return None
-            self.written = replace(record, admitted_ms=float(raw[1]), deadline_ms=float(raw[2]),
-                                   retry_deadline_ms=float(raw[3]))
-            return self.written
-
-        return ScriptCall(
-            script=ENQUEUE,
-            keys=[keys.request_record(record.request_id), metrics, in_flight, queue],
-            args=[admit_step, hold_step, max(ttl_ms(), self.lease_ms), record.deadline_ms, record.retry_deadline_ms,
-                  self.lease_ms, field, record.request_id,
-                  task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
-                               args=[record.request_id], kwargs=call_hint(record)),
-                  *static],
-            parse=parse)
-
-
-def enqueue_along(record: RequestRecord, *, lease_ms: int) -> EnqueueAlong | None:
-    """An ``EnqueueAlong`` for ``record`` (built as its docstring says), or
-    None where the lane message cannot go in Redis's round trip (Celery
-    publishes it: gateway/core/task_message.py)."""
-    if not direct_publish() or record.borrowed or record.held or record.admitted_ms:
-        return None
-    return EnqueueAlong(record=record, lease_ms=lease_ms)
 
 
 def record_enqueue(record: RequestRecord, *, lease_ms: int) -> None:

@@ -34,8 +34,7 @@ def slot(now_s: float | None = None) -> int:
 def arrival_keys(*, pool_id: int, lane: str) -> tuple[str, str, str]:
     """Where an arrival is counted: the lane's metrics hash and this slot's
     field in it (HINCRBY 1), and the lane's in-flight set (ZADD the request,
-    scored by when it expires). ``arrival_commands`` and the admission's
-    own enqueue (gateway/core/enqueue.lua) write them."""
+    scored by when it expires), written by ``arrival_commands``."""
     return keys.pool_metrics(pool_id, lane), f"a:{slot()}", keys.lane_in_flight(pool_id, lane)
 
 

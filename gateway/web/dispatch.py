@@ -20,15 +20,14 @@ from budgets.admission.redis_client import REDIS_UNAVAILABLE, Commands, get_asyn
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.admission import (SPEND_UNKNOWN, lease_ttl_ms, refused_recently, request_admit_async,
-                                    spend_hold_for)
+from gateway.core.admission import lease_ttl_ms, request_admit_async
 from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.context import CallerContext
-from gateway.core.enqueue import enqueue_along, new_request_id, record_build, record_enqueue_async
+from gateway.core.enqueue import new_request_id, record_build, record_enqueue_async
 from gateway.core.errors import queue_timeout, worker_lost
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
-from gateway.core.observability import admission_observe, settlement_report
+from gateway.core.observability import settlement_report
 from gateway.core.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
                                   claim_call, heartbeat_holder, ledger_entry)
 from gateway.core.settlement import request_refund_async
@@ -207,43 +206,20 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     estimate = chat_estimate(ctx, chat)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
-    payload: dict | None = None
-
-    def built(admission: Admission) -> RequestRecord:
-        nonlocal payload
-        payload = payload if payload is not None else pool_payload(chat, estimate)
-        return replace(record_build(
-            ctx, request_id=request_id, model=chat.model, payload=payload, estimate=estimate, admission=admission,
-            deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
-            # Retries must end while the caller still waits for them.
-            retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
-        ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
-
-    # The record as it will be if admitted on the workload's own reservation,
-    # written with the admission, in its round trip (gateway/core/enqueue.lua).
-    # Not for a workload refused a moment ago: a storm of refusals builds no
-    # record (its admission goes alone anyway).
-    spend, along = SPEND_UNKNOWN, None
-    if not refused_recently(ctx.workload_id):
-        spend = spend_hold_for(ctx, model=chat.model, estimate=estimate)
-        along = enqueue_along(built(Admission(
-            request_id=request_id, pool_id=ctx.pool_id, workload_id=ctx.workload_id,
-            input_tokens=estimate.input_tokens, output_tokens=estimate.output_tokens, borrowed=False, rate_limits=None,
-            admitted_ms=0.0, spend_month=spend.month if spend is not None else "")), lease_ms=lease_ms)
     try:
         admission = await request_admit_async(ctx, request_id=request_id, model=chat.model, estimate=estimate,
-                                              lease_ms=lease_ms, body_digest=body_digest, spend=spend, along=along)
+                                              lease_ms=lease_ms, body_digest=body_digest)
     except Rejected as rejected:
         rejected.estimated_tokens = rejected.estimated_tokens or estimate.total_tokens  # for rejection stats
         raise
-    if along is not None and along.written is not None:
-        record = along.written
-        log_annotate(lane=record.lane)
-        admission_observe(record=record)
-    else:
-        record = built(admission)
-        log_annotate(lane=record.lane)
-        await record_enqueue_async(record, lease_ms=lease_ms)
+    record = replace(record_build(
+        ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
+        admission=admission, deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
+        # Retries must end while the caller still waits for them.
+        retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
+    ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
+    log_annotate(lane=record.lane)
+    await record_enqueue_async(record, lease_ms=lease_ms)
 
     try:
         first_wait = _StreamFirstWait(record) if record.stream else None

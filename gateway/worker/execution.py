@@ -14,7 +14,6 @@ import json
 import logging
 import random
 import re
-import threading
 import time
 from dataclasses import replace
 
@@ -26,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
 from budgets.admission.provider_limits import SentMark, retry_after_ms
-from budgets.admission.redis_client import (LuaScript, ScriptCall, Sent, Together, get_redis, redis_now_ms,
+from budgets.admission.redis_client import (LuaScript, ScriptCall, Together, get_redis, redis_now_ms,
                                              script_calls_run)
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
@@ -36,7 +35,6 @@ from gateway.core.concurrency import lane_limited
 from gateway.core.enqueue import CallHint
 from gateway.core.errors import error_body
 from gateway.core.finish import finish_steps, request_finish
-from gateway.core.held import mark_parse
 from gateway.core.log_context import log_annotate
 from gateway.core.observability import lease_expiry_report, upstream_answer_observe
 from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDELIVERED, REQUEUE, RUNNING, WORKER,
@@ -314,9 +312,8 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     answer was first, the finish settles and publishes that one.
 
     The caller has its answer before the ledger row and the departure's
-    round trip (about 0.65 ms p50 off every answer on a fast machine here:
-    bench/PROFILE.md rounds 15 and 16). A stream's outcome still goes after
-    the row, with its end marker (``finish_steps``)."""
+    round trip, which it does not wait for. A stream's outcome still goes
+    after the row, with its end marker (``finish_steps``)."""
     settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
                               pool_called=True)
     publish = () if record.stream else (publish_call(record, outcome),)
@@ -356,85 +353,6 @@ def _first_trip_run(trip: Together, client) -> list:
     return script_calls_run(list(trip.calls), client, guards=trip.guards)
 
 
-class _EarlyTrips:
-    """First round trips sent by the lane worker's consumer as their message
-    arrived (``delivery_trip_send``), for the task that runs it to take:
-    keyed by (request id, generation), oldest first, a few hundred at most
-    (a message whose task never ran here leaves its claim to its lease).
-    The consumer reads each answer once the task is handed over, unless the
-    task has read it first (``Sent``)."""
-
-    LIMIT = 512
-
-    def __init__(self) -> None:
-        self._trips: dict[tuple[str, int], list[Sent]] = {}
-        self._lock = threading.Lock()
-
-    def keep(self, key: tuple[str, int], sent: Sent) -> None:
-        with self._lock:
-            self._trips.setdefault(key, []).append(sent)
-            while len(self._trips) > self.LIMIT:
-                del self._trips[next(iter(self._trips))]
-
-    def take(self, key: tuple[str, int]) -> Sent | None:
-        with self._lock:
-            waiting = self._trips.get(key)
-            if not waiting:
-                return None
-            sent = waiting.pop(0)
-            if not waiting:
-                del self._trips[key]
-            return sent
-
-
-EARLY_TRIPS = _EarlyTrips()
-
-
-def delivery_trip_send(*, args: list, kwargs: dict) -> Sent | None:
-    """The lane worker's consumer, as an ``execute_request`` message arrives
-    (llm_platform/broker.py): send the delivery's first round trip now, so
-    that it overlaps the broker's own bookkeeping write and Celery's hand-over
-    of the message to the task, instead of following them; the task takes it
-    (``request_execute``). None when nothing was sent (the task then asks
-    itself). The consumer's prefetch is one message per thread, so the task
-    starts at once, well within its claim's heartbeat (seconds)."""
-    try:
-        request_id = str(kwargs.get("request_id") or args[0])
-        generation = int(kwargs.get("generation", args[1] if len(args) > 1 else 0))
-        taken = mark_parse(str(kwargs.get("taken", args[2] if len(args) > 2 else "")))
-        hint = str(kwargs.get("call", args[3] if len(args) > 3 else ""))
-    except (IndexError, TypeError, ValueError):
-        return None  # a malformed message: the task says so
-    trip = _first_trip(request_id, generation=generation, taken=taken,
-                       call=CallHint.parse(hint) if hint else None)
-    if trip is None:
-        return None
-    try:
-        sent = trip.send(get_redis())
-    except REDIS_AWAY:
-        return None  # the task waits for Redis
-    if sent is not None:
-        EARLY_TRIPS.keep((request_id, generation), sent)
-    return sent
-
-
-def _early_results(request_id: str, generation: int) -> list | None:
-    """The first round trip's answer, when the consumer sent it; None when it
-    did not, or it failed (the task asks again: a claim this process made
-    already answers 'redelivered')."""
-    sent = EARLY_TRIPS.take((request_id, generation))
-    if sent is None:
-        return None
-    try:
-        results = sent.result()
-    except Exception:  # noqa: BLE001 - Redis away, a script error: asked again, where its error shows
-        logger.debug("request %s: its early claim failed; the task claims", request_id, exc_info=True)
-        return None
-    if request_id in HEARTBEATS.running():
-        return None  # a duplicate delivery while this very process runs it: _request_run drops it
-    return results
-
-
 def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None,
                     taken: SentMark | None = None, call: CallHint | None = None) -> str:
     """Run one delivery of an admitted request (``generation`` 0 is the first;
@@ -449,15 +367,12 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     ``taken``: the provider room taken for it when it was released from the
     held set (gateway/core/held.py). ``call``: the lane message's hint
     (gateway/core/enqueue.py ``CallHint``): the first delivery asks its
-    pool call's gate and take with its claim. The first round trip may have
-    been sent by the consumer as the message arrived (``EARLY_TRIPS``)."""
+    pool call's gate and take with its claim."""
     answered = {} if answered is None else answered
     client = get_redis()
     claim = asked = None
-    results = _early_results(request_id, generation)
-    if results is None:
-        trip = _first_trip(request_id, generation=generation, taken=taken, call=call)
-        results = _first_trip_run(trip, client) if trip is not None else None
+    trip = _first_trip(request_id, generation=generation, taken=taken, call=call)
+    results = _first_trip_run(trip, client) if trip is not None else None
     if results is not None:
         data, claim = results[0], results[1]
         if len(results) > 2 and results[2] is not None:
