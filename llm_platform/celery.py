@@ -11,13 +11,10 @@ from celery import Celery
 from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
-from adapters.kombu import transport_install
 from gateway.core.keys import WORKERS_READY
 from gateway.core.lanes import HOUSEKEEPING
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
-# kombu's redis transport with one redis-py client per connection pool (adapters/kombu.py).
-transport_install()
 
 app = Celery("sluice")
 app.config_from_object("django.conf:settings", namespace="CELERY")
