@@ -154,7 +154,7 @@ class Services:
             raise SystemExit("bench flushes its Redis database before each scenario; point REDIS_URL at a "
                              "dedicated db (e.g. redis://127.0.0.1:6379/13) or set BENCH_FLUSH_OK=1")
         self.redis.flushdb()
-        from budgets.admission.redis_client import reset_clients
+        from budgets.redis.clients import reset_clients
 
         reset_clients()
 

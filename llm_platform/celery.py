@@ -118,7 +118,7 @@ check_time_limits()
 # polling the broker with `inspect ping` (slow, and noisy under load).
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  # noqa: E402
 
-from budgets.admission.redis_client import get_redis  # noqa: E402
+from budgets.redis.clients import get_redis  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 

@@ -14,7 +14,7 @@ import logging
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note_start, unavailable_noted
+from budgets.redis.clients import REDIS_UNAVAILABLE, unavailable_note_start, unavailable_noted
 from budgets.errors import BudgetUnavailable
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from budgets.models import InferencePool
 from gateway.core import keys
 from gateway.core.metrics import pool_live_metrics, queue_depths

@@ -59,7 +59,7 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def redis_client():
-    from budgets.admission.redis_client import get_redis
+    from budgets.redis.clients import get_redis
 
     client = get_redis()
     client.ping()

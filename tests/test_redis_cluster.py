@@ -22,11 +22,11 @@ from redis.crc import key_slot
 from budgets.admission.buckets import admit_call, settle_call
 from budgets.admission.capacity import capacity_signal_call
 from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reconcile_call, spend_settle_call
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from budgets.ledger.rejections import rejection_count_call
 from gateway.core.metrics import departure_call
-from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call, record_claim_calls
-from gateway.worker.lane_slot import SlotHold, lane_signal_calls
+from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call, record_claim_steps
+from gateway.worker.lane_slot import SlotHold, lane_signal_steps
 from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
 from llm_platform.processes import ROOT
 from tests.redis_servers import LocalRedisCluster, PlainRedis
@@ -66,15 +66,15 @@ def test_every_script_call_names_keys_of_one_slot_and_none_empty():
         departure_call(pool_id=3, lane="interactive", request_id="req_0123abcd", time_in_system_ms=1),
     ]
     # A worker's read of the record and its claim run as one composed script.
-    read_and_claim = record_claim_calls("req_0123abcd", generation=0, holder="w")
+    read_and_claim = [step.call for step in record_claim_steps("req_0123abcd", generation=0, holder="w")]
     assert len(_one_slot([key for call in read_and_claim for key in call.keys])) == 1
     calls += read_and_claim
     for call in calls:
         assert len(_one_slot(call.keys)) == 1, (call.script.name, call.keys)
     # What a worker reports of one pool answer runs as one composed script
-    # (script_calls_run): all of its calls' keys share the pool's slot.
+    # (a RoundTrip): all of its calls' keys share the pool's slot.
     answer = Outcome(status="ok", upstream_ms=10, output_tokens=3, upstream_status=200)
-    signals = [*lane_signal_calls(record, answer, hold=SlotHold()),
+    signals = [*(step.call for step in lane_signal_steps(record, answer, hold=SlotHold())),
                capacity_signal_call(pool_id=3, event="ok", latency_per_token_ms=1.0),
                retry_budget_earn_call(pool_id=3, policy=RetryPolicy.from_settings())]
     assert len(_one_slot([key for call in signals for key in call.keys])) == 1

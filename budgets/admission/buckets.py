@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from budgets.admission import keys
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.errors import RateLimitSnapshot, Rejected
 
 # Both keep the pool's protected sum (protected_sum.lua, a shared library).

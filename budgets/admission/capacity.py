@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from budgets.admission import keys
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
+from budgets.redis.clients import get_redis
+from budgets.redis.scripts import LuaScript, ScriptCall
 
 CAPACITY = LuaScript(__package__, "capacity.lua")
 

@@ -10,7 +10,7 @@ from budgets.admission import keys
 from budgets.admission.bucket_config import pool_bucket_fields
 from budgets.admission.capacity import capacity_signal
 from budgets.models import InferencePool, Reservation
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from budgets.admission import keys
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis, redis_now_ms
+from budgets.redis.clients import get_redis, redis_now_ms
+from budgets.redis.scripts import LuaScript, ScriptCall
 
 PROBE = LuaScript(__package__, "probe.lua")
 

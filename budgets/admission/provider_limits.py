@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 from budgets.admission import keys
 from budgets.admission.capacity import capacity_signal
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 
 logger = logging.getLogger(__name__)
 

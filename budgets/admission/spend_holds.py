@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from budgets.admission import keys
 from budgets.admission.buckets import REASON_MESSAGES, NotConfigured
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.errors import Rejected
 
 SPEND_HOLD = LuaScript(__package__, "spend_hold.lua")

@@ -33,7 +33,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from budgets.admission import keys
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis, unavailable_note
+from budgets.redis.clients import get_redis, unavailable_note
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.models import InferencePool, RejectionSample, RejectionStat
 from tenants.models import Workload
 

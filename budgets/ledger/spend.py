@@ -37,7 +37,7 @@ from budgets.admission.spend_holds import spend_reconcile_call
 from budgets.models import UsageRecord
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notification_create
-from budgets.admission.redis_client import get_redis, unavailable_note
+from budgets.redis.clients import get_redis, unavailable_note
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from django.utils import timezone
 import httpx
 
 from budgets.admission import keys
-from budgets.admission.redis_client import get_redis, parked_release, redis_now_ms
+from budgets.redis.clients import get_redis, parked_release, redis_now_ms
 from budgets.models import AlertDelivery, AlertEvent, AlertSettings, Notification
 from tenants.models import Tenant
 from tenants.outbound import (SIGNATURE_HEADER, CallbackRefused, callback_signature, callback_target_resolve,

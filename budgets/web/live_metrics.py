@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from budgets.admission.pool_status import NOT_PROBED, PoolStatus
-from budgets.admission.redis_client import unavailable_note
+from budgets.redis.clients import unavailable_note
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,9 @@ Redis being away turned into a clear 503.
 Two atomic steps, because a tenant's spend and a pool's buckets carry
 different Redis Cluster hash tags and no script may touch both
 (budgets/admission/spend_holds.py): admit on the pool, then hold the spend,
-and give the lease back when the spend refuses. On a single Redis the two
-go in one round trip (``Together``), the hold only if the pool admitted. The flow is written once
+and give the lease back when the spend refuses. Both go in one round trip
+(``RoundTrip``: one script on a single Redis), the hold only if the pool
+admitted. The flow is written once
 (``admission_plan``); the sync caller (jobs: the API and the pacer) and the
 async one (the chat API) run it and differ only in the await."""
 
@@ -23,8 +24,9 @@ from django.conf import settings
 from budgets.admission.buckets import Admission, NotConfigured, admit_call, settle_call
 from budgets.admission.estimation import Estimate
 from budgets.admission.pool_config import pool_config_push
-from budgets.admission.redis_client import (REDIS_UNAVAILABLE, Plan, ScriptCall, Together, plan_run, plan_run_async,
-                                            raw_reply)
+from budgets.redis.clients import REDIS_UNAVAILABLE
+from budgets.redis.composition import Plan, RoundTrip, Step, answered, plan_run, plan_run_async
+from budgets.redis.scripts import ScriptCall, raw_reply
 from budgets.admission.spend_holds import SpendHold, spend_hold_call
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
@@ -90,13 +92,13 @@ def _raw(call: ScriptCall) -> ScriptCall:
     return ScriptCall(script=call.script, keys=call.keys, args=call.args, parse=raw_reply)
 
 
-def _spend_held(hold: SpendHold, call: ScriptCall[bool], answered: object = None) -> Plan[bool]:
-    """The spend hold, read from the answer it already gave (``answered``)
+def _spend_held(hold: SpendHold, call: ScriptCall[bool], given: object = None) -> Plan[bool]:
+    """The spend hold, read from the answer it already gave (``given``)
     or asked for now; the tenant's spend rebuilt once if Redis lacks it."""
     try:
-        if answered is not None:
+        if given is not None:
             try:
-                return call.parse(answered)
+                return call.parse(given)
             except NotConfigured:
                 yield partial(spend_rebuild, hold)
                 return (yield call)
@@ -119,6 +121,10 @@ def refused_recently(workload_id: int) -> bool:
     return time.monotonic() - _refused_at.get(workload_id, -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
 
 
+# budgets/admission/admit.lua's first answer when it admits: on the workload's own reservation, or as a loan.
+ADMITTED = (1, 2)
+
+
 def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
                    lease_ms: int, body_digest: str = "") -> Plan[Admission]:
     """Admit on the pool, then hold the spend, and give the pool's lease back
@@ -126,8 +132,8 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     no_reservation) or BudgetUnavailable. The pool goes first because it is
     what refuses most (a workload over its rate): such a refusal costs one
     script, not a hold, the admission and the hold taken back. Both go in
-    one round trip (``Together``), the hold run only if the pool admitted
-    (its guard: budgets/admission/admit.lua's 1 or 2), unless the pool
+    one round trip, the hold run only if the pool admitted (``ADMITTED``:
+    budgets/admission/admit.lua's answers), unless the pool
     refused this workload within ``REFUSED_RECENTLY_S``; a config to rebuild
     takes them apart again. ``body_digest``: the request body's, which tells
     a client's retry of a held request (budgets/admission/admit.lua)."""
@@ -136,19 +142,22 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                                           estimated_tokens=estimate.total_tokens)
-    answered = None
+    held = None
     try:
         try:
             if hold_call is None:
                 admission = yield from _configured(admit, partial(pool_config_rebuild, ctx.pool_id))
             else:
-                raw_admission, answered = yield Together((_raw(admit), _raw(hold_call)), guards=("", "1,2"))
+                answers = yield RoundTrip(
+                    Step("admit", _raw(admit)),
+                    Step("spend_hold", _raw(hold_call), only_if=answered("admit", *ADMITTED)))
+                raw_admission, held = answers["admit"], answers["spend_hold"]
                 try:
                     admission = admit.parse(raw_admission)  # a refusal raises here: the hold did not run
                 except NotConfigured:
                     yield partial(pool_config_rebuild, ctx.pool_id)
                     admission = yield admit
-                    answered = None  # the hold did not run: it is asked below
+                    held = None  # the hold did not run: it is asked below
         except Rejected:
             _refused_at[ctx.workload_id] = time.monotonic()
             raise
@@ -163,7 +172,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     if hold is None:
         return admission
     try:
-        yield from _spend_held(hold, hold_call, answered)
+        yield from _spend_held(hold, hold_call, held)
     except Exception:
         # The spend refused (or could not be asked): the request does not
         # exist, so neither does its lease. If Redis is away this fails too,

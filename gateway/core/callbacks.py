@@ -10,7 +10,7 @@ import logging
 from celery import current_app
 from django.db import transaction
 
-from budgets.admission.redis_client import get_redis, parked_release, redis_now_ms
+from budgets.redis.clients import get_redis, parked_release, redis_now_ms
 from gateway.core import keys
 from gateway.core.lanes import HOUSEKEEPING
 from tenants.outbound import (MAX_URL_LENGTH, SIGNATURE_HEADER, CallbackRefused, CallbackTarget, address_refusal, callback_signature, callback_signature_verify,

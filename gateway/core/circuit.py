@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from budgets.admission import keys as budget_keys
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
+from budgets.redis.clients import get_redis
+from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
 
 CIRCUIT = LuaScript(__package__, "circuit.lua")

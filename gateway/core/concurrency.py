@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
+from budgets.redis.clients import get_redis
+from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
 from gateway.core.lanes import BATCH, INTERACTIVE, INTERACTIVE_LONG
 

@@ -18,7 +18,8 @@ from celery import current_app
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import Commands, get_redis
+from budgets.redis.clients import get_redis
+from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.concurrency import lane_limited
 from gateway.core.context import CallerContext

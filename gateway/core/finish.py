@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from budgets.admission.redis_client import ScriptCall, Together, redis_now_ms
+from budgets.redis.clients import redis_now_ms
+from budgets.redis.composition import RoundTrip, Step
+from budgets.redis.scripts import ScriptCall
 from budgets.ledger.writer import usage_record_write
 from gateway.core.jobs import job_complete
 from gateway.core.metrics import departure_call
@@ -34,7 +36,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     gateway/worker/execution.py) can run each one on its own. ``now_ms``:
     the Redis clock now, when the caller knows it (read here otherwise).
     ``together``: the departure and the publish as one step, in one round
-    trip on a single Redis (``Together``); a failed request keeps them apart,
+    trip (``RoundTrip``); a failed request keeps them apart,
     so each runs even if the other fails. ``settled``: the buckets and the
     spend were settled on this outcome already, in the round trip that
     stored it (gateway/worker/execution.py ``_answer_keep_settled``).
@@ -65,8 +67,8 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
                               ledger_lag_s=total_ms / 1000 + written["s"])
 
     def departure_and_publish() -> None:
-        first, _ = Together((departure_call_(), publish_call(record, outcome))).run()
-        departed(first)
+        answers = RoundTrip(Step("departure", departure_call_()), Step("publish", publish_call(record, outcome))).run()
+        departed(answers["departure"])
 
     steps: list[tuple[str, Callable[[], object]]] = [] if settled else [
         ("settle", lambda: request_settle(record=record, input_tokens=outcome.input_tokens,

@@ -29,7 +29,7 @@ from django.conf import settings
 
 from budgets.admission import keys as budget_keys
 from budgets.admission.provider_limits import SentMark
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
 from gateway.core.records import RequestRecord
 

@@ -18,7 +18,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, LuaScript, ScriptCall, get_redis, redis_now_ms
+from budgets.redis.clients import REDIS_UNAVAILABLE, get_redis, redis_now_ms
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys

@@ -11,7 +11,7 @@ from datetime import datetime, timezone as dt_timezone
 
 from redis.exceptions import ResponseError
 
-from budgets.admission.redis_client import get_async_redis, get_redis
+from budgets.redis.clients import get_async_redis, get_redis
 from gateway.core import keys
 from tenants.services import api_keys_mark_used
 

@@ -14,7 +14,8 @@ from celery import current_app
 from budgets.admission import keys as budget_keys
 from budgets.admission.capacity import capacity_state
 from budgets.admission.pool_status import pool_status
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis
+from budgets.redis.clients import get_redis
+from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
 from gateway.core.circuit import circuit_state
 from gateway.core.concurrency import lane_limits_read

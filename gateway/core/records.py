@@ -18,7 +18,8 @@ from typing import Any
 
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.composition import Step, answered
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.ledger.pricing import TokenPrice
 from budgets.ledger.writer import LedgerEntry
 from gateway.core import keys
@@ -225,13 +226,12 @@ def claim_call(role: str, record: RequestRecord, *, generation: int = 0, holder:
     )
 
 
-def record_claim_calls(request_id: str, *, generation: int, holder: str) -> list[ScriptCall]:
-    """A worker's first two steps of a delivery in one script: read the
-    record (its fields as a dict, empty when there is none) and, only if
-    there is one, claim it as WORKER with the record's own deadlines. Run
-    with ``script_calls_run(..., guards=RECORD_CLAIM_GUARDS)``; the claim's
-    result is None when there was no record. Both keys carry the request's
-    tag, so this is one script on a cluster too."""
+def record_claim_steps(request_id: str, *, generation: int, holder: str) -> tuple[Step, Step]:
+    """A worker's first two steps of a delivery: ``record`` reads the record
+    (its fields as a dict, empty when there is none) and, only if there is
+    one, ``claim`` claims it as WORKER with the record's own deadlines (None
+    when there was no record). Both keys carry the request's tag, so they
+    are one script on a cluster too."""
     record_key = keys.request_record(request_id)
     read = ScriptCall(script=RECORD_READ, keys=[record_key],
                       args=[], parse=lambda raw: dict(zip(raw[1::2], raw[2::2])) if int(raw[0]) == 1 else {})
@@ -243,10 +243,7 @@ def record_claim_calls(request_id: str, *, generation: int, holder: str) -> list
               int(settings.SLUICE_REDELIVERY_WAIT_S * 1000)],
         parse=_claim,
     )
-    return [read, claim]
-
-
-RECORD_CLAIM_GUARDS = ("", "1")
+    return Step("record", read), Step("claim", claim, only_if=answered("record", 1))
 
 
 def worker_lost_outcome(record: RequestRecord, *, queue_wait_ms: int = 0) -> Outcome:

@@ -26,7 +26,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from budgets.admission.redis_client import Commands, SyncRedis, get_redis
+from budgets.redis.clients import SyncRedis, get_redis
+from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.records import Outcome, ttl_ms
 
@@ -50,7 +51,7 @@ def stream_append(client: SyncRedis, *, request_id: str, chunks: Sequence[str], 
     ``answer_if_lost``: with the first chunks, the request's stored answer
     (SET NX, before the XADD: no reader sees a chunk before it)."""
     stream_key = keys.request_stream(request_id)
-    # Plain commands in one write (budgets/admission/redis_client.py Commands:
+    # Plain commands in one write (budgets/redis/composition.py Commands:
     # no redis-py pipeline per chunk).
     commands = Commands(transaction=len(chunks) > 1)
     if answer_if_lost is not None:

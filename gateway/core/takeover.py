@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from budgets.admission.redis_client import SyncRedis, get_redis
+from budgets.redis.clients import SyncRedis, get_redis
 from gateway.core import keys
 from gateway.core.enqueue import record_requeue
 from gateway.core.finish import request_finish

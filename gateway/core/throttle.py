@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
 
 TAKE = LuaScript(__package__, "attempt_take.lua")

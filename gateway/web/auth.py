@@ -51,7 +51,7 @@ from django.conf import settings
 from django.db import DatabaseError
 from django.utils import timezone
 
-from budgets.admission.redis_client import REDIS_UNAVAILABLE
+from budgets.redis.clients import REDIS_UNAVAILABLE
 from gateway.core.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.throttle import api_key_address_budget

@@ -16,7 +16,8 @@ from django.conf import settings
 
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, Commands, get_async_redis
+from budgets.redis.clients import REDIS_UNAVAILABLE, get_async_redis
+from budgets.redis.composition import Commands
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys

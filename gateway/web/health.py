@@ -29,7 +29,7 @@ from django.db import connection
 from django.http import HttpRequest
 
 from budgets.admission.pool_status import pool_statuses
-from budgets.admission.redis_client import get_async_redis, get_redis
+from budgets.redis.clients import get_async_redis, get_redis
 from budgets.models import InferencePool
 from tenants.roles import user_is_platform_admin
 

@@ -10,7 +10,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 
-from budgets.admission.redis_client import get_async_redis
+from budgets.redis.clients import get_async_redis
 from gateway.core import keys
 
 TTL_MS = 24 * 3600 * 1000

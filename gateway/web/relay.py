@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from django.conf import settings
 from django.http import StreamingHttpResponse
 
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, get_async_redis
+from budgets.redis.clients import REDIS_UNAVAILABLE, get_async_redis
 from budgets.errors import Rejected
 from gateway.core import keys
 from gateway.core.errors import error_body

@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET
 
-from budgets.admission.redis_client import REDIS_UNAVAILABLE
+from budgets.redis.clients import REDIS_UNAVAILABLE
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.rejections import rejection_note
 from budgets.models import InferencePool

@@ -2,7 +2,7 @@
 -- _answer_keep, _answer_keep_settled): once, unless it replaces the answer a
 -- stream's first chunk stored. A script, not a plain SET, so it can go in the
 -- same round trip as what the answer tells the lane limits and the circuit,
--- and the settlement on it (Together).
+-- and the settlement on it (a RoundTrip).
 --
 -- KEYS: 1 the request's stored answer
 -- ARGV: 1 the answer (JSON), 2 ttl (ms), 3 '1': only if none is stored yet

@@ -25,8 +25,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from budgets.admission.buckets import settle_call
 from budgets.admission.capacity import capacity_signal_call
 from budgets.admission.provider_limits import SentMark, retry_after_ms
-from budgets.admission.redis_client import (LuaScript, ScriptCall, Together, get_redis, redis_now_ms,
-                                             script_calls_run)
+from budgets.redis.clients import get_redis, redis_now_ms
+from budgets.redis.composition import RoundTrip, Step, answered
+from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
@@ -37,13 +38,13 @@ from gateway.core.errors import error_body
 from gateway.core.finish import finish_steps, request_finish
 from gateway.core.log_context import log_annotate
 from gateway.core.observability import lease_expiry_report, upstream_answer_observe
-from gateway.core.records import (EXPIRED, LOST, REAP, RECORD_CLAIM_GUARDS, REDELIVERED, REQUEUE, RUNNING, WORKER,
-                                  Claim, Outcome, RequestRecord, claim_call, ledger_entry, publish_call,
-                                  record_claim_calls, ttl_ms, worker_lost_outcome)
-from gateway.core.settlement import SETTLED_GUARD, SPEND_AFTER_POOL_GUARD, request_settle, settlement_calls
+from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUNNING, WORKER, Claim, Outcome,
+                                  RequestRecord, claim_call, ledger_entry, publish_call, record_claim_steps, ttl_ms,
+                                  worker_lost_outcome)
+from gateway.core.settlement import SETTLED, request_settle, settlement_steps
 from gateway.core.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
-from gateway.worker.lane_slot import GateAsked, call_gate_calls, lane_signal_calls, lane_slot
+from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
@@ -170,11 +171,11 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
 
 
 def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None,
-              deferred: list[ScriptCall] | None = None, taken: SentMark | None = None,
+              deferred: list[Step] | None = None, taken: SentMark | None = None,
               asked: GateAsked | None = None) -> Outcome:
     """Call the pool, retrying only as the policy and the budgets allow, and
     feed every answer to the pool's adaptive capacity. ``deferred``: a list
-    the caller runs after (``_answer_keep_settled``'s ``along``, one round trip
+    the caller runs after (``_answer_keep_settled``'s ``signals``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
     no attempt is left) puts its signals there instead of sending them.
     ``taken``: the provider room its release took for the first attempt
@@ -192,20 +193,21 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
         # What the answer tells the circuit, the lane limits and the pool's
         # capacity (and, on the first attempt, the pool's retry budget): one
         # round trip, one script.
-        signals = lane_signal_calls(record, outcome, hold=slot)
+        signals = lane_signal_steps(record, outcome, hold=slot)
         if attempts == 0:
-            signals.append(retry_budget_earn_call(pool_id=record.pool_id, policy=policy))
+            signals.append(Step("retry_budget", retry_budget_earn_call(pool_id=record.pool_id, policy=policy)))
         if outcome.status == "ok":
             per_token = outcome.upstream_ms / (outcome.output_tokens + 1)
-            signals.append(capacity_signal_call(pool_id=record.pool_id, event="ok", latency_per_token_ms=per_token))
+            signals.append(Step("capacity", capacity_signal_call(pool_id=record.pool_id, event="ok",
+                                                                 latency_per_token_ms=per_token)))
         elif outcome.upstream_status == 429:
             throttled += 1
-            signals.append(capacity_signal_call(pool_id=record.pool_id, event="throttle",
-                                                retry_after_ms=outcome.retry_after_ms or 0))
+            signals.append(Step("capacity", capacity_signal_call(pool_id=record.pool_id, event="throttle",
+                                                                 retry_after_ms=outcome.retry_after_ms or 0)))
         if deferred is not None and (not retryable or attempts + 1 >= policy.max_attempts):
             deferred.extend(signals)
         else:
-            script_calls_run(signals)
+            RoundTrip(*signals).run()
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
@@ -301,56 +303,46 @@ def _answer_stored(client, record: RequestRecord, outcome: Outcome) -> Outcome:
 
 
 def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
-                         along: list[ScriptCall]) -> tuple[Outcome, bool, bool]:
+                         signals: list[Step]) -> tuple[Outcome, bool, bool]:
     """``_answer_keep`` for this delivery's own call, in one round trip:
-    ``along`` first (what the last attempt's answer tells the lane limits
-    and the circuit: ``pool_call``'s ``deferred``), the answer's store, then
-    the buckets' and the spend's settlement on it and, for an unstreamed
-    answer, its publish to the waiting caller, each run only when this
-    answer is the one stored (guards). Returns the answer to finish on,
+    ``signals`` first (what the last attempt's answer tells the lane limits
+    and the circuit: ``pool_call``'s ``deferred``), then ``answer_keep`` (the
+    answer's store), then, only when this answer is the one stored, the
+    buckets' and the spend's settlement on it and, for an unstreamed answer,
+    ``publish`` to the waiting caller. Returns the answer to finish on,
     whether it is settled already and whether published; when another
     answer was first, the finish settles and publishes that one.
 
     The caller has its answer before the ledger row and the departure's
     round trip, which it does not wait for. A stream's outcome still goes
     after the row, with its end marker (``finish_steps``)."""
-    settle = settlement_calls(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
-                              pool_called=True)
-    publish = () if record.stream else (publish_call(record, outcome),)
-    # The publish runs whenever the last settlement step ran (it answers {0}
-    # or {1, ...}), so only when this answer is the one stored.
-    guards = (("",) * len(along) + ("", "1") + (SPEND_AFTER_POOL_GUARD,) * (len(settle) - 1)
-              + (SETTLED_GUARD,) * len(publish))
-    results = Together((*along, _answer_store_call(record, outcome), *settle, *publish), guards=guards).run(client)
-    if results[len(along)]:
-        return outcome, True, bool(publish)
+    settle = settlement_steps(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
+                              pool_called=True, only_if=answered("answer_keep", 1))
+    steps = [*signals, Step("answer_keep", _answer_store_call(record, outcome)), *settle]
+    if not record.stream:
+        steps.append(Step("publish", publish_call(record, outcome), only_if=answered(settle[-1].name, *SETTLED)))
+    answers = RoundTrip(*steps).run(client)
+    if answers["answer_keep"]:
+        return outcome, True, not record.stream
     return _answer_stored(client, record, outcome), False, False
 
 
 def _first_trip(request_id: str, *, generation: int, taken: SentMark | None,
-                call: CallHint | None) -> Together | None:
-    """A delivery's first round trip: the record read and claimed (the claim
-    skipped when there is no record) and, for a first delivery whose lane
-    message carries its call's hint, the call's gate and take, only if this
-    delivery owns it then. One it then does not make (an answer stored by an
-    earlier delivery of the same message) leaves a half-open trial to its
-    lease and a take to its window. None: the record is read alone (a
-    stopping worker, or a request this process runs already)."""
+                call: CallHint | None) -> RoundTrip | None:
+    """A delivery's first round trip: ``record`` read and ``claim``ed (the
+    claim skipped when there is no record) and, for a first delivery whose
+    lane message carries its call's hint, the call's ``gate`` and ``take``,
+    only if this delivery owns it then. One it then does not make (an answer
+    stored by an earlier delivery of the same message) leaves a half-open
+    trial to its lease and a take to its window. None: the record is read
+    alone (a stopping worker, or a request this process runs already)."""
     if shutdown_requested() or request_id in HEARTBEATS.running():
         return None
-    calls = record_claim_calls(request_id, generation=generation, holder=HEARTBEATS.holder)
+    steps = record_claim_steps(request_id, generation=generation, holder=HEARTBEATS.holder)
     if call is not None and generation == 0 and taken is None and not lane_limited(call.lane):
-        gate = call_gate_calls(pool_id=call.pool_id, tokens=call.tokens, lane=call.lane,
-                               borrowed=call.borrowed, holder=request_id)
-        return Together((*calls, *gate), guards=(*RECORD_CLAIM_GUARDS, WORKER, "go"))
-    return Together(tuple(calls), guards=RECORD_CLAIM_GUARDS)
-
-
-def _first_trip_run(trip: Together, client) -> list:
-    if len(trip.calls) > 2:
-        return trip.run(client)
-    # The record and its claim share the request's hash tag: one script on a cluster too.
-    return script_calls_run(list(trip.calls), client, guards=trip.guards)
+        steps += call_gate_steps(pool_id=call.pool_id, tokens=call.tokens, lane=call.lane,
+                                 borrowed=call.borrowed, holder=request_id, only_if=answered("claim", WORKER))
+    return RoundTrip(*steps)
 
 
 def request_execute(*, request_id: str, generation: int = 0, answered: dict[str, Outcome] | None = None,
@@ -372,11 +364,11 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     client = get_redis()
     claim = asked = None
     trip = _first_trip(request_id, generation=generation, taken=taken, call=call)
-    results = _first_trip_run(trip, client) if trip is not None else None
-    if results is not None:
-        data, claim = results[0], results[1]
-        if len(results) > 2 and results[2] is not None:
-            asked = GateAsked(verdict=results[2], take=results[3])
+    if trip is not None:
+        answers = trip.run(client)
+        data, claim = answers["record"], answers["claim"]
+        if answers.get("gate") is not None:
+            asked = GateAsked(verdict=answers["gate"], take=answers["take"])
     else:
         data = client.hgetall(keys.request_record(request_id))
     if not data:
@@ -457,7 +449,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         else:
             try:
                 calling = time.monotonic()
-                signals: list[ScriptCall] = []
+                signals: list[Step] = []
                 outcome = replace(pool_call(record, deferred=signals, taken=taken, asked=asked),
                                   queue_wait_ms=queue_wait_ms)
                 if outcome.ttft_ms is not None:
@@ -471,7 +463,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
                     _answer_keep(client, record, interrupted_outcome(record, queue_wait_ms=queue_wait_ms))
                 raise HandBack(request_id) from interrupted
             answered[request_id] = outcome
-            outcome, settled, published = _answer_keep_settled(client, record, outcome, along=signals)
+            outcome, settled, published = _answer_keep_settled(client, record, outcome, signals=signals)
         request_finish(record=record, outcome=outcome, pool_called=True, now_ms=redis_now(), settled=settled,
                        published=published)
     return outcome.status

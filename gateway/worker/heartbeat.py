@@ -19,7 +19,7 @@ from typing import Iterator
 
 from django.conf import settings
 
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from gateway.core import keys
 from gateway.core.records import WORKER, heartbeat_holder
 

@@ -20,7 +20,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from budgets.admission.provider_limits import ProviderTake, SentMark, provider_take_call
-from budgets.admission.redis_client import ScriptCall, redis_now_ms, script_calls_run
+from budgets.redis.clients import redis_now_ms
+from budgets.redis.composition import RoundTrip, Step, answered
+from budgets.redis.scripts import ScriptCall
 from gateway.core.circuit import CircuitVerdict, circuit_gate, circuit_gate_call, circuit_record_call
 from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
 from gateway.core.lanes import BATCH, SCHEDULED
@@ -80,12 +82,14 @@ class GateAsked:
     take: ProviderTake | None
 
 
-def call_gate_calls(*, pool_id: int, tokens: int, lane: str, borrowed: bool,
-                    holder: str) -> list[ScriptCall]:
-    """The gate and the take of one pool call, to run in one round trip
-    with guards ("", "go"): the room is taken only if the gate says go."""
-    return [circuit_gate_call(pool_id=pool_id, holder=holder),
-            _take_call(pool_id=pool_id, tokens=tokens, lane=lane, borrowed=borrowed)]
+def call_gate_steps(*, pool_id: int, tokens: int, lane: str, borrowed: bool, holder: str,
+                    only_if=None) -> tuple[Step, Step]:
+    """The ``gate`` (the pool's circuit) and the ``take`` (the provider's
+    room) of one pool call: the room is taken only if the gate says go.
+    ``only_if``: the gate's own condition, in a longer round trip."""
+    return (Step("gate", circuit_gate_call(pool_id=pool_id, holder=holder), only_if=only_if),
+            Step("take", _take_call(pool_id=pool_id, tokens=tokens, lane=lane, borrowed=borrowed),
+                 only_if=answered("gate", "go")))
 
 
 def _take_call(*, pool_id: int, tokens: int, lane: str, borrowed: bool) -> ScriptCall[ProviderTake]:
@@ -132,10 +136,10 @@ def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
         circuit_wait(record)
         return provider_room_wait(record)
     if asked is None:
-        verdict, take = script_calls_run(call_gate_calls(
+        answers = RoundTrip(*call_gate_steps(
             pool_id=record.pool_id, tokens=record.estimated_input_tokens + record.estimated_output_tokens,
-            lane=record.lane, borrowed=record.borrowed, holder=record.request_id), guards=("", "go"))
-        asked = GateAsked(verdict=verdict, take=take)
+            lane=record.lane, borrowed=record.borrowed, holder=record.request_id)).run()
+        asked = GateAsked(verdict=answers["gate"], take=answers["take"])
     if not asked.verdict.go:
         circuit_wait(record)
         return provider_room_wait(record)
@@ -195,31 +199,32 @@ def provider_room_wait(record: RequestRecord, *, first: ProviderTake | None = No
 
 def lane_signal(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> None:
     """What one pool answer tells the lane limits and the circuit, in one round trip."""
-    script_calls_run(lane_signal_calls(record, outcome, hold=hold))
+    RoundTrip(*lane_signal_steps(record, outcome, hold=hold)).run()
 
 
-def lane_signal_calls(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> list[ScriptCall]:
-    """What one pool answer tells the lane limits: a short call's latency per
-    token, a limited lane's success, or a 429; and every answer (or its
-    absence) to the pool's circuit breaker. The calls, for the caller to run
-    together with its own (budgets.admission.redis_client.script_calls_run)."""
+def lane_signal_steps(record: RequestRecord, outcome: Outcome, *, hold: SlotHold) -> list[Step]:
+    """What one pool answer tells the pool's circuit breaker (``circuit``:
+    every answer, or its absence) and the lane limits (``lane_limit``: a
+    short call's latency per token, a limited lane's success, or a 429).
+    Steps for the caller to run in a round trip with its own."""
     if _pool_failed(outcome):
         code = str((outcome.body or {}).get("error", {}).get("code", ""))
-        calls: list[ScriptCall] = [circuit_record_call(
+        steps = [Step("circuit", circuit_record_call(
             pool_id=record.pool_id, holder=record.request_id, ok=False,
-            detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code)]
+            detail=f"HTTP {outcome.upstream_status}" if outcome.upstream_status else code))]
     else:
         # Any answer, a 429 included, says the pool is there.
-        calls = [circuit_record_call(pool_id=record.pool_id, holder=record.request_id, ok=True)]
+        steps = [Step("circuit", circuit_record_call(pool_id=record.pool_id, holder=record.request_id, ok=True))]
     if outcome.upstream_status == 429:
-        calls.append(lane_limit_call(pool_id=record.pool_id, event="throttle", value=0, extra=0))
+        steps.append(Step("lane_limit", lane_limit_call(pool_id=record.pool_id, event="throttle", value=0, extra=0)))
     elif outcome.status != "ok":
         pass
     elif record.lane == SIGNAL_LANE:
-        calls.append(lane_limit_call(pool_id=record.pool_id, event="short",
-                                     value=outcome.upstream_ms / (outcome.output_tokens + 1),
-                                     extra=record.admitted_ms, duration_ms=outcome.upstream_ms))
+        steps.append(Step("lane_limit", lane_limit_call(
+            pool_id=record.pool_id, event="short", value=outcome.upstream_ms / (outcome.output_tokens + 1),
+            extra=record.admitted_ms, duration_ms=outcome.upstream_ms)))
     elif lane_limited(record.lane):
-        calls.append(lane_limit_call(pool_id=record.pool_id, event="long", value=record.lane, extra=hold.in_use,
-                                     duration_ms=outcome.upstream_ms))
-    return calls
+        steps.append(Step("lane_limit", lane_limit_call(
+            pool_id=record.pool_id, event="long", value=record.lane, extra=hold.in_use,
+            duration_ms=outcome.upstream_ms)))
+    return steps

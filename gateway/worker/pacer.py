@@ -22,7 +22,7 @@ import time
 
 from django.db import close_old_connections
 
-from budgets.admission.redis_client import get_redis, redis_now_ms
+from budgets.redis.clients import get_redis, redis_now_ms
 
 from gateway.core import keys
 from gateway.core.callbacks import callback_retries_release

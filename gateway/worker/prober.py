@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 
 from budgets.admission.pool_status import pool_probe_record_call
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from budgets.models import InferencePool
 from gateway.core import keys
 from gateway.worker.pool_client import pool_api_key

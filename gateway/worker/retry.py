@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall, raw_reply
+from budgets.redis.scripts import LuaScript, ScriptCall, raw_reply
 from gateway.core import keys
 
 RETRY_BUDGET = LuaScript(__package__, "retry_budget.lua")

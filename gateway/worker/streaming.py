@@ -35,7 +35,7 @@ import openai
 
 import llm_tokens
 from budgets.admission.provider_limits import SentMark
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from gateway.core.errors import error_body
 from gateway.core.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.streams import stream_append

@@ -112,7 +112,7 @@ def test_i6_four_processes_by_eight_threads_admit_what_one_would(make_caller):
 
 
 def caller_counters(caller) -> dict[str, int]:
-    from budgets.admission.redis_client import get_redis
+    from budgets.redis.clients import get_redis
 
     raw = get_redis().hgetall(keys.pool_counters(caller.pool.id))
     return {k: int(v) for k, v in raw.items()}
@@ -153,7 +153,7 @@ def test_settlement_refunds_the_difference_once(make_caller):
     counters = caller_counters(caller)
     assert counters[f"{caller.workload.id}.debited_tok"] == 420
     assert counters[f"{caller.workload.id}.used_tok"] == 420
-    from budgets.admission.redis_client import get_redis
+    from budgets.redis.clients import get_redis
 
     assert get_redis().zcard(keys.pool_leases(caller.pool.id)) == 0
 

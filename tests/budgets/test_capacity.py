@@ -135,7 +135,7 @@ def test_a_request_too_big_for_a_shrunk_bucket_waits_rather_than_413(make_caller
                          prompt_tokens_cap=100, max_tokens_cap=10_000)
     for _ in range(5):  # 1.0 -> 0.03: the pool bucket holds ~600 tokens
         capacity_signal(pool_id=pool.id, event="throttle")
-        from budgets.admission.redis_client import get_redis
+        from budgets.redis.clients import get_redis
         get_redis().hset(keys.pool_capacity(pool.id), "last_decrease_ms", 0)
     with pytest.raises(Rejected) as excinfo:
         admit(pool_id=pool.id, workload_id=caller.workload.id, request_id="big", input_tokens=0,

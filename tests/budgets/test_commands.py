@@ -1,4 +1,4 @@
-"""Plain commands in one round trip (budgets.admission.redis_client
+"""Plain commands in one round trip (budgets.redis.composition
 Commands): the same writes and replies as redis-py's pipeline on a plain
 client, sync and async, with and without MULTI/EXEC; a refused command
 raises after every reply is read (the connection stays in step); a closed
@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from budgets.admission.redis_client import Commands
+from budgets.redis.composition import Commands
 
 KEY = "sluice:test:{commands}"
 

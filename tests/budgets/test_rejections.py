@@ -91,7 +91,7 @@ def test_flush_is_idempotent(world):
     # a flush that died after writing leaves the minute pending: redo it
     minute = RejectionStat.objects.get().minute
     pending_key = keys.rejection_pending_minutes(world.pool.id)
-    from budgets.admission.redis_client import get_redis
+    from budgets.redis.clients import get_redis
 
     get_redis().zadd(pending_key, {str(int(minute.timestamp())): int(minute.timestamp())})
     flush()
@@ -109,7 +109,7 @@ def test_late_rejection_for_a_flushed_minute_is_counted_exactly(world, redis_cli
     # when a late rejection for that same minute arrives (e.g. a slow web process)
     call_keys = [keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
                  keys.rejection_pending_minutes(world.pool.id)]
-    from budgets.admission.redis_client import lua_script
+    from budgets.redis.scripts import lua_script
 
     lua_script(redis_client, rejections.COUNT.source)(
         keys=call_keys, args=[minute, 5, 3600, f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", 1, 1, "{}"])
@@ -126,7 +126,7 @@ def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_clie
     def bulk_create_then_a_rejection_arrives(*args, **kwargs):
         created = real_bulk_create(*args, **kwargs)
         minute = int(args[0][0].minute.timestamp())
-        from budgets.admission.redis_client import lua_script
+        from budgets.redis.scripts import lua_script
 
         lua_script(redis_client, rejections.COUNT.source)(
             keys=[keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),

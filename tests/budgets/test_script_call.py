@@ -1,4 +1,4 @@
-"""One script call on the sync client (budgets.admission.redis_client
+"""One script call on the sync client (budgets.redis.scripts
 ScriptCall.run, its own EVALSHA on a pooled connection) answers exactly as
 redis-py's registered script does, loads the script again after SCRIPT FLUSH,
 replaces a connection Redis closed, and fails where redis-py fails."""
@@ -13,7 +13,8 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from budgets.admission.redis_client import LuaScript, ScriptCall, get_redis, lua_script
+from budgets.redis.clients import get_redis
+from budgets.redis.scripts import LuaScript, ScriptCall, lua_script
 from budgets.errors import BudgetUnavailable
 
 MIXED = LuaScript.of_source("test/mixed.lua", """

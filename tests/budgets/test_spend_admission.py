@@ -21,7 +21,7 @@ import pytest
 import llm_tokens
 from budgets.admission import keys
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import redis_now_ms
+from budgets.redis.clients import redis_now_ms
 from budgets.admission.spend_holds import HOLD_GRACE_MS, SpendHold, spend_hold_call
 from budgets.errors import Rejected
 from budgets.ledger.spend import spend_month, spend_month_to_date, spend_reconcile

@@ -43,7 +43,7 @@ class RedisMonitor:
 
     An EVALSHA that a Redis without the script answered NOSCRIPT ran
     nothing: its sender loads the script on the same connection and sends
-    it again (budgets/admission/redis_client.py), so an EVALSHA followed on
+    it again (budgets/redis/scripts.py), so an EVALSHA followed on
     its connection by SCRIPT LOAD is left out (MONITOR shows no replies).
     Otherwise a test's first script call on a fresh Redis would count twice."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from budgets.admission.redis_client import redis_now_ms
+from budgets.redis.clients import redis_now_ms
 from gateway.core.circuit import circuit_gate, circuit_record, circuit_state
 from gateway.core.records import RequestRecord
 from gateway.worker.lane_slot import circuit_wait

@@ -13,7 +13,7 @@ import pytest
 
 from budgets.admission import keys as budget_keys
 from budgets.admission.buckets import admit_call
-from budgets.admission.redis_client import redis_now_ms
+from budgets.redis.clients import redis_now_ms
 from gateway.core import keys
 from gateway.core.circuit import circuit_gate, circuit_record
 from gateway.core.held import held_release_call, mark_parse, mark_text

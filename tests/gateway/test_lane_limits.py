@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from budgets.admission.redis_client import redis_now_ms
+from budgets.redis.clients import redis_now_ms
 from gateway.core import keys
 from gateway.core.concurrency import (LIMITED_LANES, lane_limit_long_done, lane_limit_short_sample,
                                       lane_limit_throttle, lane_limits_read, slot_acquire_call, slot_lease_ms,

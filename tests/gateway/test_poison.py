@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from budgets.admission import keys
 from budgets.admission.estimation import Estimate
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from gateway.core.admission import lease_ttl_ms, request_admit

@@ -1,5 +1,5 @@
 """A worker's first round trip of a delivery (gateway/core/records.py
-record_claim_calls): the record read and, only when there is one, claimed
+record_claim_steps): the record read and, only when there is one, claimed
 with the record's own deadlines, in one script: on a single Redis and on a
 cluster (the keys share the request's tag)."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from budgets.admission.redis_client import redis_now_ms, script_calls_run
+from budgets.redis.clients import redis_now_ms
+from budgets.redis.composition import RoundTrip
 from gateway.core import keys
-from gateway.core.records import (EXPIRED, RECORD_CLAIM_GUARDS, WORKER, RequestRecord, record_claim_calls)
+from gateway.core.records import EXPIRED, WORKER, RequestRecord, record_claim_steps
 
 pytestmark = pytest.mark.redis_cluster
 
@@ -28,8 +29,8 @@ def _store(redis_client, record: RequestRecord) -> None:
 
 
 def test_no_record_no_claim(redis_client):
-    data, claim = script_calls_run(record_claim_calls("req_nothere", generation=0, holder="w@h:1"),
-                                   guards=RECORD_CLAIM_GUARDS)
+    answers = RoundTrip(*record_claim_steps("req_nothere", generation=0, holder="w@h:1")).run()
+    data, claim = answers["record"], answers["claim"]
     assert data == {} and claim is None
     assert not redis_client.exists(keys.request_owner("req_nothere"))
 
@@ -39,14 +40,13 @@ def test_a_record_is_read_whole_and_claimed_on_its_own_deadlines(redis_client):
     fresh, late = _record("req_fresh", deadline_ms=now + 60_000), _record("req_late", deadline_ms=now - 1_000)
     for record in (fresh, late):
         _store(redis_client, record)
-    data, claim = script_calls_run(record_claim_calls("req_fresh", generation=0, holder="w@h:1"),
-                                   guards=RECORD_CLAIM_GUARDS)
+    answers = RoundTrip(*record_claim_steps("req_fresh", generation=0, holder="w@h:1")).run()
+    data, claim = answers["record"], answers["claim"]
     assert RequestRecord.from_redis(data) == fresh
     assert (claim.verdict, claim.changed) == (WORKER, True)
     assert redis_client.get(keys.request_owner("req_fresh")) == "worker:0"
     # a record whose queue deadline has passed: the claim read it from the record
-    _, claim = script_calls_run(record_claim_calls("req_late", generation=0, holder="w@h:1"),
-                                guards=RECORD_CLAIM_GUARDS)
+    claim = RoundTrip(*record_claim_steps("req_late", generation=0, holder="w@h:1")).run()["claim"]
     assert claim.verdict == EXPIRED
     redis_client.delete(*(keys.request_record(r) for r in ("req_fresh", "req_late")),
                         keys.request_owner("req_fresh"), keys.request_owner("req_late"),

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from budgets.admission.redis_client import get_redis
+from budgets.redis.clients import get_redis
 from gateway.core import keys
 from gateway.core.records import RequestRecord
 from gateway.core.streams import CHUNK_FIELD, stream_append

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from budgets.admission import keys
-from budgets.admission.redis_client import redis_now_ms
+from budgets.redis.clients import redis_now_ms
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from gateway.core.finish import request_finish

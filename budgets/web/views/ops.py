@@ -14,7 +14,7 @@ from tenants.decorators import staff_required
 from budgets.selectors.reservations import reservation_of_workload
 
 from budgets.admission.pool_status import PoolStatus, pool_statuses
-from budgets.admission.redis_client import REDIS_UNAVAILABLE, unavailable_note
+from budgets.redis.clients import REDIS_UNAVAILABLE, unavailable_note
 from budgets.services.budget_requests import budget_request_approve, budget_request_reject
 from budgets.web.dashboards import pool_overview, pool_range
 from budgets.web.ranges import PRESETS, RangeError, time_range_from

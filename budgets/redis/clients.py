@@ -1,0 +1,143 @@
+"""Redis clients for the buckets and the request path, and what "Redis is
+away" looks like.
+
+Short timeouts on the admission path: when Redis is gone or hung the gateway
+must say 503 within a second, not hang. With ``SLUICE_REDIS_CLUSTER`` the
+clients are redis-py's cluster clients (``REDIS_URL`` names any node; the
+client finds the rest): they route a script call by its keys, which must
+share one hash slot (the key modules tag them: ``{pool:<id>}``,
+``{<request id>}``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+from typing import Callable
+
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.cluster as aioredis_cluster
+import redis.cluster
+from django.conf import settings
+
+logger = logging.getLogger(__name__)
+
+# What "Redis is not answering" looks like from redis-py: a refused or reset
+# connection, a read that timed out (a hung server: redis-py's TimeoutError is
+# not a ConnectionError), or the socket failing underneath.
+# On a cluster also: the cluster (or the shard holding a slot) is down or
+# failing over, or a slot is moving (TRYAGAIN).
+REDIS_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+    redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError, redis.exceptions.TryAgainError,
+)
+
+# Either a single Redis or a cluster: both offer the commands Sluice uses.
+SyncRedis = redis.Redis | redis.cluster.RedisCluster
+AsyncRedis = aioredis.Redis | aioredis_cluster.RedisCluster
+
+_sync_clients: dict[str, SyncRedis] = {}
+_sync_lock = threading.Lock()
+_async_clients: dict[tuple[int, str], AsyncRedis] = {}
+
+
+def _options(blocking: bool) -> dict:
+    timeout = settings.SLUICE_REDIS_TIMEOUT_S
+    return {
+        "socket_connect_timeout": timeout,
+        # Blocking reads (BLPOP for a result) set their own server-side timeout.
+        "socket_timeout": None if blocking else timeout,
+        "health_check_interval": 30,
+        "decode_responses": True,
+    }
+
+
+def get_redis(*, blocking: bool = False) -> SyncRedis:
+    key = "blocking" if blocking else "fast"
+    client = _sync_clients.get(key)
+    if client is None:
+        with _sync_lock:
+            client = _sync_clients.get(key)
+            if client is None:
+                if settings.SLUICE_REDIS_CLUSTER:
+                    # max_connections: per node on a cluster.
+                    client = redis.cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=512,
+                                                                 **_options(blocking))
+                else:
+                    client = redis.Redis.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
+                _sync_clients[key] = client
+    return client
+
+
+def get_async_redis(*, blocking: bool = False) -> AsyncRedis:
+    """One client per event loop (a client's connections belong to its loop)."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), "blocking" if blocking else "fast")
+    client = _async_clients.get(key)
+    if client is None:
+        if settings.SLUICE_REDIS_CLUSTER:
+            client = aioredis_cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=4096,
+                                                            **_options(blocking))
+        else:
+            client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
+        _async_clients[key] = client
+    return client
+
+
+def reset_clients() -> None:
+    """Forget cached clients (after a fork, or in tests that restart Redis)."""
+    _sync_clients.clear()
+    _async_clients.clear()
+
+
+
+def redis_now_ms(client: SyncRedis | None = None) -> float:
+    """Redis's clock in ms: every host measures deadlines on the same clock
+    (on a cluster, one node's: keep the nodes' clocks in sync, as any
+    cluster needs for its own failure detection)."""
+    seconds, micros = (client or get_redis()).time()
+    return seconds * 1000 + micros / 1000
+
+
+def parked_release(*, key: str, now_ms: float, send: Callable[[str], None], what: str, limit: int = 100,
+                   client: SyncRedis | None = None) -> int:
+    """Hand every member of the sorted set ``key`` due by ``now_ms`` to
+    ``send`` (retries parked with their due time as score). ZREM is the
+    claim, so several releasers send each once; a member whose ``send``
+    raised is parked again for 1 s. Returns how many were sent."""
+    client = client or get_redis()
+    released = 0
+    for member in client.zrangebyscore(key, "-inf", now_ms, start=0, num=limit):
+        if not client.zrem(key, member):
+            continue
+        try:
+            send(member)
+            released += 1
+        except Exception:
+            logger.exception("enqueueing %s %s failed; retrying in 1 s", what, member)
+            client.zadd(key, {member: now_ms + 1000})
+    return released
+
+
+# A page that falls back to what the database holds when Redis is away says
+# so: readers note the failure here, and the web UI shows a banner for the
+# request (llm_platform/degraded.py starts a fresh note per request).
+_unavailable_note: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("redis_unavailable", default=None)
+
+
+def unavailable_note_start() -> None:
+    _unavailable_note.set([])
+
+
+def unavailable_note(what: str) -> None:
+    """Record that ``what`` was served without Redis (no-op outside a request)."""
+    logger.warning("%s: Redis unavailable, falling back", what, exc_info=True)
+    notes = _unavailable_note.get()
+    if notes is not None:
+        notes.append(what)
+
+
+def unavailable_noted() -> list[str]:
+    return list(_unavailable_note.get() or [])
