@@ -15,7 +15,7 @@ Systems, one after the other on a fresh simulator:
   queue timeout, max_tokens clamped to 1,024);
 * Sluice with its default settings (16 interactive-long workers): how many
   long requests are in a pool call at once is the adaptive lane limit
-  (gateway/core/concurrency.py), learned from the short requests' latency;
+  (gateway/core/protection/concurrency.py), learned from the short requests' latency;
 * Sluice with its default settings, its short requests streamed (the same
   seeded stream, ``stream: true`` with usage): reported beside the targets,
   with each short request's time to first token;

@@ -105,7 +105,7 @@ async def _drive(base: str, sim_url: str, headers: dict, seed: int, total_sim: f
             sample["capacity_factor"] = float(capacity.get("factor", 1.0)) if capacity else 1.0
             sample["circuit"] = redis_client.hget(pool_circuit_key(pool_id), "state") or "closed"
             # The backlog: admitted requests not yet answered (a lease each), those
-            # of them held off their lane (gateway/core/held.py) and still in the
+            # of them held off their lane (gateway/core/protection/held.py) and still in the
             # lane's queue, and the room the gateway counts in the provider's window.
             seconds, micros = redis_client.time()
             sample["queued"] = redis_client.llen(queue_for_lane("interactive"))
@@ -324,7 +324,7 @@ def summarize(data: dict) -> str:
         lines += ["", f"The backlog: at the circuit's close ({backlog['at_s']:.0f} s, "
                   f"{fmt(s.get('circuit_closed_after_s'), 1)} s after the provider recovered) "
                   f"{backlog['in_flight']} admitted requests were unanswered, {backlog.get('held', 0)} of them held "
-                  f"off their lane (gateway/core/held.py) and {backlog['queued']} on it; the pool took "
+                  f"off their lane (gateway/core/protection/held.py) and {backlog['queued']} on it; the pool took "
                   f"{backlog['pool_calls_next_30s']} calls in the 30 s after the close (its window holds {POOL_RPM} a "
                   f"minute, new operations need {OPS_PER_S * 60:.0f})"
                   + (f"; from {full_from:.0f} s to {full_to:.0f} s the gateway counted no room left in the "

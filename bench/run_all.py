@@ -189,7 +189,7 @@ back at the full rate.""",
     "retry_storm": """**Reading it.** Direct, every naive operation during the outage makes its 3 attempts and
 all of them reach the pool. Through Sluice, a circuit breaker fed by the workers' calls opens
 after a few failures; what the door admits while it is open, and the clients' retries of it
-(the same body again), is held off the lanes (`gateway/core/held.py`) instead of failing: the
+(the same body again), is held off the lanes (`gateway/core/protection/held.py`) instead of failing: the
 pool sees about one attempt per operation. One held request goes as the half-open trial per
 open period, and its success closes the circuit at once. The backlog is then released
 earliest deadline first into what the provider's window has spare beside the new work (its

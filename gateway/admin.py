@@ -1,7 +1,7 @@
 from django.contrib import admin
 
 from gateway.models import Job, JobCallbackDelivery, JobSchedule
-from gateway.core.schedules import schedule_delete, schedule_sync
+from gateway.core.jobs.schedules import schedule_delete, schedule_sync
 
 
 @admin.register(JobSchedule)

@@ -9,8 +9,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
-from gateway.core.callbacks import CallbackRefused, callback_url_check
-from gateway.core.chat import validate_chat_request
+from gateway.core.jobs.callbacks import CallbackRefused, callback_url_check
+from gateway.core.request.chat import validate_chat_request
 from tenants.models import Tenant, Workload
 
 

@@ -1,7 +1,7 @@
 """Sign-in with throttling, wherever a password is checked: the web UI's
 login page, Django admin's login and the management API's token endpoint.
 Failed attempts are counted per user and per client address in Redis
-(gateway/core/throttle.py); past either limit the answer is 429 with
+(gateway/core/protection/throttle.py); past either limit the answer is 429 with
 Retry-After until the window ends, without checking the password. Redis
 away: the attempt cannot be counted, so it is not made (a 503, like every
 page that needs Redis), never an unthrottled password check."""
@@ -21,7 +21,18 @@ from django.shortcuts import render
 from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.exceptions import Throttled
 
-from gateway.core.throttle import AttemptBudget, login_address_budget, login_user_budget, request_client_address
+from gateway.core.protection.throttle import AttemptBudget, request_client_address
+
+
+# Failed sign-ins per username and per client address, per window; read from
+# settings at each use, so a changed setting (or a test's) applies.
+def login_user_budget() -> AttemptBudget:
+    return AttemptBudget("login-user", settings.SLUICE_LOGIN_FAILURES_PER_USER, settings.SLUICE_LOGIN_FAILURE_WINDOW_S)
+
+
+def login_address_budget() -> AttemptBudget:
+    return AttemptBudget("login-address", settings.SLUICE_LOGIN_FAILURES_PER_ADDRESS,
+                         settings.SLUICE_LOGIN_FAILURE_WINDOW_S, by_address=True)
 
 
 @dataclass(frozen=True)

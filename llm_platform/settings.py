@@ -173,7 +173,7 @@ _BROKER_ON_REDIS_URL = REDIS_URL.replace("unix://", "redis+socket://") if REDIS_
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or _BROKER_ON_REDIS_URL
 CELERY_BROKER_IS_REDIS_URL = CELERY_BROKER_URL == _BROKER_ON_REDIS_URL and not SLUICE_REDIS_CLUSTER
 # The web side writes a lane's Celery message in the same Redis pipeline as
-# the request's record (gateway/core/task_message.py) when the broker is
+# the request's record (gateway/core/request/task_message.py) when the broker is
 # REDIS_URL itself; false: every message goes through Celery's send_task.
 SLUICE_DIRECT_PUBLISH = env_bool("SLUICE_DIRECT_PUBLISH", True)
 
@@ -187,7 +187,7 @@ SLUICE_UNACKED_RESTORE_INTERVAL_S = env_int("SLUICE_UNACKED_RESTORE_INTERVAL_S",
 # worker process renews a heartbeat of every call it runs each interval
 # (gateway/worker/heartbeat.py); one older than the TTL is a lost worker.
 # Callers wait at most TTL + interval to learn of it, then get the result of a
-# redelivery or a 503 (gateway/core/claim.lua).
+# redelivery or a 503 (gateway/core/request/claim.lua).
 SLUICE_HEARTBEAT_INTERVAL_S = env_float("SLUICE_HEARTBEAT_INTERVAL_S", 1.0)
 SLUICE_HEARTBEAT_TTL_S = env_float("SLUICE_HEARTBEAT_TTL_S", 3.0)
 if SLUICE_HEARTBEAT_TTL_S < 2 * SLUICE_HEARTBEAT_INTERVAL_S:
@@ -222,7 +222,7 @@ SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
-# --- job callbacks (gateway/core/callbacks.py) -----------------------------------------
+# --- job callbacks (gateway/core/jobs/callbacks.py) -----------------------------------------
 # Callbacks go to https URLs on public addresses only. Plain http, and private
 # or loopback receivers (a test listener, a receiver inside your own network),
 # each need their switch; cloud metadata, link-local, multicast and reserved
@@ -252,7 +252,7 @@ DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "sluice@localhost")
 SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE = env_int("SLUICE_ALERT_REJECTION_SPIKE_PER_MINUTE", 100)
 SLUICE_ALERT_REJECTION_SPIKE_MINUTES = env_int("SLUICE_ALERT_REJECTION_SPIKE_MINUTES", 5)
 
-# --- attempt throttles (gateway/core/throttle.py) ----------------------------------------
+# --- attempt throttles (gateway/core/protection/throttle.py) ----------------------------------------
 # Failed sign-ins (web login, Django admin, /api/auth/token/) counted per
 # user and per client address; past either limit sign-in answers 429 until
 # the window (counted from the first failure) ends. A limit of 0 turns it off.
@@ -333,7 +333,7 @@ SLUICE_CAPACITY_LATENCY_FLOOR_MS = env_float("SLUICE_CAPACITY_LATENCY_FLOOR_MS",
 # How long the factor at the last throttle caps fast recovery (ms).
 SLUICE_CAPACITY_HINT_MEMORY_MS = env_int("SLUICE_CAPACITY_HINT_MEMORY_MS", 60_000)
 
-# --- adaptive long-lane concurrency (gateway/core/concurrency.py, gateway/core/lane_limit.lua)
+# --- adaptive long-lane concurrency (gateway/core/protection/concurrency.py, gateway/core/protection/lane_limit.lua)
 # How many interactive-long (and, separately, batch) requests may be in a call
 # to one pool at once is learned by AIMD from the short requests' latency per
 # token; these shape the rule, not the level it finds.
@@ -358,12 +358,12 @@ SLUICE_LANE_LIMIT_EWMA_WEIGHT = env_float("SLUICE_LANE_LIMIT_EWMA_WEIGHT", 0.5)
 # The level at which congestion last appeared is not probed again for this long (ms).
 SLUICE_LANE_LIMIT_MEMORY_MS = env_int("SLUICE_LANE_LIMIT_MEMORY_MS", 60_000)
 
-# --- the pool's circuit breaker (gateway/core/circuit.py, gateway/core/circuit.lua) --------
+# --- the pool's circuit breaker (gateway/core/protection/circuit.py, gateway/core/protection/circuit.lua) --------
 # Calls in a row that fail (5xx, no answer) before the circuit opens.
 SLUICE_CIRCUIT_FAILURES = env_int("SLUICE_CIRCUIT_FAILURES", 5)
 # Seconds the circuit stays open before one trial call (half-open) may go.
 SLUICE_CIRCUIT_OPEN_S = env_float("SLUICE_CIRCUIT_OPEN_S", 1.0)
-# Work held through an outage (gateway/core/held.py): the seconds over which
+# Work held through an outage (gateway/core/protection/held.py): the seconds over which
 # the rate of fresh arrivals is averaged, and how many seconds of the
 # provider's spare rate held work may take at once when it is released.
 SLUICE_HELD_PACE_S = env_float("SLUICE_HELD_PACE_S", 10.0)

@@ -1,7 +1,7 @@
 """Outbound webhooks of a tenant (job callbacks, alert webhooks): which URLs
 Sluice will POST to, how a POST is signed with the tenant's secret, and the
 POST itself, made to the address that was checked. Both senders use this one
-guard and one signature (gateway/core/callbacks.py, budgets/alerts).
+guard and one signature (gateway/core/jobs/callbacks.py, budgets/alerts).
 
 A webhook URL is chosen by a tenant, and the POST leaves from inside our
 network: without checks it is a server-side request forgery tool (the

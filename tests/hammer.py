@@ -70,7 +70,7 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
 
     from budgets.admission.estimation import Estimate
     from budgets.errors import Rejected
-    from gateway.core.admission import request_admit
+    from gateway.core.request.admission import request_admit
 
     contexts = pickle.loads(pickled_contexts)
     estimate = Estimate(input_tokens=input_tokens, output_tokens=output_tokens, max_tokens_requested=output_tokens,
@@ -89,14 +89,14 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
 
 def slots_take_many(args: tuple) -> list[tuple[str, bool]]:
     """``threads`` threads, each trying ``attempts`` times to take one of a
-    lane's pool-call slots (gateway/core/slot_acquire.lua) under a fresh
+    lane's pool-call slots (gateway/core/protection/slot_acquire.lua) under a fresh
     holder id. Returns (holder, taken) per attempt."""
     pool_id, lane, threads, attempts, barrier_at = args
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
     import django
 
     django.setup()
-    from gateway.core.concurrency import slot_acquire_call
+    from gateway.core.protection.concurrency import slot_acquire_call
 
     def attempt(n: int) -> tuple[str, bool]:
         holder = uuid.uuid4().hex

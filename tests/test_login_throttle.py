@@ -13,7 +13,7 @@ import pytest
 from django.test import Client
 
 from budgets.redis.clients import reset_clients
-from gateway.core.throttle import login_address_budget, login_user_budget
+from llm_platform.login import login_address_budget, login_user_budget
 from llm_platform.login import login_attempt_take
 from tests.people import PASSWORD, make_user
 

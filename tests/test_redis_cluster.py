@@ -25,7 +25,7 @@ from budgets.admission.spend_holds import SpendHold, spend_hold_call, spend_reco
 from budgets.redis.clients import get_redis
 from budgets.ledger.rejections import rejection_count_call
 from gateway.core.metrics import departure_call
-from gateway.core.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call, record_claim_steps
+from gateway.core.request.records import WATCH, WORKER, Outcome, RequestRecord, claim_call, publish_call, record_claim_steps
 from gateway.worker.lane_slot import SlotHold, lane_signal_steps
 from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
 from llm_platform.processes import ROOT

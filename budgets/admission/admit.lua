@@ -25,8 +25,8 @@
 --       5 lease ttl (ms), 6 '1' when KEYS[11] names the body's mark,
 --       7 the time over which the rate of fresh arrivals is averaged (ms)
 -- Held: an admitted request is held (not put on its lane until the provider
--- has room for it above what new work needs: gateway/core/held.py) while the
--- pool's circuit is not closed (capacity 'hold', gateway/core/circuit.lua), and when its
+-- has room for it above what new work needs: gateway/core/protection/held.py) while the
+-- pool's circuit is not closed (capacity 'hold', gateway/core/protection/circuit.lua), and when its
 -- body was held before: a client's retry of a held request, which must not
 -- take the room of the work that arrives after the outage.
 -- Spend caps are not checked here: a tenant's month-to-date spans its pools
@@ -270,7 +270,7 @@ end
 -- Loans and sheddable classes leave the last prov_reserve of the provider's
 -- limit to protected work (I2 holds inside the provider's window too).
 -- Held work (see the header) goes to the provider only when it has room
--- (gateway/core/held_release.lua): its room is not asked here.
+-- (gateway/core/protection/held_release.lua): its room is not asked here.
 local retried_memo
 local function retried()
   if retried_memo == nil then retried_memo = ARGV[6] == '1' and redis.call('EXISTS', KEYS[11]) == 1 end
@@ -365,7 +365,7 @@ if retried() or capacity['hold'] then held = '1' end
 if held == '1' and ARGV[6] == '1' then redis.call('SET', KEYS[11], '1', 'PX', math.ceil(lease_ttl)) end
 -- The rate of fresh arrivals (not a held body's retry), requests and tokens
 -- per ms, averaged over ARGV[7] ms (exponentially): the new work that held
--- work leaves room for when it is released (gateway/core/held_release.lua).
+-- work leaves room for when it is released (gateway/core/protection/held_release.lua).
 if not retried() then
   local tau = tonumber(ARGV[7])
   local decay = math.exp(-math.max(0, now - (capacity['fresh_t'] or now)) / tau)

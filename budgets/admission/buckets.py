@@ -101,7 +101,7 @@ def admit_call(*, pool_id: int, workload_id: int, request_id: str, input_tokens:
     """Admit or raise Rejected (NotConfigured when Redis lost the pool's
     config); one atomic Redis round trip. Spend caps are a separate step on
     the tenant's keys (spend_holds.py). ``body_digest``: the request body's
-    (gateway/core/chat.py), so a client's retry of a held request is held too."""
+    (gateway/core/request/chat.py), so a client's retry of a held request is held too."""
 
     def parse(raw) -> Admission:
         status = int(raw[0])

@@ -10,7 +10,7 @@ cannot live beside one pool's buckets: admission is two atomic steps,
 2. the pool's admission (buckets.admit_call);
 
 and when step 2 refuses, ``spend_settle_call(forget=True)`` takes the hold
-back (gateway/core/admission.py runs the steps). Month-to-date may briefly
+back (gateway/core/request/admission.py runs the steps). Month-to-date may briefly
 hold an estimate the pool then refuses, never less than what was admitted, so
 the cap is never passed. A process that dies between the steps leaves one
 estimate held; the hold expires a little after the lease would have, and

@@ -41,7 +41,7 @@ def queue_timeout(*, queue_timeout_s: float) -> Rejected:
 
 def worker_lost() -> Rejected:
     """The request's worker was lost mid-call and no other could take it over
-    in time (gateway/core/claim.lua); the ledger says ``worker_lost``."""
+    in time (gateway/core/request/claim.lua); the ledger says ``worker_lost``."""
     return Rejected(reason="worker_lost", message="The worker running this request was lost and no other could take "
                     "it over in time. Retry shortly.", status=503, retry_after_ms=1000,
                     error_type="service_unavailable")

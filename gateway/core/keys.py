@@ -8,8 +8,8 @@ from __future__ import annotations
 from budgets.admission.keys import pool_tag
 
 # --- one request --------------------------------------------------------------------
-# A request's own keys share its hash tag ``{<request id>}``: claim.lua and
-# publish.lua touch several of them at once, never a pool's keys (the pool's
+# A request's own keys share its hash tag ``{<request id>}``: request/claim.lua and
+# request/publish.lua touch several of them at once, never a pool's keys (the pool's
 # lease and buckets are settled by budgets/admission/settle.lua on the pool's
 # shard, and every finishing step is idempotent on its own). Tagged by the
 # request rather than the pool, they spread over the cluster, and a worker
@@ -26,7 +26,7 @@ def request_record(request_id: str) -> str:
 
 
 def request_owner(request_id: str) -> str:
-    """String: who owns the request's outcome (claim.lua lists the states)."""
+    """String: who owns the request's outcome (request/claim.lua lists the states)."""
     return f"{request_tag(request_id)}:owner"
 
 
@@ -53,7 +53,7 @@ def request_result_published(request_id: str) -> str:
 
 def request_stream(request_id: str) -> str:
     """Stream: a streamed request's chunks, XADDed by the worker and read by
-    the waiting web process, then its end marker (gateway/core/streams.py)."""
+    the waiting web process, then its end marker (gateway/core/request/streams.py)."""
     return f"{request_tag(request_id)}:stream"
 
 
@@ -87,13 +87,13 @@ def pool_pacer(pool_id: int) -> str:
 
 def pool_held(pool_id: int) -> str:
     """Sorted set: 'request_id|lane|tokens' of requests held through an outage
-    (gateway/core/held.py), scored by their queue deadline (ms)."""
+    (gateway/core/protection/held.py), scored by their queue deadline (ms)."""
     return f"{pool_tag(pool_id)}:held"
 
 
 HELD_POOLS = "sluice:held:pools"
 """Set: ids of pools that may have held requests, for the pacer to look at
-(gateway/core/held.py; single-key commands only, no hash tag needed)."""
+(gateway/core/protection/held.py; single-key commands only, no hash tag needed)."""
 
 
 CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
@@ -125,7 +125,7 @@ def lane_in_flight(pool_id: int, lane: str) -> str:
 
 def lane_slots(pool_id: int, lane: str) -> str:
     """Sorted set: request ids holding one of the lane's pool-call slots on
-    the pool, scored by when the slot's lease ends (ms; gateway/core/concurrency.py)."""
+    the pool, scored by when the slot's lease ends (ms; gateway/core/protection/concurrency.py)."""
     return f"{pool_tag(pool_id)}:lane:{lane}:slots"
 
 
@@ -137,7 +137,7 @@ def lane_limits(pool_id: int) -> str:
 
 
 def pool_circuit(pool_id: int) -> str:
-    """Hash: the pool's circuit breaker (gateway/core/circuit.lua lists the fields)."""
+    """Hash: the pool's circuit breaker (gateway/core/protection/circuit.lua lists the fields)."""
     return f"{pool_tag(pool_id)}:circuit"
 
 

@@ -25,7 +25,7 @@ class Lane:
     # to last, as an unstreamed one holds it for the whole generation: its W
     # is queue wait + the full generation time, never just the time to first
     # token. (A slow reader does not lengthen it: chunks go to a Redis Stream
-    # as they come, gateway/core/streams.py.) The measured W per lane
+    # as they come, gateway/core/request/streams.py.) The measured W per lane
     # (gateway/core/metrics.py) is time from admission to settlement, which
     # for a stream is its end, so λ·W there already counts streams right.
     default_concurrency: int

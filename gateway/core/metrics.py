@@ -17,8 +17,8 @@ from budgets.admission.pool_status import pool_status
 from budgets.redis.clients import get_redis
 from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
-from gateway.core.circuit import circuit_state
-from gateway.core.concurrency import lane_limits_read
+from gateway.core.protection.circuit import circuit_state
+from gateway.core.protection.concurrency import lane_limits_read
 from gateway.core.lanes import LANE_NAMES, queue_for_lane
 
 SLOT_S = 10
@@ -139,13 +139,13 @@ def pool_live_metrics(*, pool_id: int) -> dict:
         "provider": {"remaining_tokens": state.provider_remaining_tokens,
                      "remaining_requests": state.provider_remaining_requests,
                      "limit_tokens": state.provider_limit_tokens, "limit_requests": state.provider_limit_requests},
-        # The adaptive long-lane limits (gateway/core/concurrency.py).
-        # start_gap_ms: the spacing of the lane's long starts (slot_acquire.lua; 0: none yet).
+        # The adaptive long-lane limits (gateway/core/protection/concurrency.py).
+        # start_gap_ms: the spacing of the lane's long starts (protection/slot_acquire.lua; 0: none yet).
         "lane_limits": {lane: {"limit": round(limit, 3), "in_use": lane_limits.in_use[lane],
                                "start_gap_ms": round(lane_limits.start_gap_ms[lane], 1)}
                         for lane, limit in lane_limits.limits.items()},
         "lane_limit_reason": lane_limits.last_decrease_why,
-        # "held": requests admitted through an outage and not yet released (gateway/core/held.py).
+        # "held": requests admitted through an outage and not yet released (gateway/core/protection/held.py).
         "circuit": {"state": circuit.state, "why": circuit.why, "opened": circuit.opened,
                     "held": client.zcard(keys.pool_held(pool_id))},
         "blocked_until_ms": state.blocked_until_ms,

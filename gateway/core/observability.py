@@ -25,7 +25,7 @@ import prometheus_client
 from prometheus_client import Counter, Histogram
 
 from gateway.core.lanes import LANE_NAMES
-from gateway.core.records import Outcome, RequestRecord
+from gateway.core.request.records import Outcome, RequestRecord
 
 logger = logging.getLogger(__name__)
 # One line per settled request, from whichever process settled it (worker, web, reaper).

@@ -20,7 +20,7 @@ import time
 from django.http import HttpRequest, HttpResponse
 
 from adapters.django import GetResponse, response_on_close
-from gateway.core.enqueue import new_request_id
+from gateway.core.request.enqueue import new_request_id
 from gateway.core.log_context import log_context
 from gateway.core.observability import api_response_observe, refusal_observe
 

@@ -25,7 +25,7 @@ used out first when full; SLUICE_AUTH_CACHE_SIZE entries each): a flood of
 random keys only churns the unknown ones, never evicting the keys real
 callers use. Both live on the event loop's thread, which alone reads and
 writes them. Unknown keys also
-count against the caller's address (gateway/core/throttle.py); past
+count against the caller's address (gateway/core/protection/throttle.py); past
 SLUICE_API_KEY_FAILURES_PER_ADDRESS in a window the address is answered 429
 without a database lookup.
 
@@ -52,9 +52,9 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from budgets.redis.clients import REDIS_UNAVAILABLE
-from gateway.core.context import CallerContext, context_for_workload
+from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
-from gateway.core.throttle import api_key_address_budget
+from gateway.core.protection.throttle import api_key_address_budget
 from tenants.selectors import api_key_hashes_revoked_since, api_key_lookup
 
 logger = logging.getLogger(__name__)

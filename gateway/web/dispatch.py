@@ -1,7 +1,7 @@
 """The web process's half of a request: estimate, admit, enqueue on its lane,
 wait for the outcome without holding a thread, give up at the deadline
-(atomically against the worker starting: gateway/core/claim.lua), and take
-the request over when its worker is lost mid-call (gateway/core/takeover.py)."""
+(atomically against the worker starting: gateway/core/request/claim.lua), and take
+the request over when its worker is lost mid-call (gateway/core/request/takeover.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,19 @@ from budgets.redis.composition import Commands
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.admission import lease_ttl_ms, request_admit_async
-from gateway.core.chat import ChatRequest, chat_estimate, pool_payload
-from gateway.core.context import CallerContext
-from gateway.core.enqueue import new_request_id, record_build, record_enqueue_async
+from gateway.core.request.admission import lease_ttl_ms, request_admit_async
+from gateway.core.request.chat import ChatRequest, chat_estimate, pool_payload
+from gateway.core.request.context import CallerContext
+from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue_async
 from gateway.core.errors import queue_timeout, worker_lost
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
 from gateway.core.observability import settlement_report
-from gateway.core.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
+from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
                                   claim_call, heartbeat_holder, ledger_entry)
-from gateway.core.settlement import request_refund_async
-from gateway.core.streams import CHUNK_FIELD, STREAMING, stream_cancel
-from gateway.core.takeover import request_take_over
+from gateway.core.request.settlement import request_refund_async
+from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
+from gateway.core.request.takeover import request_take_over
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ async def _take_over(record: RequestRecord, claim: Claim) -> None:
 async def _await_outcome(ctx: CallerContext, record: RequestRecord,
                          wait: Callable[[float], Awaitable[Outcome | None]] | None = None) -> Outcome:
     """Wait for the outcome one heartbeat interval at a time. Between waits,
-    gateway/core/claim.lua says whether the request is still queued or running, gives it
+    gateway/core/request/claim.lua says whether the request is still queued or running, gives it
     up at its queue deadline (we refund), or takes it over from a lost worker
     (we redeliver it, finish it with the pool's stored answer, or settle it
     as lost): the caller hears within seconds, not at the broker's
@@ -202,8 +202,8 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
                           request_id: str | None = None, body_digest: str = "") -> Dispatched:
     """Admit and run one chat completion; raises Rejected for every refusal.
     ``request_id``: the id the API gave the call (its logs, its ledger row);
-    ``body_digest``: its body's (gateway/core/chat.py), which tells a client's
-    retry of a request held through an outage (gateway/core/held.py)."""
+    ``body_digest``: its body's (gateway/core/request/chat.py), which tells a client's
+    retry of a request held through an outage (gateway/core/protection/held.py)."""
     estimate = chat_estimate(ctx, chat)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)

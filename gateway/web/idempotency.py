@@ -1,8 +1,8 @@
 """Idempotency-Key for POST /v1/chat/completions: the same key with the same
 body gets the same response, and the pool is called once; the same key with
 another body is a 409. Keys are scoped to the workload and kept 24 hours.
-(Jobs keep theirs in the Job table: gateway/core/jobs.py.) Bodies are
-compared by gateway.core.chat.body_digest, as jobs' are."""
+(Jobs keep theirs in the Job table: gateway/core/jobs/lifecycle.py.) Bodies are
+compared by gateway.core.request.chat.body_digest, as jobs' are."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from gateway.core.jobs import JOB_LIST_DEFAULT, JOB_LIST_MAX
+from gateway.core.jobs.lifecycle import JOB_LIST_DEFAULT, JOB_LIST_MAX
 from gateway.models import Job
 
 V1_TAG = "OpenAI-compatible API (/v1)"

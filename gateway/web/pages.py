@@ -7,7 +7,7 @@ from django.http import Http404
 from django.shortcuts import render
 
 from budgets.errors import Rejected
-from gateway.core.jobs import job_list_params, jobs_of_workload, jobs_running
+from gateway.core.jobs.lifecycle import job_list_params, jobs_of_workload, jobs_running
 from gateway.models import Job
 from tenants.access import tenant_for_user_or_404
 from tenants.models import Workload

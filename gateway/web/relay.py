@@ -2,7 +2,7 @@
 read the request's Redis Stream with a blocking XREAD on the event loop and
 hand each batch of chunks to the ASGI server as it arrives (no thread per
 stream, nothing buffered), then end with ``data: [DONE]`` or the outcome's
-error event (gateway/core/streams.py).
+error event (gateway/core/request/streams.py).
 
 Between reads it watches the request as the unstreamed wait does
 (gateway/web/dispatch.py): a worker lost mid-stream is taken over (finished
@@ -25,8 +25,8 @@ from budgets.errors import Rejected
 from gateway.core import keys
 from gateway.core.errors import error_body
 from gateway.core.observability import TIME_TO_FIRST_TOKEN
-from gateway.core.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
-from gateway.core.streams import CHUNK_FIELD, sse_event, stream_closing_events, stream_error_event
+from gateway.core.request.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
+from gateway.core.request.streams import CHUNK_FIELD, sse_event, stream_closing_events, stream_error_event
 from gateway.web.dispatch import STREAM_READ_BATCH, _claim, _stream_cancel_quietly, _take_over, _wait_outcome
 
 logger = logging.getLogger(__name__)

@@ -19,16 +19,16 @@ from budgets.redis.clients import REDIS_UNAVAILABLE
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.rejections import rejection_note
 from budgets.models import InferencePool
-from gateway.core.chat import body_digest, chat_check, parse_json_body, validate_chat_request
-from gateway.core.context import CallerContext
+from gateway.core.request.chat import body_digest, chat_check, parse_json_body, validate_chat_request
+from gateway.core.request.context import CallerContext
 from gateway.core.errors import bad_request, budget_unavailable
-from gateway.core.jobs import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
+from gateway.core.jobs.lifecycle import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
                                jobs_of_workload)
 from gateway.core.log_context import log_annotate
-from gateway.core.streams import STREAMING
+from gateway.core.request.streams import STREAMING
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
-from gateway.core.throttle import request_client_address
+from gateway.core.protection.throttle import request_client_address
 from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import chat_completion
 from gateway.web.health import health_details_allowed, liveness_report, readiness_report

@@ -1,6 +1,6 @@
 """Sending a job's callback: one attempt per task, each checked, signed and
 logged (JobCallbackDelivery); a failed attempt parks the next one in Redis
-with exponential backoff (gateway/core/callbacks.py) until the attempts run
+with exponential backoff (gateway/core/jobs/callbacks.py) until the attempts run
 out. At least once: a receiver that must not act twice dedupes on the job id
 (the body's ``id``) and the X-Sluice-Attempt header."""
 
@@ -16,10 +16,10 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from gateway.core.callbacks import callback_backoff_s, callback_retry_schedule
+from gateway.core.jobs.callbacks import callback_backoff_s, callback_retry_schedule
 from tenants.outbound import (SIGNATURE_HEADER, CallbackRefused, callback_signature, callback_target_resolve,
                               outbound_post)
-from gateway.core.jobs import job_view
+from gateway.core.jobs.lifecycle import job_view
 from gateway.models import Job, JobCallbackDelivery
 
 logger = logging.getLogger(__name__)

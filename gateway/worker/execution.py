@@ -32,17 +32,17 @@ from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.concurrency import lane_limited
-from gateway.core.enqueue import CallHint
+from gateway.core.protection.concurrency import lane_limited
+from gateway.core.request.enqueue import CallHint
 from gateway.core.errors import error_body
-from gateway.core.finish import finish_steps, request_finish
+from gateway.core.request.finish import finish_steps, request_finish
 from gateway.core.log_context import log_annotate
 from gateway.core.observability import lease_expiry_report, upstream_answer_observe
-from gateway.core.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUNNING, WORKER, Claim, Outcome,
+from gateway.core.request.records import (EXPIRED, LOST, REAP, REDELIVERED, REQUEUE, RUNNING, WORKER, Claim, Outcome,
                                   RequestRecord, claim_call, ledger_entry, publish_call, record_claim_steps, ttl_ms,
                                   worker_lost_outcome)
-from gateway.core.settlement import SETTLED, request_settle, settlement_steps
-from gateway.core.takeover import request_take_over
+from gateway.core.request.settlement import SETTLED, request_settle, settlement_steps
+from gateway.core.request.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
@@ -179,7 +179,7 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     fewer): an attempt that is surely the last (its answer is not retried, or
     no attempt is left) puts its signals there instead of sending them.
     ``taken``: the provider room its release took for the first attempt
-    (a held request: gateway/core/held.py); ``asked``: the first attempt's
+    (a held request: gateway/core/protection/held.py); ``asked``: the first attempt's
     gate and take, asked with the delivery's claim."""
     rng = rng or random.Random()
     policy = policy or RetryPolicy.from_settings()
@@ -357,8 +357,8 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
     request back (``HandBack``: gateway/worker/shutdown.py); anything else
     that fails is settled and answered at once (``request_fail``).
     ``taken``: the provider room taken for it when it was released from the
-    held set (gateway/core/held.py). ``call``: the lane message's hint
-    (gateway/core/enqueue.py ``CallHint``): the first delivery asks its
+    held set (gateway/core/protection/held.py). ``call``: the lane message's hint
+    (gateway/core/request/enqueue.py ``CallHint``): the first delivery asks its
     pool call's gate and take with its claim."""
     answered = {} if answered is None else answered
     client = get_redis()
@@ -436,7 +436,7 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
         logger.info("request %s delivery %s: %s", request_id, generation, claim.verdict)
         return claim.verdict
     with HEARTBEATS.kept(request_id=request_id, generation=claim.generation):
-        # Read only when gateway/core/claim.lua saw it stored (one round trip fewer on a
+        # Read only when gateway/core/request/claim.lua saw it stored (one round trip fewer on a
         # first delivery); one stored after the claim wins at the answer's store (SET NX).
         stored = client.get(keys.request_response(request_id)) if claim.answered else None
         # Only this delivery's own call settles (and publishes) as it stores its answer.
@@ -481,7 +481,7 @@ def leases_reap(*, pool_ids: list[int]) -> int:
       the record is deleted so a late redelivery drops the task instead of
       calling the pool. A call whose worker still beats is not lost (a
       redelivery that started late): it keeps its lease. One whose worker is
-      lost is taken over first (gateway/core/takeover.py).
+      lost is taken over first (gateway/core/request/takeover.py).
     - Without one, nothing could ever run it: an admission whose caller was
       told it failed (Redis answered the admit after the web process had
       timed out, or the enqueue failed and so did its refund). The pool was

@@ -5,9 +5,9 @@ seconds instead of at the broker's visibility timeout.
 One daemon thread per process renews every running call's heartbeat key
 (``<generation>|<holder>``, expiring after ``SLUICE_HEARTBEAT_TTL_S``) in one
 pipeline each ``SLUICE_HEARTBEAT_INTERVAL_S``: with 40 calls in flight, one
-round trip a second. gateway/core/claim.lua sets the first beat when the delivery
+round trip a second. gateway/core/request/claim.lua sets the first beat when the delivery
 starts; a key that has expired is what a lost worker looks like to the web
-process and the reaper (gateway/core/takeover.py)."""
+process and the reaper (gateway/core/request/takeover.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from django.conf import settings
 
 from budgets.redis.clients import get_redis
 from gateway.core import keys
-from gateway.core.records import WORKER, heartbeat_holder
+from gateway.core.request.records import WORKER, heartbeat_holder
 
 logger = logging.getLogger(__name__)
 

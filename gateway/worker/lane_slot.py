@@ -1,6 +1,6 @@
 """What gates one pool call in the worker: one of the lane's slots on the
 pool for the length of the call (the adaptive long-lane limit,
-gateway/core/concurrency.py), and the provider's reset when its last answer
+gateway/core/protection/concurrency.py), and the provider's reset when its last answer
 said it has no room (budgets/admission/provider_limits.py); and, after the
 call, what it tells the lane limit.
 
@@ -23,10 +23,10 @@ from budgets.admission.provider_limits import ProviderTake, SentMark, provider_t
 from budgets.redis.clients import redis_now_ms
 from budgets.redis.composition import RoundTrip, Step, answered
 from budgets.redis.scripts import ScriptCall
-from gateway.core.circuit import CircuitVerdict, circuit_gate, circuit_gate_call, circuit_record_call
-from gateway.core.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
+from gateway.core.protection.circuit import CircuitVerdict, circuit_gate, circuit_gate_call, circuit_record_call
+from gateway.core.protection.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
 from gateway.core.lanes import BATCH, SCHEDULED
-from gateway.core.records import Outcome, RequestRecord
+from gateway.core.request.records import Outcome, RequestRecord
 from gateway.worker.shutdown import pause
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
                         holder, lane, grant.held, grant.limit)
             return False
         # Full jitter: waiters polling in step would all race for one freed
-        # slot. A slot that is free but spaced (gateway/core/slot_acquire.lua)
+        # slot. A slot that is free but spaced (gateway/core/protection/slot_acquire.lua)
         # is asked again when the spacing says, jittered the same way.
         if not pause(grant.spacing_wait_ms / 1000 + rng.uniform(0, delay)):
             return False
@@ -127,7 +127,7 @@ def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
     waited for as ``circuit_wait`` and ``provider_room_wait`` wait. Returns
     the take's mark (None: the call goes untaken, past its deadline).
     ``taken``: room already taken for this call when it was released from
-    the held set (gateway/core/held.py): only the gate is asked, unless it
+    the held set (gateway/core/protection/held.py): only the gate is asked, unless it
     says wait (the circuit opened again), and then the room is taken anew.
     ``asked``: the gate and the take already asked (not asked again)."""
     if taken is not None:
@@ -147,7 +147,7 @@ def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
 
 
 def circuit_wait(record: RequestRecord) -> None:
-    """Wait while the pool's circuit is open (gateway/core/circuit.py), or
+    """Wait while the pool's circuit is open (gateway/core/protection/circuit.py), or
     half-open with another call as its trial; never past the request's
     deadline (then it goes anyway, and fails or succeeds as the pool says)."""
     while True:

@@ -1,7 +1,7 @@
 """The pacer: moves due jobs from the delayed sorted set onto their lanes,
 due job-callback retries onto the housekeeping lane, and requests held
 through an outage onto their lanes as the provider makes room for them
-(gateway/core/held.py).
+(gateway/core/protection/held.py).
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them. It sleeps until the earliest release, never
@@ -25,10 +25,10 @@ from django.db import close_old_connections
 from budgets.redis.clients import get_redis, redis_now_ms
 
 from gateway.core import keys
-from gateway.core.callbacks import callback_retries_release
-from gateway.core.enqueue import lane_publish
-from gateway.core.held import held_release_call, mark_text
-from gateway.core.jobs import job_release
+from gateway.core.jobs.callbacks import callback_retries_release
+from gateway.core.request.enqueue import lane_publish
+from gateway.core.protection.held import held_release_call, mark_text
+from gateway.core.jobs.lifecycle import job_release
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ MAX_SLEEP_S = 0.05
 BATCH = 100
 # How often the held pools are looked at. A release is paced by the
 # provider's room and a bucket that fills while it waits
-# (gateway/core/held_release.lua), so looking every few steps releases as
+# (gateway/core/protection/held_release.lua), so looking every few steps releases as
 # much, in bigger groups, and spares Redis a SMEMBERS on every idle step.
 HELD_EVERY_S = 0.2
 _held_next = 0.0

@@ -1,12 +1,12 @@
 """The worker's half of a streamed request (docs/architecture.md, "Streaming").
 
 The pool is asked to stream with its usage (``stream_options.include_usage``
-is always set upstream: gateway/core/chat.py ``pool_payload``). Opening the
+is always set upstream: gateway/core/request/chat.py ``pool_payload``). Opening the
 call is an attempt like any other: a refusal before the first chunk (429,
 5xx, timeout) raises as the SDK raises it, and the retry policy in
 gateway/worker/execution.py ``pool_call`` decides. From the first chunk on
 nothing is retried: each chunk is appended to the request's Redis Stream
-(gateway/core/streams.py) as it arrives, the caller's cancel flag is read in
+(gateway/core/request/streams.py) as it arrives, the caller's cancel flag is read in
 the same round trip, and the outcome says what to charge:
 
 - the pool's usage chunk when it sent one (``usage_source`` "pool");
@@ -19,7 +19,7 @@ the same round trip, and the outcome says what to charge:
 Before the first chunk is relayed, the request's stored answer is set to
 "lost, charged on the estimate" (``worker_lost_outcome``): a worker killed
 mid-stream is then finished from it by whoever takes the request over
-(gateway/core/takeover.py), never delivered again (its caller already has
+(gateway/core/request/takeover.py), never delivered again (its caller already has
 chunks) and never left hanging."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import llm_tokens
 from budgets.admission.provider_limits import SentMark
 from budgets.redis.clients import get_redis
 from gateway.core.errors import error_body
-from gateway.core.records import Outcome, RequestRecord, worker_lost_outcome
-from gateway.core.streams import stream_append
+from gateway.core.request.records import Outcome, RequestRecord, worker_lost_outcome
+from gateway.core.request.streams import stream_append
 from gateway.worker.pool_client import pool_call_inline, pool_chat_stream_open
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
 

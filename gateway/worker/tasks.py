@@ -13,14 +13,14 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from budgets.models import InferencePool
-from gateway.core.callbacks import DELIVER_CALLBACK_TASK
-from gateway.core.enqueue import EXECUTE_REQUEST_TASK, CallHint
-from gateway.core.held import mark_parse
+from gateway.core.jobs.callbacks import DELIVER_CALLBACK_TASK
+from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK, CallHint
+from gateway.core.protection.held import mark_parse
 from gateway.core.key_usage import key_last_used_flush
 from gateway.core.log_context import log_context
-from gateway.core.schedules import TASK_NAME as RUN_SCHEDULE_TASK
-from gateway.core.schedules import schedule_run
-from gateway.core.takeover import lost_requests_reap
+from gateway.core.jobs.schedules import TASK_NAME as RUN_SCHEDULE_TASK
+from gateway.core.jobs.schedules import schedule_run
+from gateway.core.request.takeover import lost_requests_reap
 from gateway.worker.callbacks import callback_deliver
 from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
 from gateway.worker.shutdown import HandBack, pause
@@ -52,7 +52,7 @@ def execute_request(request_id: str, generation: int = 0, taken: str = "", call:
     """Run one delivery of an admitted request (the record lives in Redis,
     keyed by id; ``generation`` > 0: taken over from a lost worker;
     ``taken``: the provider room its release from the held set took,
-    gateway/core/held.py; ``call``: its pool call's hint, gateway/core/enqueue.py)."""
+    gateway/core/protection/held.py; ``call``: its pool call's hint, gateway/core/request/enqueue.py)."""
     close_old_connections()  # a connection broken by a database restart is replaced
     give_up_at = time.monotonic() + settings.SLUICE_TASK_TIME_LIMIT_S * 0.8
     answered: dict = {}
@@ -102,7 +102,7 @@ def run_schedule(schedule_id: int) -> int:
 
 
 # One attempt is one delivery-log row. The receiver failing is not retried
-# here: the next attempt waits in Redis (gateway/core/callbacks.py).
+# here: the next attempt waits in Redis (gateway/core/jobs/callbacks.py).
 @shared_task(name=DELIVER_CALLBACK_TASK, max_retries=10, **IDEMPOTENT_TASK)
 def deliver_callback(job_id: str, attempt: int = 1) -> str:
     """One attempt at a finished job's callback (queue: the housekeeping lane)."""

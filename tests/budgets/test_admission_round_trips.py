@@ -14,7 +14,7 @@ from django.conf import settings as django_settings
 from budgets.admission import keys
 from budgets.errors import Rejected
 from budgets.models import SpendBudget
-from gateway.core.context import context_for_workload
+from gateway.core.request.context import context_for_workload
 from tests.budgets.test_spend_admission import holds, price, settle_and_record, try_admit  # noqa: F401 - price: the fixture
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -42,7 +42,7 @@ def test_on_a_single_redis_admission_and_hold_are_one_round_trip(make_caller, re
 
 
 def test_a_workload_the_pool_just_refused_is_asked_admission_alone(make_caller, redis_client):
-    from gateway.core import admission as admission_module
+    from gateway.core.request import admission as admission_module
 
     # given a priced workload allowed one request in flight, which has it
     caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)

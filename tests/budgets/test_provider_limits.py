@@ -369,7 +369,7 @@ def test_a_refusal_with_no_request_left_holds_every_call_until_its_retry_after(m
 
 def test_a_refusal_read_back_without_its_calls_size_holds_nothing_more(make_caller):
     # given the mark of a held request's release (its call's size is not kept with it)
-    from gateway.core.held import mark_parse, mark_text
+    from gateway.core.protection.held import mark_parse, mark_text
 
     caller = make_caller()
     pool_id = caller.pool.id

@@ -2,7 +2,7 @@
 pools, held at admission before the pool admits (estimated cost), corrected
 at settlement (actual cost), reconciled from the ledger plus the requests in
 flight, and a hard cap enforced with its own reason. Real Redis, the real
-gateway admission (gateway/core/admission.py) and settlement."""
+gateway admission (gateway/core/request/admission.py) and settlement."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from budgets.errors import Rejected
 from budgets.ledger.spend import spend_month, spend_month_to_date, spend_reconcile
 from budgets.ledger.writer import usage_record_write
 from budgets.models import ModelPrice, SpendBudget, UsageRecord
-from gateway.core.admission import request_admit
-from gateway.core.context import context_for_workload
-from gateway.core.enqueue import record_build
-from gateway.core.records import ledger_entry
-from gateway.core.settlement import request_settle
+from gateway.core.request.admission import request_admit
+from gateway.core.request.context import context_for_workload
+from gateway.core.request.enqueue import record_build
+from gateway.core.request.records import ledger_entry
+from gateway.core.request.settlement import request_settle
 
 from tests.gateway.ledger import ledger_rows
 

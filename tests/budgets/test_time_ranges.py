@@ -23,8 +23,8 @@ from budgets.selectors.usage import rolling_minute_tokens, tokens_by_workload_bu
 from budgets.services.reservations import HISTORY_START, reservation_delete, reservation_save
 from budgets.web.charts import Series, line_chart
 from budgets.web.ranges import RangeError, time_range_from
-from gateway.core.enqueue import record_build
-from gateway.core.records import RequestRecord, ledger_entry
+from gateway.core.request.enqueue import record_build
+from gateway.core.request.records import RequestRecord, ledger_entry
 from gateway.web.auth import _load_context
 from tenants.models import ApiKey
 from tests.people import world  # noqa: F401 (fixture)

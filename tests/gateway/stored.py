@@ -9,7 +9,7 @@ import uuid
 from budgets.admission.buckets import admit
 from gateway.core import keys
 from gateway.core.metrics import arrival_commands
-from gateway.core.records import RequestRecord
+from gateway.core.request.records import RequestRecord
 
 HELLO = [{"role": "user", "content": "Are you still there?"}]
 

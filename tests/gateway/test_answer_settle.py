@@ -17,10 +17,10 @@ import pytest
 from budgets.admission import keys as budget_keys
 from budgets.models import SpendBudget
 from gateway.core import keys
-from gateway.core.context import context_for_workload
-from gateway.core.enqueue import record_build
-from gateway.core.records import Outcome
-from gateway.core.settlement import request_settle
+from gateway.core.request.context import context_for_workload
+from gateway.core.request.enqueue import record_build
+from gateway.core.request.records import Outcome
+from gateway.core.request.settlement import request_settle
 from gateway.worker.execution import _answer_keep_settled
 from tests.budgets.test_spend_admission import MODEL, estimate, holds, price, try_admit  # noqa: F401 - price: the fixture
 

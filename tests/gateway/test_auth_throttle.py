@@ -15,7 +15,7 @@ from asgiref.sync import async_to_sync
 from django.db import connection
 from django.utils import timezone
 
-from gateway.core.throttle import address_subject, api_key_address_budget, client_address
+from gateway.core.protection.throttle import address_subject, api_key_address_budget, client_address
 from gateway.web import auth
 from gateway.web.auth import key_check
 from tenants.models import ApiKey

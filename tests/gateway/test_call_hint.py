@@ -1,4 +1,4 @@
-"""A lane message's call hint (gateway/core/enqueue.py ``CallHint``): the
+"""A lane message's call hint (gateway/core/request/enqueue.py ``CallHint``): the
 first delivery of a request on a lane with no slot to wait for asks its pool
 call's circuit gate and provider take in the round trip of its claim
 (gateway/worker/execution.py), and only when that claim makes it the
@@ -12,8 +12,8 @@ import pytest
 
 from budgets.admission import keys as budget_keys
 from gateway.core import keys
-from gateway.core.enqueue import CallHint, call_hint
-from gateway.core.records import RequestRecord
+from gateway.core.request.enqueue import CallHint, call_hint
+from gateway.core.request.records import RequestRecord
 from gateway.worker.execution import request_execute
 from tests.gateway.stored import admitted, executed_watched
 

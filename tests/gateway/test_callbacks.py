@@ -23,7 +23,7 @@ from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule
 
 from gateway.core import keys
-from gateway.core.callbacks import (CallbackRefused, callback_backoff_s, callback_signature, callback_signature_verify,
+from gateway.core.jobs.callbacks import (CallbackRefused, callback_backoff_s, callback_signature, callback_signature_verify,
                                     callback_target_resolve, callback_url_check, callback_url_parse)
 from gateway.models import Job, JobCallbackDelivery, JobSchedule
 from gateway.worker.callbacks import callback_deliver

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.core import keys
-from gateway.core.callbacks import callback_signature_verify
+from gateway.core.jobs.callbacks import callback_signature_verify
 from gateway.core.lanes import HOUSEKEEPING
 from gateway.models import Job, JobCallbackDelivery
 from tenants.models import Tenant

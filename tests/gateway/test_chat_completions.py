@@ -203,7 +203,7 @@ def test_i5_and_ledger_match_the_usage_the_pool_reported(platform, caller, redis
 @pytest.mark.redis_cluster
 def test_replayed_settlement_writes_nothing_twice(platform, caller, redis_client):
     from gateway.worker.execution import request_finish
-    from gateway.core.records import Outcome, RequestRecord
+    from gateway.core.request.records import Outcome, RequestRecord
     from gateway.core import keys as gateway_keys
 
     raw = sdk(platform, caller.api_key).chat.completions.with_raw_response.create(
@@ -272,7 +272,7 @@ def test_worker_that_finds_the_deadline_passed_refunds_and_records(platform, mak
     before the web side gave up. It owns the refund; the pool is never called."""
     from gateway.core import keys as gateway_keys
     from gateway.worker.execution import request_execute
-    from gateway.core.records import RequestRecord
+    from gateway.core.request.records import RequestRecord
     from budgets.admission.buckets import admit
 
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")

@@ -1,4 +1,4 @@
-"""The pool's circuit breaker (gateway/core/circuit.lua) against a real
+"""The pool's circuit breaker (gateway/core/protection/circuit.lua) against a real
 Redis: closed -> open after failures in a row, half-open with exactly one
 trial, closed at once when the trial succeeds, open again when it fails; and
 the worker waiting while it is open."""
@@ -9,8 +9,8 @@ import threading
 import time
 
 from budgets.redis.clients import redis_now_ms
-from gateway.core.circuit import circuit_gate, circuit_record, circuit_state
-from gateway.core.records import RequestRecord
+from gateway.core.protection.circuit import circuit_gate, circuit_record, circuit_state
+from gateway.core.request.records import RequestRecord
 from gateway.worker.lane_slot import circuit_wait
 
 POOL = 57

@@ -36,7 +36,7 @@ def test_bucket_config_lost_by_redis_is_rebuilt_on_the_next_request(platform, ma
 
 def test_expired_leases_are_reaped_once_and_recorded(make_caller, redis_client):
     from gateway.worker.execution import leases_reap
-    from gateway.core.records import RequestRecord
+    from gateway.core.request.records import RequestRecord
     from gateway.core import keys as gateway_keys
 
     caller = make_caller()

@@ -1,4 +1,4 @@
-"""Work held through an outage (gateway/core/held.py) against a real Redis:
+"""Work held through an outage (gateway/core/protection/held.py) against a real Redis:
 admission holds what it admits while the pool's circuit is open, and a
 retry of a held body after; the release gives held work only the provider's
 room above its reserve, each entry once however many pacers ask, one at a
@@ -15,8 +15,8 @@ from budgets.admission import keys as budget_keys
 from budgets.admission.buckets import admit_call
 from budgets.redis.clients import redis_now_ms
 from gateway.core import keys
-from gateway.core.circuit import circuit_gate, circuit_record
-from gateway.core.held import held_release_call, mark_parse, mark_text
+from gateway.core.protection.circuit import circuit_gate, circuit_record
+from gateway.core.protection.held import held_release_call, mark_parse, mark_text
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -222,8 +222,8 @@ def test_sim_switches_on_a_real_pool_are_refused_and_change_nothing(platform, ma
 
 
 def test_sim_switches_need_the_setting_as_well_as_a_simulator_pool(make_caller):
-    from gateway.core.chat import chat_check, validate_chat_request
-    from gateway.core.context import context_for_workload
+    from gateway.core.request.chat import chat_check, validate_chat_request
+    from gateway.core.request.context import context_for_workload
 
     caller = make_caller(pool=make_caller.pool(is_simulator=True))
     chat = validate_chat_request({"model": "sim-small", "messages": HELLO, "sim": {"output_tokens": 3}})

@@ -1,4 +1,4 @@
-"""The adaptive long-lane limit (gateway/core/concurrency.py): the slot
+"""The adaptive long-lane limit (gateway/core/protection/concurrency.py): the slot
 semaphore's atomicity (threads and processes) and leases against a real
 Redis, the worker's bounded wait, and the AIMD rule (lane_limit.lua) step by
 step with exact values."""
@@ -14,7 +14,7 @@ import pytest
 
 from budgets.redis.clients import redis_now_ms
 from gateway.core import keys
-from gateway.core.concurrency import (LIMITED_LANES, lane_limit_long_done, lane_limit_short_sample,
+from gateway.core.protection.concurrency import (LIMITED_LANES, lane_limit_long_done, lane_limit_short_sample,
                                       lane_limit_throttle, lane_limits_read, slot_acquire_call, slot_lease_ms,
                                       slot_release)
 from gateway.worker.lane_slot import slot_wait

@@ -66,8 +66,8 @@ def test_pool_numbers_show_lane_limits_provider_remaining_the_circuit_and_why(pl
                                                                               settings):
     from budgets.admission.provider_limits import provider_limits_record
     from gateway.core import keys
-    from gateway.core.circuit import circuit_record
-    from gateway.core.concurrency import slot_acquire_call
+    from gateway.core.protection.circuit import circuit_record
+    from gateway.core.protection.concurrency import slot_acquire_call
     from tests.test_observability import scrape, value
 
     # given a learned long-lane limit with one call in it, a provider stating half

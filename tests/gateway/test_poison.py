@@ -23,11 +23,11 @@ from budgets.admission.estimation import Estimate
 from budgets.redis.clients import get_redis
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
-from gateway.core.admission import lease_ttl_ms, request_admit
-from gateway.core.context import context_for_workload
-from gateway.core.enqueue import new_request_id, record_build, record_enqueue
+from gateway.core.request.admission import lease_ttl_ms, request_admit
+from gateway.core.request.context import context_for_workload
+from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.lanes import HOUSEKEEPING
-from gateway.core.records import Outcome, RequestRecord
+from gateway.core.request.records import Outcome, RequestRecord
 from gateway.models import Job
 
 from tests.gateway.ledger import ledger_rows

@@ -1,4 +1,4 @@
-"""A worker's first round trip of a delivery (gateway/core/records.py
+"""A worker's first round trip of a delivery (gateway/core/request/records.py
 record_claim_steps): the record read and, only when there is one, claimed
 with the record's own deadlines, in one script: on a single Redis and on a
 cluster (the keys share the request's tag)."""
@@ -10,7 +10,7 @@ import pytest
 from budgets.redis.clients import redis_now_ms
 from budgets.redis.composition import RoundTrip
 from gateway.core import keys
-from gateway.core.records import EXPIRED, WORKER, RequestRecord, record_claim_steps
+from gateway.core.request.records import EXPIRED, WORKER, RequestRecord, record_claim_steps
 
 pytestmark = pytest.mark.redis_cluster
 

@@ -17,9 +17,9 @@ from budgets.admission.capacity import capacity_signal_call
 from budgets.redis.composition import RoundTrip, Step, answered, plan_run
 from budgets.redis.scripts import LuaScript, ScriptCall, raw_reply
 from gateway.core import keys
-from gateway.core.circuit import circuit_record_call
-from gateway.core.concurrency import lane_limit_call
-from gateway.core.records import Outcome, RequestRecord
+from gateway.core.protection.circuit import circuit_record_call
+from gateway.core.protection.concurrency import lane_limit_call
+from gateway.core.request.records import Outcome, RequestRecord
 from gateway.worker.lane_slot import SlotHold, lane_signal_steps
 from gateway.worker.retry import RetryPolicy, retry_budget_earn_call
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, PeriodicTask
 
 from gateway.models import Job, JobSchedule
-from gateway.core.schedules import schedule_run, schedule_sync
+from gateway.core.jobs.schedules import schedule_run, schedule_sync
 from gateway.worker.tasks import run_schedule
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -1,7 +1,7 @@
 """The gateway's copy of the simulator's test-switch protocol matches the
 simulator's own (the request path may not import the simulator)."""
 
-from gateway.core.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
+from gateway.core.request.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
 from inference_sim import config, protocol
 
 

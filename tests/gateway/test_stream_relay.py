@@ -1,5 +1,5 @@
 """The worker's half of a stream, against a pool that paces its events
-(gateway/worker/streaming.py, gateway/core/streams.py), on real Redis: the
+(gateway/worker/streaming.py, gateway/core/request/streams.py), on real Redis: the
 opening chunk (the role, no content) goes to the caller with the first
 token in one append, and chunks appended together wake a blocked reader
 once, with all of them."""
@@ -16,8 +16,8 @@ import pytest
 
 from budgets.redis.clients import get_redis
 from gateway.core import keys
-from gateway.core.records import RequestRecord
-from gateway.core.streams import CHUNK_FIELD, stream_append
+from gateway.core.request.records import RequestRecord
+from gateway.core.request.streams import CHUNK_FIELD, stream_append
 from gateway.worker import pool_client as pc
 from gateway.worker.streaming import pool_stream
 

@@ -19,10 +19,10 @@ from budgets.admission import keys
 from budgets.redis.clients import redis_now_ms
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
-from gateway.core.finish import request_finish
-from gateway.core.records import (FINISH, LOST, QUEUED, REAP, REQUEUE, RUNNING, SUPERSEDED, WATCH, WORKER, Outcome,
+from gateway.core.request.finish import request_finish
+from gateway.core.request.records import (FINISH, LOST, QUEUED, REAP, REQUEUE, RUNNING, SUPERSEDED, WATCH, WORKER, Outcome,
                                   RequestRecord, claim_call)
-from gateway.core.takeover import lost_requests_reap, request_take_over
+from gateway.core.request.takeover import lost_requests_reap, request_take_over
 from gateway.worker.execution import _answer_keep_settled, request_execute
 from gateway.worker.heartbeat import Heartbeats
 from tests.gateway.stored import HELLO, admitted

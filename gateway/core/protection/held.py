@@ -1,6 +1,6 @@
 """Work held through an outage, and given back as the provider makes room.
 
-While a pool's circuit is open (gateway/core/circuit.py), admission marks
+While a pool's circuit is open (gateway/core/protection/circuit.py), admission marks
 what it admits as held (budgets/admission/admit.lua), and so it does for a
 client's retry of a held request (the same body from the same workload, for
 as long as a lease lasts). A held request is not put on its lane: it waits in
@@ -18,7 +18,7 @@ paced by the provider's own statement of its room, the backlog takes what
 the provider has spare and new work goes first.
 
 A held request's caller waits as for any other; at its queue deadline the
-web side gives it up and refunds it (gateway/core/claim.lua decides, as for
+web side gives it up and refunds it (gateway/core/request/claim.lua decides, as for
 a request still on its lane), and the release drops it from the set."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from budgets.admission import keys as budget_keys
 from budgets.admission.provider_limits import SentMark
 from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
-from gateway.core.records import RequestRecord
+from gateway.core.request.records import RequestRecord
 
 HELD_RELEASE = LuaScript(__package__, "held_release.lua")
 # At most this many held requests go onto their lanes per pool and step.

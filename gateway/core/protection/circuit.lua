@@ -15,7 +15,7 @@
 --       trial_holder, opened, last_change_ms, why), 2 the pool's capacity
 --       hash: its 'hold' field is set while the circuit is not closed, so
 --       admission (budgets/admission/admit.lua) holds new work outside the
---       lanes (gateway/core/held.py) instead of queueing it in front of the
+--       lanes (gateway/core/protection/held.py) instead of queueing it in front of the
 --       work that arrives after the provider is back
 -- ARGV: 1 event ('gate' | 'ok' | 'fail'), 2 holder (request id),
 --       3 what happened (text, 'fail'), 4 failures in a row that open it,

@@ -10,9 +10,9 @@ from django.db import transaction
 from django.utils import timezone
 from django_celery_beat.models import PeriodicTask
 
-from gateway.core.chat import validate_chat_request
-from gateway.core.context import context_for_workload
-from gateway.core.jobs import job_submit
+from gateway.core.request.chat import validate_chat_request
+from gateway.core.request.context import context_for_workload
+from gateway.core.jobs.lifecycle import job_submit
 from gateway.core.lanes import HOUSEKEEPING
 from gateway.models import JobSchedule
 

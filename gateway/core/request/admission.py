@@ -31,7 +31,7 @@ from budgets.admission.spend_holds import SpendHold, spend_hold_call
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
-from gateway.core.context import CallerContext
+from gateway.core.request.context import CallerContext
 from gateway.core.errors import budget_unavailable, no_reservation
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """Attempt throttles: how many failed sign-ins a user or a client address
 may make, and how many unknown API keys an address may try, per window,
 counted in Redis so every web process shares them (an attacker spreading
-guesses over processes gains nothing). Used by the /v1 key check
-(gateway/web/auth.py) and the sign-in views (llm_platform/login.py).
+guesses over processes gains nothing). The /v1 key check
+(gateway/web/auth.py) keeps its budget here; the sign-in views keep theirs
+with them (llm_platform/login.py).
 
 Each attempt is *taken* before the secret is checked and given back when it
 was right, so concurrent guesses cannot overrun a limit. The client address
@@ -71,15 +72,7 @@ class AttemptBudget:
 
 
 # Read from settings at each use, so a changed setting (or a test's) applies.
-def login_user_budget() -> AttemptBudget:
-    return AttemptBudget("login-user", settings.SLUICE_LOGIN_FAILURES_PER_USER, settings.SLUICE_LOGIN_FAILURE_WINDOW_S)
-
-
-def login_address_budget() -> AttemptBudget:
-    return AttemptBudget("login-address", settings.SLUICE_LOGIN_FAILURES_PER_ADDRESS,
-                         settings.SLUICE_LOGIN_FAILURE_WINDOW_S, by_address=True)
-
-
+# The sign-in budgets sit with the sign-in views (llm_platform/login.py).
 def api_key_address_budget() -> AttemptBudget:
     return AttemptBudget("api-key-address", settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS,
                          settings.SLUICE_API_KEY_FAILURE_WINDOW_S, by_address=True)

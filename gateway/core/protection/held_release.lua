@@ -1,4 +1,4 @@
--- Held work (gateway/core/held.py): release what the provider has room for.
+-- Held work (gateway/core/protection/held.py): release what the provider has room for.
 --
 -- Requests admitted while the pool's circuit was not closed, and clients'
 -- retries of them (budgets/admission/admit.lua), wait here instead of on their lane, and go
@@ -20,7 +20,7 @@
 -- in no worker to ask for it.
 --
 -- KEYS: 1 held zset (member 'request_id|lane|tokens', score its queue
---       deadline, ms), 2 capacity hash, 3 circuit hash (gateway/core/circuit.lua)
+--       deadline, ms), 2 capacity hash, 3 circuit hash (gateway/core/protection/circuit.lua)
 -- ARGV: 1 most to release, 2 how long a released trial stands before
 --       another may be released (ms), 3 the time over which budgets/admission/admit.lua
 --       averages the fresh arrivals' rate, and the held pace's depth (ms)

@@ -3,7 +3,7 @@ side, async) and for jobs (the API view and the pacer, sync): build the
 request's record, store it in Redis, enqueue its id on the lane's Celery
 queue by task name (the web side never imports the worker's task module;
 with the broker on the records' Redis, the message goes in the record's own
-pipeline: gateway/core/task_message.py), and refund if that fails (gateway/core/settlement.py). A request taken over
+pipeline: gateway/core/request/task_message.py), and refund if that fails (gateway/core/request/settlement.py). A request taken over
 from a lost worker goes back on its lane as its next delivery
 (``record_requeue``)."""
 
@@ -21,16 +21,16 @@ from budgets.admission.estimation import Estimate
 from budgets.redis.clients import get_redis
 from budgets.redis.composition import Commands
 from gateway.core import keys
-from gateway.core.concurrency import lane_limited
-from gateway.core.context import CallerContext
+from gateway.core.protection.concurrency import lane_limited
+from gateway.core.request.context import CallerContext
 from gateway.core.errors import budget_unavailable
-from gateway.core.held import held_commands
+from gateway.core.protection.held import held_commands
 from gateway.core.lanes import lane_for, queue_for_lane
 from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
-from gateway.core.records import RequestRecord, ttl_ms
-from gateway.core.settlement import request_refund, request_refund_async
-from gateway.core.task_message import direct_publish, task_message
+from gateway.core.request.records import RequestRecord, ttl_ms
+from gateway.core.request.settlement import request_refund, request_refund_async
+from gateway.core.request.task_message import direct_publish, task_message
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def _record_commands(pipe, record: RequestRecord, *, lease_ms: int, publish: boo
     arrival_commands(pipe, pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
                      expires_ms=record.admitted_ms + lease_ms)
     if record.held:
-        held_commands(pipe, record)  # not on its lane yet: gateway/core/held.py
+        held_commands(pipe, record)  # not on its lane yet: gateway/core/protection/held.py
     elif publish:
         queue = queue_for_lane(record.lane)
         pipe.lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=record.request_id, queue=queue,
@@ -176,7 +176,7 @@ def record_requeue(record: RequestRecord, *, generation: int) -> bool:
 
 def lane_publish(*, request_id: str, lane: str, task_id: str, kwargs: dict) -> None:
     """Put a request already admitted and recorded on its lane: a lost
-    worker's next delivery, a held request released (gateway/core/held.py)."""
+    worker's next delivery, a held request released (gateway/core/protection/held.py)."""
     queue = queue_for_lane(lane)
     if direct_publish():
         get_redis().lpush(queue, task_message(task=EXECUTE_REQUEST_TASK, task_id=task_id, queue=queue,

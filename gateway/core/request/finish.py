@@ -1,6 +1,6 @@
 """The end of a request, whoever reaches it: the worker that ran it, or the
 process that took it over from a lost worker (the waiting web process, the
-reaper: gateway/core/takeover.py). Settle the buckets, write the ledger row,
+reaper: gateway/core/request/takeover.py). Settle the buckets, write the ledger row,
 publish the outcome; each step is idempotent on the request id, so a replay
 (a redelivered task, a late worker, a second taker) changes nothing.
 
@@ -19,12 +19,12 @@ from budgets.redis.clients import redis_now_ms
 from budgets.redis.composition import RoundTrip, Step
 from budgets.redis.scripts import ScriptCall
 from budgets.ledger.writer import usage_record_write
-from gateway.core.jobs import job_complete
+from gateway.core.jobs.lifecycle import job_complete
 from gateway.core.metrics import departure_call
 from gateway.core.observability import settlement_report
-from gateway.core.records import Outcome, RequestRecord, ledger_entry, publish_call
-from gateway.core.settlement import request_settle
-from gateway.core.streams import stream_end
+from gateway.core.request.records import Outcome, RequestRecord, ledger_entry, publish_call
+from gateway.core.request.settlement import request_settle
+from gateway.core.request.streams import stream_end
 
 
 def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,

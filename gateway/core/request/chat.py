@@ -32,9 +32,9 @@ from typing import Any
 
 from budgets.admission.estimation import Estimate, request_estimate
 from budgets.errors import Rejected
-from gateway.core.context import CallerContext
+from gateway.core.request.context import CallerContext
 from gateway.core.errors import bad_request, no_reservation
-from gateway.core.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
+from gateway.core.request.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
 from llm_tokens import PROMPT_FIELDS
 
 MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -381,7 +381,7 @@ def _check_logit_bias(name: str, value: Any) -> None:
 
 
 def _check_sim(name: str, value: Any) -> None:
-    """The simulator's own rules (gateway/core/sim_controls.py), checked here
+    """The simulator's own rules (gateway/core/request/sim_controls.py), checked here
     too so a bad switch is refused before it costs a pool call."""
     sim = _object(value, name)
     _only_keys(sim, set(SIM_FIELDS), name)
@@ -515,7 +515,7 @@ def pool_payload(chat: ChatRequest, estimate: Estimate) -> dict[str, Any]:
     """What the pool receives: the caller's body with the applied max_tokens
     (and the test switches, which chat_check allowed for this pool). A
     stream always asks the pool for its usage: settlement needs it, whether
-    or not the caller wants the usage chunk (gateway/core/streams.py)."""
+    or not the caller wants the usage chunk (gateway/core/request/streams.py)."""
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
     if chat.stream:
         payload["stream"] = True

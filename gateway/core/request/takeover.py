@@ -16,10 +16,10 @@ import logging
 
 from budgets.redis.clients import SyncRedis, get_redis
 from gateway.core import keys
-from gateway.core.enqueue import record_requeue
-from gateway.core.finish import request_finish
+from gateway.core.request.enqueue import record_requeue
+from gateway.core.request.finish import request_finish
 from gateway.core.lanes import LANE_NAMES
-from gateway.core.records import (FINISH, LOST, REAP, REQUEUE, Claim, Outcome, RequestRecord, claim_call,
+from gateway.core.request.records import (FINISH, LOST, REAP, REQUEUE, Claim, Outcome, RequestRecord, claim_call,
                                   worker_lost_outcome)
 
 logger = logging.getLogger(__name__)

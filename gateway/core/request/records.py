@@ -74,14 +74,14 @@ class RequestRecord:
     spend_month: str = ""
     api_key_id: int = 0  # 0: no key (a cron firing)
     # "stream": true: the worker relays the pool's chunks through a Redis
-    # Stream (gateway/core/streams.py); stream_usage: the caller asked for the
+    # Stream (gateway/core/request/streams.py); stream_usage: the caller asked for the
     # usage chunk (stream_options.include_usage). tokenizer: the pool's
     # encoding, to count the tokens of a stream cut short.
     stream: bool = False
     stream_usage: bool = False
     tokenizer: str = ""
     # Admitted while the pool's circuit was open, or a retry of such a
-    # request: it waits in the pool's held set, not on its lane (gateway/core/held.py).
+    # request: it waits in the pool's held set, not on its lane (gateway/core/protection/held.py).
     held: bool = False
 
     @property

@@ -29,7 +29,7 @@ from typing import Any
 from budgets.redis.clients import SyncRedis, get_redis
 from budgets.redis.composition import Commands
 from gateway.core import keys
-from gateway.core.records import Outcome, ttl_ms
+from gateway.core.request.records import Outcome, ttl_ms
 
 # The outcome status a waiting web process gets when a stream's first chunk
 # came: answer with the stream, not with JSON.

@@ -23,13 +23,13 @@ from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
-from gateway.core.admission import lease_ttl_ms, request_admit
-from gateway.core.callbacks import CallbackRefused, callback_enqueue, callback_url_check
-from gateway.core.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
-from gateway.core.context import CallerContext, context_for_workload
-from gateway.core.enqueue import new_request_id, record_build, record_enqueue
+from gateway.core.request.admission import lease_ttl_ms, request_admit
+from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
+from gateway.core.request.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.request.context import CallerContext, context_for_workload
+from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.errors import bad_request, budget_unavailable, error_body
-from gateway.core.records import Outcome
+from gateway.core.request.records import Outcome
 from gateway.models import Job, JobCallbackDelivery
 
 logger = logging.getLogger(__name__)
@@ -334,7 +334,7 @@ def job_list_view(page: JobPage, *, base_url: str = "") -> dict:
 
 def jobs_running(*, jobs: list[Job]) -> set[str]:
     """The ids of the queued jobs whose request a worker has started (its
-    owner state in Redis is ``worker:<generation>``, see claim.lua). One
+    owner state in Redis is ``worker:<generation>``, see gateway/core/request/claim.lua). One
     pipelined round trip; Redis away means none is known to be running."""
     queued = [job for job in jobs if job.status == Job.Status.QUEUED and job.request_id]
     if not queued:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from budgets.admission.buckets import Settlement, settle_call
 from budgets.admission.spend_holds import spend_settle_call
 from budgets.redis.composition import Condition, Plan, RoundTrip, Step, answered, plan_run, plan_run_async
-from gateway.core.records import RequestRecord
+from gateway.core.request.records import RequestRecord
 
 
 # Both settlement steps answer {0} (settled before: a replay) or {1, ...}
