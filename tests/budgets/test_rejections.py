@@ -14,7 +14,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from budgets.admission import keys
-from budgets.admission import redis_client as redis_connections
+from budgets.redis import scripts as redis_scripts
 from budgets.ledger import rejections
 from budgets.errors import BudgetUnavailable
 from budgets.models import RejectionSample, RejectionStat
@@ -171,7 +171,7 @@ def test_rejections_without_a_pool_are_kept_too(world):
 
 def test_counting_never_raises_when_redis_is_away(world, monkeypatch):
     dead = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, socket_timeout=0.2)
-    monkeypatch.setattr(redis_connections, "get_redis", lambda: dead)
+    monkeypatch.setattr(redis_scripts, "get_redis", lambda: dead)
     count(world)  # no exception
 
 
