@@ -23,7 +23,8 @@ django_application = get_asgi_application()
 from adapters.django import MiddlewareFreeASGIHandler  # noqa: E402  (after django.setup())
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
-from gateway.web.edge import api_answered, as_openai_error, body_limit  # noqa: E402
+from gateway.web.body_limit import body_limit  # noqa: E402
+from gateway.web.edge import api_answered, as_openai_error  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 # A web process that stops sends the rejections it counted and has not sent

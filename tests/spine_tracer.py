@@ -17,7 +17,7 @@ Python call and every call of a C function. While ``recording`` is on:
 - a C-level send or connect on an internet socket outside every boundary is
   recorded as ``socket.<method>``: I/O the boundaries above missed (expected:
   none);
-- a call of ``ScriptCall.run``/``run_async``/``send`` records its script's
+- a call of ``ScriptCall.run``/``run_async`` records its script's
   name; an EVALSHA going out on a Redis connection records its SHA (named
   by the ``ScriptCall`` that sent it, else by the ``LuaScript`` objects the
   modules hold);
@@ -47,7 +47,7 @@ import httpx
 import redis.asyncio.connection
 import redis.connection
 
-from budgets.admission.redis_client import LuaScript, ScriptCall
+from budgets.redis.scripts import LuaScript, ScriptCall
 
 _CO_COROUTINE_LIKE = 0x0080 | 0x0100 | 0x0200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
 _SOCKET_SENDS = frozenset({"send", "sendall", "sendto", "sendmsg", "connect", "connect_ex"})
@@ -94,7 +94,7 @@ def _boundaries() -> dict[CodeType, str]:
 
 
 BOUNDARIES = _boundaries()
-SCRIPT_ENTRIES = {_code(getattr(ScriptCall, name)) for name in ("run", "run_async", "send")}
+SCRIPT_ENTRIES = {_code(getattr(ScriptCall, name)) for name in ("run", "run_async")}
 
 
 @dataclass(frozen=True)

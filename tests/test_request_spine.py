@@ -45,9 +45,8 @@ file, anything else a folder that gets ``request_spine.json``):
     round trip is one script named ``a+b+c``), and the single scripts in them;
 (d) every project file executed at all during the request (context).
 
-``test_the_spine_is_measured`` holds today and checks the measurement is
-sane; ``test_the_spine_is_within_the_bound`` asserts the issue's bound and is
-an expected failure until the refactor brings the request under it."""
+``test_the_spine_is_measured`` checks the measurement is sane;
+``test_the_spine_is_within_the_bound`` asserts the issue's bound."""
 
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ from django.db import connections
 
 from budgets.models import UsageRecord
 from gateway.core import keys
-from gateway.core.enqueue import EXECUTE_REQUEST_TASK
+from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK
 from gateway.core.lanes import LANES
 from tests.gateway.ledger import ledger_row
 from tests.spine_tracer import SpineTracer, script_parts
@@ -355,9 +354,6 @@ def test_the_spine_is_measured(spine):
     assert not spine["threads_untraced"] or "spine-lane-worker" not in spine["threads_untraced"]
 
 
-@pytest.mark.xfail(strict=False, reason="the refactor toward the house issue's bound is in progress: today's chains "
-                                        "re-enter files (llm_platform/asgi.py on the web side, "
-                                        "gateway/worker/execution.py around the pool call)")
 def test_the_spine_is_within_the_bound(spine):
     reentered = {path for entry in spine["reentries"] for path in entry["reentered"]}
     assert len(spine["spine_files"]) <= MAX_SPINE_FILES, spine["spine_files"]

@@ -1,10 +1,7 @@
 """The edge of /v1: what answers before and around the views, so that every
 answer on /v1 is OpenAI-shaped JSON, whatever goes wrong and wherever.
 
-- ``body_limit``: an ASGI wrapper that refuses a body over
-  SLUICE_MAX_BODY_BYTES with a 413 before anything stores or parses it
-  (Django's ASGI handler would spool any chunked body, however large, to a
-  temporary file first), counting what arrives, not what Content-Length says.
+- the body's size limit, before Django: gateway/web/body_limit.py;
 - ``api_error_response``: an exception raised outside a view's own handling
   (an unknown path, a bad Host header, a malformed URL, a bug) as an OpenAI
   error instead of Django's HTML page.
@@ -26,7 +23,7 @@ from django.core.exceptions import BadRequest, DisallowedHost, PermissionDenied,
 from django.http import Http404, HttpRequest, HttpResponse
 
 from adapters.django import GetResponse
-from gateway.core.errors import error_body
+from gateway.web.body_limit import too_large_body
 from gateway.web.responses import openai_error
 
 logger = logging.getLogger("django.request")
@@ -43,75 +40,13 @@ _STATUS_ERRORS = {
 _KEPT_HEADERS = ("Allow", "Retry-After", "retry-after-ms")
 
 
-def _too_large_body(limit: int) -> dict:
-    return error_body(message=f"The request body exceeds {limit} bytes.", error_type="invalid_request_error",
-                      code="body_too_large")
-
-
-async def _send_json(send, status: int, body: dict) -> None:
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": payload})
-
-
-def _declared_length(scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-def body_limit(app):
-    """Read the whole body, at most SLUICE_MAX_BODY_BYTES of it, then hand it
-    to ``app`` as one message; over the limit, answer 413 and stop reading."""
-
-    async def limited(scope, receive, send):
-        if scope["type"] != "http":
-            return await app(scope, receive, send)
-        limit = settings.SLUICE_MAX_BODY_BYTES
-        declared = _declared_length(scope)
-        if declared is not None and declared > limit:
-            return await _send_json(send, 413, _too_large_body(limit))
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the caller left before sending its body: nobody to answer
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return await _send_json(send, 413, _too_large_body(limit))
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect Django listens for
-
-        return await app(scope, replay, send)
-
-    return limited
-
-
 def api_error_response(request: HttpRequest, exc: Exception) -> HttpResponse:
     """An exception no view turned into an answer, as an OpenAI error."""
     if isinstance(exc, Http404):
         return openai_error(status=404, message=f"Unknown API path: {request.method} {request.path[:200]}.",
                             error_type="invalid_request_error", code="not_found")
     if isinstance(exc, RequestDataTooBig):
-        return openai_error(status=413, message=_too_large_body(settings.SLUICE_MAX_BODY_BYTES)["error"]["message"],
+        return openai_error(status=413, message=too_large_body(settings.SLUICE_MAX_BODY_BYTES)["error"]["message"],
                             error_type="invalid_request_error", code="body_too_large")
     if isinstance(exc, DisallowedHost):
         return openai_error(status=400, message="Invalid Host header.", error_type="invalid_request_error",

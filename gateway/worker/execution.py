@@ -16,6 +16,7 @@ import random
 import re
 import time
 from dataclasses import replace
+from functools import partial
 
 import openai
 from django.db import InterfaceError, OperationalError
@@ -115,9 +116,9 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
         # the SDK's request building and model parsing (pool_chat_post, the
         # SDK's exceptions). The call may be cut off when the worker stops
         # (gateway/worker/shutdown.py).
-        raw = pool_call_within_grace(lambda: pool_chat_post(
-            client, body={**payload, "sim": sim} if sim is not None else payload, pool_id=record.pool_id, mark=mark),
-            inline=pool_call_inline(client))
+        raw = pool_call_within_grace(partial(
+            pool_chat_post, client, body={**payload, "sim": sim} if sim is not None else payload,
+            pool_id=record.pool_id, mark=mark), inline=pool_call_inline(client))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:
