@@ -173,7 +173,7 @@ _BROKER_ON_REDIS_URL = REDIS_URL.replace("unix://", "redis+socket://") if REDIS_
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or _BROKER_ON_REDIS_URL
 CELERY_BROKER_IS_REDIS_URL = CELERY_BROKER_URL == _BROKER_ON_REDIS_URL and not SLUICE_REDIS_CLUSTER
 # The web side writes a lane's Celery message in the same Redis pipeline as
-# the request's record (gateway/core/request/task_message.py) when the broker is
+# the request's record (adapters/celery.py) when the broker is
 # REDIS_URL itself; false: every message goes through Celery's send_task.
 SLUICE_DIRECT_PUBLISH = env_bool("SLUICE_DIRECT_PUBLISH", True)
 

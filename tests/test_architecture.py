@@ -200,3 +200,31 @@ def test_comments_cite_documents_that_are_in_the_repository():
                 if not (ROOT / name).exists() and not (path.parent / name).exists():
                     missing.append(f"{path.relative_to(ROOT)}: {name}")
     assert missing == []
+
+
+# A measurement in product code goes stale with the next run: figures and the
+# rounds of bench/PROFILE.md live there, once. The adapters state their gain
+# by design (adapters/__init__.py).
+MEASUREMENT = re.compile(r"\b\d+(?:\.\d+)?\s?(?:µs|us)\b|PROFILE\.md,? rounds? \d|round \d+\)")
+
+
+def measurements_in_code(root: Path, packages) -> list[str]:
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in {".py", ".lua"} and "__pycache__" not in path.parts:
+                for number, line in enumerate(path.read_text().splitlines(), start=1):
+                    if MEASUREMENT.search(line):
+                        found.append(f"{path.relative_to(root)}:{number}")
+    return found
+
+
+def test_product_code_carries_no_measurements():
+    assert measurements_in_code(ROOT, [p for p in PACKAGES if p != "adapters"]) == []
+
+
+def test_the_checker_finds_a_measurement(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("# costs 30 µs a call\nx = 1\n# see bench/PROFILE.md, round 7\n")
+    (tmp_path / "pkg" / "b.lua").write_text("-- units: ms, us\nlocal x = 1\n")
+    assert measurements_in_code(tmp_path, ["pkg"]) == ["pkg/a.py:1", "pkg/a.py:3"]

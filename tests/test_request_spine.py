@@ -13,7 +13,7 @@ What is measured (tests/spine_tracer.py does the tracing):
   worker side is a thread of this process that takes the lane's Celery
   message off Redis itself (the list Celery's Redis transport consumes, the
   queue named by gateway/core/lanes.py; kombu's JSON envelope, base64 body
-  ``[args, kwargs, embed]``, gateway/core/task_message.py) and calls
+  ``[args, kwargs, embed]``, adapters/celery.py) and calls
   ``gateway.worker.tasks.execute_request``'s function. No Celery worker runs
   (it would take the message first); the pool is a real ``inference_sim``
   process; PostgreSQL and Redis are the test session's.

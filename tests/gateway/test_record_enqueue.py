@@ -1,7 +1,7 @@
 """After its admission, an admitted request's record, its arrival's metrics
 and its lane message go to Redis in one pipeline from the web process
 (gateway/core/request/enqueue.py ``record_enqueue_async``), the message built in
-Python (gateway/core/request/task_message.py, the one send_task would push:
+Python (adapters/celery.py, the one send_task would push:
 tests/gateway/test_task_message.py), never by a script. Real Redis, watched
 with its own MONITOR, and the real admission."""
 
@@ -20,7 +20,8 @@ from gateway.core.request.context import context_for_workload
 from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK, call_hint, record_build, record_enqueue_async
 from gateway.core.lanes import queue_for_lane
 from gateway.core.request.records import RequestRecord
-from gateway.core.request.task_message import direct_publish, task_message
+from adapters.celery import task_message
+from gateway.core.request.enqueue import direct_publish
 from tests.gateway.stored import RedisMonitor
 
 pytestmark = [pytest.mark.django_db(transaction=True),

@@ -1,4 +1,4 @@
-"""The lane message the web side writes itself (gateway/core/request/task_message.py)
+"""The lane message the web side writes itself (adapters/celery.py)
 is the one Celery's send_task pushes on the Redis broker: compared field by
 field with a message Celery publishes to a scratch queue of the same Redis.
 Every test that runs a request through the real workers also consumes it."""
@@ -14,7 +14,8 @@ from celery import current_app
 from django.conf import settings
 
 from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK
-from gateway.core.request.task_message import direct_publish, task_message
+from adapters.celery import task_message
+from gateway.core.request.enqueue import direct_publish
 
 QUEUE = "test-task-message"
 

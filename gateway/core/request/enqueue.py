@@ -3,7 +3,7 @@ side, async) and for jobs (the API view and the pacer, sync): build the
 request's record, store it in Redis, enqueue its id on the lane's Celery
 queue by task name (the web side never imports the worker's task module;
 with the broker on the records' Redis, the message goes in the record's own
-pipeline: gateway/core/request/task_message.py), and refund if that fails (gateway/core/request/settlement.py). A request taken over
+pipeline: adapters/celery.py), and refund if that fails (gateway/core/request/settlement.py). A request taken over
 from a lost worker goes back on its lane as its next delivery
 (``record_requeue``)."""
 
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from celery import current_app
+from django.conf import settings
 
+from adapters.celery import task_message
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
 from budgets.redis.clients import get_redis
@@ -30,7 +32,6 @@ from gateway.core.metrics import arrival_commands
 from gateway.core.observability import admission_observe
 from gateway.core.request.records import RequestRecord, ttl_ms
 from gateway.core.request.settlement import request_refund, request_refund_async
-from gateway.core.request.task_message import direct_publish, task_message
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,13 @@ logger = logging.getLogger(__name__)
 # messages survive a deploy that moves code.
 EXECUTE_REQUEST_TASK = "gateway.execute_request"
 
+
+def direct_publish() -> bool:
+    """Whether lane messages go out in the records' own round trip, written
+    by Sluice (adapters/celery.py): only where the broker is the Redis that
+    holds the records (never on a Redis Cluster, whose broker is a separate
+    plain Redis) and SLUICE_DIRECT_PUBLISH is on; otherwise ``send_task``."""
+    return settings.SLUICE_DIRECT_PUBLISH and settings.CELERY_BROKER_IS_REDIS_URL
 
 def new_request_id() -> str:
     return "req_" + uuid.uuid4().hex

@@ -1,24 +1,27 @@
-"""A lane's Celery message written in the same Redis pipeline as the
-request's record: one round trip instead of two, without Celery's and
+"""A lane's Celery message, written by Sluice itself: the exact message
+``send_task`` would push on Celery's Redis broker, built without Celery's and
 kombu's per-message publishing work (routing, signals, the producer pool,
-the message envelope built in three layers), which was a fifth of the web
-process's CPU per admitted request (bench/PROFILE.md, round 3).
+the envelope built in three layers), so the web process can push it in the
+same Redis round trip as the request's record.
 
-The message is exactly what ``send_task`` pushes on Celery's Redis broker
-from the web side (which never loads the worker's task module, so the
-message carries no time limits: the worker applies its configured ones):
-task protocol 2 (headers, a ``[args, kwargs, embed]`` body) in kombu's Redis
-envelope (base64 body, ``delivery_info`` naming the queue), LPUSHed on the
-queue's list. The lanes stay Celery queues consumed by Celery workers:
+Written against: Celery 5.7.0 and kombu 5.7.0 (task protocol 2 in kombu's
+Redis envelope: base64 body ``[args, kwargs, embed]``, ``delivery_info``
+naming the queue, LPUSHed on the queue's list).
+
+Replaces: ``app.send_task(task, args, kwargs, queue=..., task_id=...)`` on
+the web side (gateway/core/request/enqueue.py uses it where the broker is
+the records' Redis and SLUICE_DIRECT_PUBLISH is on; elsewhere it calls
+``send_task``). The lanes stay Celery queues consumed by Celery workers:
 Flower, ``celery inspect`` and redelivery see a message like any other.
-``tests/gateway/test_task_message.py`` compares it with the one Celery
-itself pushes, field by field, so an upgrade that changes the format fails
-there first.
 
-Used only where the broker is the Redis that holds the records
-(``CELERY_BROKER_URL`` unset; never on a Redis Cluster, whose broker is a
-separate plain Redis) and ``SLUICE_DIRECT_PUBLISH`` is on; otherwise the
-caller sends with ``send_task``."""
+Measured gain: CPU per admitted request with and without it, bench.cost run
+both ways on the same machine in alternation (``SLUICE_DIRECT_PUBLISH=false
+python -m bench.cost --seed 1`` against the default): bench/PROFILE.md,
+"Library internals, re-measured".
+
+Guarded by: tests/gateway/test_task_message.py, which compares the message
+with the one Celery itself pushes, field by field, so an upgrade that
+changes the format fails there first."""
 
 from __future__ import annotations
 
@@ -29,12 +32,6 @@ import socket
 import uuid
 
 from celery import current_app
-from django.conf import settings
-
-
-def direct_publish() -> bool:
-    """Whether lane messages go out in the records' pipeline."""
-    return settings.SLUICE_DIRECT_PUBLISH and settings.CELERY_BROKER_IS_REDIS_URL
 
 
 def _origin() -> str:
