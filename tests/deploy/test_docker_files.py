@@ -32,3 +32,17 @@ def test_dockerfile_copies_only_paths_that_exist():
     for sources in copies:
         for source in sources:
             assert (ROOT / source).exists(), source
+
+
+def test_the_image_installs_from_the_lock_and_copies_every_package():
+    # given the packages pyproject.toml ships and the Dockerfile's lines
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    lines = (ROOT / "docker" / "Dockerfile").read_text().splitlines()
+    copied = {source for line in lines if line.startswith("COPY ") for source in line.split()[1:-1]}
+    # then every shipped package is copied, and packages come from the lock with their hashes
+    assert shipped <= copied
+    assert any(re.search(r"pip install .*--require-hashes .*-r requirements\.lock", line) for line in lines)
