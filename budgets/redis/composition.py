@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, TypeVar, Union
 
-import hiredis
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as aioredis_cluster
@@ -31,7 +30,8 @@ import redis.cluster
 from asgiref.sync import sync_to_async
 from redis.crc import key_slot
 
-from budgets.redis.clients import REDIS_UNAVAILABLE, AsyncRedis, SyncRedis, get_async_redis, get_redis
+from adapters.redis import commands_send, commands_send_async, lean_async_client, lean_client
+from budgets.redis.clients import AsyncRedis, SyncRedis, get_async_redis, get_redis
 from budgets.redis.scripts import LuaScript, ScriptCall, raw_reply
 
 T = TypeVar("T")
@@ -41,10 +41,8 @@ class Commands:
     """Plain commands for one round trip, queued with the pipeline methods
     their callers use (``hset(key, mapping=...)``, ``pexpire``, ``hincrby``,
     ``zadd``, ``lpush``, ``zrem``, ``hdel``) and run together: in order, on
-    one connection. On a plain client they go out as a script call goes
-    (budgets/redis/scripts.py), packed by hiredis and read back without
-    redis-py's ``Pipeline`` (its command stack, per-command callbacks and
-    argument checks); elsewhere (a
+    one connection. On a plain client they go out in one write and are read
+    back without redis-py's ``Pipeline`` (adapters/redis.py); elsewhere (a
     cluster client, a single-connection client) through redis-py's own
     pipeline, or its ``execute_command`` for one command alone (a blocking
     read must not wait inside a pipeline). ``transaction``: wrapped in
@@ -104,14 +102,6 @@ class Commands:
         self.commands.append(args)
         return self
 
-    def _packed(self) -> list[bytes]:
-        commands = [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else self.commands
-        try:
-            # One buffer, one write: redis-py sends each item of a list on its own.
-            return [b"".join([hiredis.pack_command(command) for command in commands])]
-        except TypeError as exc:  # None, a dict: what redis-py refuses with DataError
-            raise redis.exceptions.DataError(str(exc)) from exc
-
     def _pipeline_of(self, client):
         pipe = client.pipeline(transaction=self.transaction)
         for command in self.commands:
@@ -132,70 +122,21 @@ class Commands:
         client = client or get_redis()
         if not self.commands:
             return []
-        if not (type(client) is redis.Redis and client.connection is None):
+        if not lean_client(client):
             if len(self.commands) == 1 and not self.transaction:  # a blocking read must not go in a pipeline
                 return [client.execute_command(*self.commands[0])]
             return self._pipeline_of(client).execute()
-        packed = self._packed()
-        count = len(self.commands) + (2 if self.transaction else 0)
-        pool = client.connection_pool
-        conn = pool.get_connection()
-
-        def once() -> list[Any]:
-            conn.send_packed_command(packed)
-            return [_reply(conn.read_response) for _ in range(count)]
-
-        try:
-            return self._replies(conn.retry.call_with_retry(once, lambda error: conn.disconnect()))
-        finally:
-            pool.release(conn)
+        return self._replies(commands_send(client, self.commands, transaction=self.transaction))
 
     async def run_async(self, client: AsyncRedis | None = None) -> list[Any]:
         client = client or get_async_redis()
         if not self.commands:
             return []
-        if not (type(client) is aioredis.Redis and not client.single_connection_client):
+        if not lean_async_client(client):
             if len(self.commands) == 1 and not self.transaction:
                 return [await client.execute_command(*self.commands[0])]
             return await self._pipeline_of(client).execute()
-        packed = self._packed()
-        count = len(self.commands) + (2 if self.transaction else 0)
-        pool = client.connection_pool
-        conn = await pool.get_connection()
-
-        async def once() -> list[Any]:
-            await conn.send_packed_command(packed)
-            replies = []
-            for _ in range(count):
-                try:
-                    replies.append(await conn.read_response())
-                except redis.exceptions.ResponseError as refused:
-                    replies.append(refused)
-            return replies
-
-        async def dropped(error: Exception) -> None:
-            await conn.disconnect()
-
-        try:
-            return self._replies(await conn.retry.call_with_retry(once, dropped))
-        finally:
-            await pool.release(conn)
-
-
-def _reply(read: Callable[[], Any]) -> Any:
-    """One reply; a command Redis refused gives its error as the reply."""
-    try:
-        return read()
-    except redis.exceptions.ResponseError as refused:
-        return refused
-
-
-def _reply(read: Callable[[], Any]) -> Any:
-    """One reply; a command Redis refused gives its error as the reply."""
-    try:
-        return read()
-    except redis.exceptions.ResponseError as refused:
-        return refused
+        return self._replies(await commands_send_async(client, self.commands, transaction=self.transaction))
 
 
 @dataclass(frozen=True)

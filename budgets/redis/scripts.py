@@ -4,7 +4,9 @@ Every script is its own ``.lua`` file beside the Python that calls it, with
 its KEYS/ARGV contract in its header (``LuaScript``). A call is described
 once (``ScriptCall``: script, KEYS, ARGV and how to read the reply) and run
 by a sync or an async caller that differ only in the await; both translate
-"Redis is unreachable" the same way (``BudgetUnavailable``). On a cluster,
+"Redis is unreachable" the same way (``BudgetUnavailable``). On a plain
+client the EVALSHA goes out without redis-py's per-command layers
+(adapters/redis.py). On a cluster,
 redis-py's ``Script`` routes the call by its keys and loads the script on
 every primary that answers NOSCRIPT."""
 
@@ -16,10 +18,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-import hiredis
-import redis
-import redis.asyncio as aioredis
 
+from adapters.redis import evalsha, evalsha_async, lean_async_client, lean_client
 from budgets.errors import BudgetUnavailable
 from budgets.redis.clients import REDIS_UNAVAILABLE, AsyncRedis, SyncRedis, get_async_redis, get_redis
 
@@ -78,8 +78,8 @@ class ScriptCall(Generic[T]):
     def run(self, client: SyncRedis | None = None) -> T:
         client = client or get_redis()
         try:
-            if type(client) is redis.Redis and client.connection is None:
-                raw = _evalsha(client, self.script, self.keys, self.args)
+            if lean_client(client):
+                raw = evalsha(client, sha=self.script.sha, source=self.script.source, keys=self.keys, args=self.args)
             else:  # a cluster client routes by slot; a single-connection client holds its own
                 raw = lua_script(client, self.script.source)(keys=self.keys, args=self.args)
         except REDIS_UNAVAILABLE as exc:
@@ -89,81 +89,14 @@ class ScriptCall(Generic[T]):
     async def run_async(self, client: AsyncRedis | None = None) -> T:
         client = client or get_async_redis()
         try:
-            if type(client) is aioredis.Redis and not client.single_connection_client:
-                raw = await _evalsha_async(client, self.script, self.keys, self.args)
+            if lean_async_client(client):
+                raw = await evalsha_async(client, sha=self.script.sha, source=self.script.source, keys=self.keys,
+                                          args=self.args)
             else:
                 raw = await lua_script(client, self.script.source)(keys=self.keys, args=self.args)
         except REDIS_UNAVAILABLE as exc:
             raise BudgetUnavailable(f"{self.script.name}: {exc}") from exc
         return self.parse(raw)
-
-
-def _evalsha_packed(script: LuaScript, keys: list[str], args: list[Any]) -> list[bytes]:
-    try:
-        return [hiredis.pack_command(("EVALSHA", script.sha, len(keys), *keys, *args))]
-    except TypeError as exc:  # an argument Redis cannot take (None, a dict): redis-py says DataError
-        raise redis.exceptions.DataError(str(exc)) from exc
-
-
-def _evalsha(client: redis.Redis, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
-    """One EVALSHA on one of the client's pooled connections, sent as
-    redis-py's own command path sends it: the same packing (hiredis, which
-    redis-py's serializer calls too), the same connection handling (a
-    connection Redis closed while idle is replaced at checkout; one that
-    fails mid-call is dropped by redis-py's own send and read, and goes
-    through the connection's ``Retry``, which with Sluice's clients raises),
-    the same answer and errors; NOSCRIPT (after SCRIPT FLUSH or a restart)
-    loads the script and sends it again, as ``register_script`` does. What
-    it leaves out is the layers redis-py puts around every command
-    (``Script``, ``execute_command``'s argument checks, response callbacks
-    and observability hooks), a sizeable share of a call's CPU on a path
-    that makes several calls per request (bench/PROFILE.md).
-    ``_evalsha_async`` is the same steps, awaited."""
-    packed = _evalsha_packed(script, keys, args)
-    pool = client.connection_pool
-    conn = pool.get_connection()
-
-    def once() -> Any:
-        conn.send_packed_command(packed)
-        try:
-            return conn.read_response()
-        except redis.exceptions.NoScriptError:
-            conn.send_command("SCRIPT", "LOAD", script.source)
-            conn.read_response()
-            conn.send_packed_command(packed)
-            return conn.read_response()
-
-    try:
-        return conn.retry.call_with_retry(once, lambda error: conn.disconnect())
-    finally:
-        pool.release(conn)
-
-
-async def _evalsha_async(client: aioredis.Redis, script: LuaScript, keys: list[str], args: list[Any]) -> Any:
-    """``_evalsha`` on an async client. A caller cancelled mid-call (its
-    client left) leaves no half-read answer behind: redis-py's send and read
-    drop the connection on any interruption."""
-    packed = _evalsha_packed(script, keys, args)
-    pool = client.connection_pool
-    conn = await pool.get_connection()
-
-    async def once() -> Any:
-        await conn.send_packed_command(packed)
-        try:
-            return await conn.read_response()
-        except redis.exceptions.NoScriptError:
-            await conn.send_command("SCRIPT", "LOAD", script.source)
-            await conn.read_response()
-            await conn.send_packed_command(packed)
-            return await conn.read_response()
-
-    async def dropped(error: Exception) -> None:
-        await conn.disconnect()
-
-    try:
-        return await conn.retry.call_with_retry(once, dropped)
-    finally:
-        await pool.release(conn)
 
 
 def raw_reply(raw: Any) -> Any:

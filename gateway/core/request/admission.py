@@ -121,7 +121,8 @@ def refused_recently(workload_id: int) -> bool:
     return time.monotonic() - _refused_at.get(workload_id, -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
 
 
-# budgets/admission/admit.lua's first answer when it admits: on the workload's own reservation, or as a loan.
+# budgets/admission/admit.lua's first answer when the request may go: admitted now (1), or admitted
+# already (2: a replay of the same request id).
 ADMITTED = (1, 2)
 
 
