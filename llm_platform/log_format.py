@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import re
 from datetime import datetime, timezone
 
@@ -108,3 +109,11 @@ def _plain_value(value) -> str:
     if text and text.isprintable() and not any(c in text for c in ' "='):
         return text
     return json.dumps(text, ensure_ascii=False)
+
+
+def logging_configure(config: dict) -> None:
+    """Django's LOGGING_CONFIG: the LOGGING dict, and Python's warnings sent
+    through it, so a library's warning is a line in the process's format
+    like any other (every line of a process's log parses as JSON)."""
+    logging.config.dictConfig(config)
+    logging.captureWarnings(True)

@@ -504,6 +504,7 @@ CONTENT_SECURITY_POLICY = {
     },
 }
 
+LOGGING_CONFIG = "llm_platform.log_format.logging_configure"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -66,6 +66,33 @@ def redis_client():
     return client
 
 
+@pytest.fixture
+def redis_of_its_own(settings):
+    """The test's Redis is a neighbouring database of the session's, emptied
+    before and after: lane workers the session started earlier (the
+    ``platform`` fixture) consume the session database's lane queues, and a
+    test that plays the worker itself, or watches a message it enqueued,
+    must not have them take it first. Returns a client of that database;
+    every Sluice client the test makes uses it too."""
+    import redis
+
+    from budgets.redis.clients import reset_clients
+
+    if settings.SLUICE_REDIS_CLUSTER:
+        pytest.skip("a Redis Cluster has one database")
+    base, _, db = settings.REDIS_URL.rpartition("/")
+    settings.REDIS_URL = f"{base}/{int(db) ^ 1}" if db.isdigit() else f"{settings.REDIS_URL}/1"
+    reset_clients()
+    own = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
+    own.flushdb()
+    try:
+        yield own
+    finally:
+        own.flushdb()
+        own.close()
+        reset_clients()
+
+
 @pytest.fixture(autouse=True)
 def clean_redis(redis_client):
     """Each test starts with no buckets, leases or request records. Only our

@@ -300,8 +300,10 @@ PERIODIC_PUT_OFF = {"SLUICE_AUTH_CACHE_S": 3600.0, "SLUICE_AUTH_REVOCATION_POLL_
 
 
 @pytest.fixture
-def spine(sim, make_caller, settings) -> dict:
-    """The measurement, made once per module (both tests read the same one)."""
+def spine(sim, make_caller, settings, redis_of_its_own) -> dict:
+    """The measurement, made once per module (both tests read the same one),
+    on a Redis database of its own (the session's lane workers would take the
+    message first)."""
     if not _measured:
         for name, value in PERIODIC_PUT_OFF.items():
             setattr(settings, name, value)

@@ -59,7 +59,7 @@ def test_this_answer_stored_is_settled_in_the_same_round_trip(make_caller, redis
     caller, record = _admitted(make_caller, "ours")
     answer = Outcome(status="ok", body={"id": "ours"}, input_tokens=400, output_tokens=100, usage_source="pool")
     # when the worker stores its answer
-    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, along=[])
+    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, signals=[])
     # then it is the answer, settled on its tokens: lease gone, the hold at the
     # actual cost, usage counted
     assert (outcome, settled, published) == (answer, True, True)
@@ -82,7 +82,7 @@ def test_an_answer_stored_first_by_another_is_returned_and_nothing_is_settled(ma
     redis_client.set(keys.request_response("theirs"), first.to_json(), px=60_000)
     late = Outcome(status="ok", body={"id": "late"}, input_tokens=10, output_tokens=10, usage_source="pool")
     # when this delivery's own answer comes
-    outcome, settled, published = _answer_keep_settled(redis_client, record, late, along=[])
+    outcome, settled, published = _answer_keep_settled(redis_client, record, late, signals=[])
     # then the first answer is the one to finish on, and nothing was settled
     # on the late one, nor published
     assert (outcome, settled, published) == (first, False, False)
@@ -103,7 +103,7 @@ def test_a_streams_answer_is_settled_but_left_to_its_end_marker_to_publish(make_
     answer = Outcome(status="ok", body={"id": "streamed"}, input_tokens=400, output_tokens=100,
                      usage_source="pool", streamed=True)
     # when the worker stores the stream's answer
-    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, along=[])
+    outcome, settled, published = _answer_keep_settled(redis_client, record, answer, signals=[])
     # then it is settled, and not published: the finish publishes it before the
     # stream's end marker, after the ledger row
     assert (outcome, settled, published) == (answer, True, False)

@@ -32,7 +32,9 @@ QUEUE_S = 10.0
 LEASE_MS = 120_000
 
 
-def test_the_record_its_metrics_and_its_lane_message_go_in_one_pipeline_after_admission(make_caller, redis_client):
+def test_the_record_its_metrics_and_its_lane_message_go_in_one_pipeline_after_admission(make_caller,
+                                                                                       redis_of_its_own):
+    redis_client = redis_of_its_own  # no lane worker of the session reads its queues
     # given a request admitted on its workload's own reservation
     caller = make_caller()
     ctx = context_for_workload(caller.workload)
@@ -72,4 +74,4 @@ def test_the_record_its_metrics_and_its_lane_message_go_in_one_pipeline_after_ad
     assert message["headers"]["id"] == request_id and message["headers"]["task"] == EXECUTE_REQUEST_TASK
     assert message["properties"]["delivery_info"]["routing_key"] == queue
     assert message["body"] == expected["body"] and message["headers"] == expected["headers"]
-    assert redis_client.lrem(queue, 1, pushed[0].split(" ", 2)[2]) == 1  # no worker in this test: take it back
+    assert redis_client.lrem(queue, 1, pushed[0].split(" ", 2)[2]) == 1  # no worker reads this database

@@ -195,7 +195,7 @@ def test_a_worker_lost_between_its_answers_publish_and_its_ledger_row_is_finishe
     record = admitted(redis_client, caller, "req_published")
     assert claim_call(WORKER, record, holder=DEAD_WORKER).run().verdict == WORKER
     answer = Outcome(status="ok", body={"id": "chatcmpl-published"}, input_tokens=9, output_tokens=4, attempts=1)
-    assert _answer_keep_settled(redis_client, record, answer, along=[]) == (answer, True, True)
+    assert _answer_keep_settled(redis_client, record, answer, signals=[]) == (answer, True, True)
     assert Outcome.from_json(redis_client.lindex(gateway_keys.request_result("req_published"), 0)) == answer
     # while its heartbeat lives, it is writing its row: nobody acts
     assert claim_call(REAP, record).run().changed is False
