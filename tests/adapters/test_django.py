@@ -15,6 +15,7 @@ from django.core.handlers.base import BaseHandler
 from django.http import HttpResponse, HttpResponseBase
 
 from adapters.django import MiddlewareFreeASGIHandler, response_close, response_on_close
+from tests.asgi_calls import asgi_call, get_scope
 
 
 def _parameters(function) -> list[str]:
@@ -69,28 +70,6 @@ def test_response_close_is_django_close_without_request_finished():
     assert "_resource_closers" in inspect.getsource(HttpResponseBase.close)
 
 
-def _scope(path: str) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-            "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 5000), "server": ("testserver", 80)}
-
-
-async def _call(app, scope: dict) -> list[dict]:
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await asyncio.sleep(3600)
-
-    async def send(message):
-        sent.append(message)
-
-    await app(scope, receive, send)
-    return sent
-
-
 def test_a_request_through_the_handler_is_answered_and_closes_its_resources():
     # given a handler whose observing wrapper registers a closer on each answer
     events: list[str] = []
@@ -117,7 +96,7 @@ def test_a_request_through_the_handler_is_answered_and_closes_its_resources():
     signals.request_finished.connect(on_finished)
     try:
         # when /v1/models is called without a key (its view answers 401 on the loop)
-        sent = asyncio.run(_call(handler, _scope("/v1/models")))
+        sent = asyncio.run(asgi_call(handler, get_scope("/v1/models")))
     finally:
         signals.request_finished.disconnect(on_finished)
     # then the view's JSON answer was sent, the closers ran after it, and request_finished was not sent

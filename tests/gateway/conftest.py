@@ -19,3 +19,23 @@ def breaker(settings):
     settings.SLUICE_CIRCUIT_FAILURES = 3
     settings.SLUICE_CIRCUIT_OPEN_S = 600.0
     return settings
+
+
+@pytest.fixture
+def key_lookups_close_their_connections(monkeypatch):
+    """Key lookups (gateway/web/auth.py) run in executor threads; their
+    database connections are closed after each, or they would hold the test
+    database open at teardown."""
+    from django.db import connection
+
+    from gateway.web import auth
+
+    load = auth._load_context
+
+    def load_and_close(raw_key):
+        try:
+            return load(raw_key)
+        finally:
+            connection.close()
+
+    monkeypatch.setattr(auth, "_load_context", load_and_close)

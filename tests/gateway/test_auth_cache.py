@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import pytest
 from asgiref.sync import async_to_sync
-from django.db import connection
 from django.utils import timezone
 
 from gateway.web import auth
@@ -23,20 +22,11 @@ ADDRESS = "198.51.100.40"
 
 
 @pytest.fixture(autouse=True)
-def cache_alone(settings, monkeypatch):
+def cache_alone(settings, monkeypatch, key_lookups_close_their_connections):
     """A 60 s cache, no revocation poll unless a test runs one, and lookups
     that close their executor threads' connections."""
     settings.SLUICE_AUTH_CACHE_S = 60
     monkeypatch.setattr(auth._tick, "next_poll", float("inf"))
-    load = auth._load_context
-
-    def load_and_close(raw_key):
-        try:
-            return load(raw_key)
-        finally:
-            connection.close()
-
-    monkeypatch.setattr(auth, "_load_context", load_and_close)
 
 
 def test_a_cached_key_is_kept_no_later_than_its_expiry(make_caller):

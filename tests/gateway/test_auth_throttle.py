@@ -12,7 +12,6 @@ import threading
 import httpx
 import pytest
 from asgiref.sync import async_to_sync
-from django.db import connection
 from django.utils import timezone
 
 from gateway.core.protection.throttle import address_subject, api_key_address_budget, client_address
@@ -28,18 +27,8 @@ def random_key() -> str:
 
 
 @pytest.fixture(autouse=True)
-def lookups_close_their_connections(monkeypatch):
-    """Key lookups run in executor threads; their database connections are
-    closed after each, or they would hold the test database open at teardown."""
-    load = auth._load_context
-
-    def load_and_close(raw_key):
-        try:
-            return load(raw_key)
-        finally:
-            connection.close()
-
-    monkeypatch.setattr(auth, "_load_context", load_and_close)
+def lookups_close_their_connections(key_lookups_close_their_connections):
+    """Key lookups close their executor threads' connections (tests/gateway/conftest.py)."""
 
 
 @pytest.fixture
