@@ -5,11 +5,11 @@ Python's default collects its youngest generation every 700 net allocations,
 and each collection walks every young container; a request allocates
 thousands (Django's request and response, redis-py's commands, Celery's
 message and JSON), so an admitted request paid several collections in each
-process it crossed (bench/PROFILE.md has the measurement). Off is not an
-option (reference cycles in Django and Celery would grow without bound), so:
-everything alive once the process is ready (settings, URL resolvers, loaded
-modules) is frozen out of every collection, and the youngest generation is
-collected every 20,000 allocations."""
+process it crossed. Off is not an option (reference cycles in Django and
+Celery would grow without bound), so: everything alive once the process is
+ready (settings, URL resolvers, loaded modules) is frozen out of every
+collection, and the youngest generation is collected every 20,000
+allocations."""
 
 import gc
 

@@ -4,8 +4,9 @@ or drop them, and one package, each module of which names the versions it
 was written against and the test that guards it, is where a newcomer looks
 when an upgrade breaks something.
 
-The checker reads every product module outside ``adapters/`` (static, by
-its syntax tree) and finds:
+The checker reads every module outside ``adapters/`` and its guarding tests
+(``tests/adapters/``): product code, bench and the other tests (static, by
+its syntax tree), and finds:
 
 - ``from lib import _name``, ``import lib._module``, ``from lib._module import x``;
 - ``anything._name`` where no Sluice code outside ``adapters/`` defines
@@ -31,7 +32,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("llm_platform", "tenants", "budgets", "gateway", "inference_sim", "llm_tokens", "adapters", "bench")
 ADAPTERS = "adapters"
-OURS = set(PRODUCT)
+# The tests too: only an adapter's own guarding tests (tests/adapters/) reach
+# into the library it adapts, to fail when an upgrade moves what it relies on.
+CHECKED = (*PRODUCT, "tests")
+ALLOWED = (ADAPTERS, "tests.adapters")
 
 # Underscored names their libraries document as public API.
 DOCUMENTED_PUBLIC = {
@@ -70,8 +74,8 @@ def _sources(root: Path, packages) -> dict[str, tuple[Path, ast.Module]]:
     return found
 
 
-def _in_adapters(module: str, adapters: str) -> bool:
-    return module == adapters or module.startswith(adapters + ".")
+def _in_adapters(module: str, adapters: tuple[str, ...]) -> bool:
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in adapters)
 
 
 def _self_assigned(node: ast.AST) -> set[str]:
@@ -167,7 +171,7 @@ def private_overrides(module: str, tree: ast.Module, ours: set[str]) -> list[str
     return found
 
 
-def library_internals_outside_adapters(root: Path = ROOT, packages=PRODUCT, adapters: str = ADAPTERS,
+def library_internals_outside_adapters(root: Path = ROOT, packages=CHECKED, adapters: tuple[str, ...] = ALLOWED,
                                        ours: set[str] | None = None) -> list[str]:
     ours = ours if ours is not None else set(packages)
     sources = _sources(root, packages)
@@ -214,7 +218,7 @@ def planted(tmp_path, monkeypatch):
         monkeypatch.syspath_prepend(str(tmp_path))
         for module in [m for m in sys.modules if m.split(".")[0] in ("app", "glue")]:
             del sys.modules[module]
-        return library_internals_outside_adapters(tmp_path, packages=("app", "glue"), adapters="glue")
+        return library_internals_outside_adapters(tmp_path, packages=("app", "glue"), adapters=("glue",))
     return plant
 
 

@@ -9,6 +9,7 @@ import asyncio
 import inspect
 import json
 
+import pytest
 from django.core import signals
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.base import BaseHandler
@@ -44,6 +45,8 @@ def test_load_middleware_still_fills_the_attributes_the_adapter_replaces():
     assert all(name in reads for name in replaced[:3])
 
 
+# Django's own close sends request_finished, whose receivers close stale database connections.
+@pytest.mark.django_db
 def test_response_close_is_django_close_without_request_finished():
     # given two responses with the same closers
     finished, ran = [], []

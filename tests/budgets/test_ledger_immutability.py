@@ -49,7 +49,7 @@ def test_admin_offers_no_add_change_or_delete(row):
     # given a superuser, who holds every permission
     request = RequestFactory().get("/admin/budgets/usagerecord/")
     request.user = make_user("root-ledger", superuser=True)
-    model_admin = site._registry[UsageRecord]
+    model_admin = site.get_model_admin(UsageRecord)
     # then the admin still refuses every write
     assert model_admin.has_add_permission(request) is False
     assert model_admin.has_change_permission(request, row) is False
