@@ -11,6 +11,7 @@ from celery import Celery
 from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
+from budgets.redis.clients import request_path_process
 from gateway.core.keys import WORKERS_READY
 from gateway.core.lanes import HOUSEKEEPING
 
@@ -26,6 +27,10 @@ app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
+    # Threads started on demand, their ceiling grown to what the pools behind
+    # the lane hold in flight (gateway/worker/lane_pool.py). Set here, not
+    # with -P (which takes only Celery's own pool names).
+    worker_pool="gateway.worker.lane_pool:LanePool",
     task_time_limit=settings.SLUICE_TASK_TIME_LIMIT_S,
     task_soft_time_limit=max(1, settings.SLUICE_TASK_TIME_LIMIT_S - 10),
     broker_transport_options={
@@ -94,6 +99,13 @@ def _configure_logging(**kwargs) -> None:
     logging.captureWarnings(True)
 
 
+@celeryd_init.connect
+def _request_path_redis(**kwargs) -> None:
+    """A lane worker runs only the request path: it waits out a busy Redis
+    (budgets/redis/clients.py)."""
+    request_path_process()
+
+
 # budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's
 # worker side). The web side never imports the latter: it enqueues by name.
 app.autodiscover_tasks(["budgets", "gateway.worker"])
@@ -119,6 +131,7 @@ check_time_limits()
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  # noqa: E402
 
 from budgets.redis.clients import get_redis  # noqa: E402
+from gateway.worker.lane_pool import lane_sizer_start  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
@@ -127,6 +140,7 @@ from llm_platform.gc_tuning import gc_tune  # noqa: E402
 def _mark_ready(sender=None, **kwargs) -> None:
     gc_tune()
     shutdown_watch_start()
+    lane_sizer_start(sender, sender.hostname)
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 
 

@@ -46,11 +46,14 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
 
 
 # Celery's -q: no start-up banner (plain text in a JSON log). Log levels come
-# from settings.LOGGING (llm_platform/celery.py), not from -l.
+# from settings.LOGGING (llm_platform/celery.py), not from -l. The pool is the
+# app's (worker_pool: gateway/worker/lane_pool.py); -c is where its threads
+# start, and it grows from there to what the pools hold in flight unless the
+# lane's size is set by hand.
 def worker_command(*, lane: str, concurrency: int | None = None, index: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "llm_platform", "-q", "worker",
-        "-Q", queue_for_lane(lane), "-P", "threads", "-c", str(concurrency or lane_concurrency(lane)),
+        "-Q", queue_for_lane(lane), "-c", str(concurrency or lane_concurrency(lane)),
         "-n", f"{worker_node(lane, index)}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]
 

@@ -218,7 +218,11 @@ SLUICE_POOL_PLAIN_HTTP = env_bool("SLUICE_POOL_PLAIN_HTTP", True)
 # How long workload/key lookups are cached in each web process; reservation
 # changes reach admission through Redis at once, caps within this many seconds.
 SLUICE_AUTH_CACHE_S = env_float("SLUICE_AUTH_CACHE_S", 5.0)
+# Redis refusing or not accepting a connection: every call fails within this.
 SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
+# A busy Redis (it took the command, its answer is slow) is waited for this
+# long on the request path, within any request's deadline (budgets/redis/clients.py).
+SLUICE_REDIS_BUSY_WAIT_S = env_float("SLUICE_REDIS_BUSY_WAIT_S", 3.0)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
@@ -304,10 +308,15 @@ SLUICE_WORKER_SHUTDOWN_GRACE_S = env_float("SLUICE_WORKER_SHUTDOWN_GRACE_S", 3.0
 # (their admitted work still runs, settles and reaches the ledger).
 SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
 
-# Worker threads per lane (gateway/core/lanes.py has the defaults and the
-# design load each is sized for): SLUICE_WORKERS_INTERACTIVE,
+# Worker threads per lane, set by hand: SLUICE_WORKERS_INTERACTIVE,
 # SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
-SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default_concurrency) for lane in LANES}
+# Unset (the default), a lane starts at its floor (gateway/core/lanes.py) and
+# grows to what its pools can hold in flight (gateway/worker/lane_pool.py); set,
+# it keeps the number given.
+SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default_concurrency) for lane in LANES
+                           if lane.concurrency_env in os.environ}
+# How often a lane worker looks whether its pools' in-flight limits rose.
+SLUICE_LANE_SIZE_CHECK_S = env_float("SLUICE_LANE_SIZE_CHECK_S", 5.0)
 # Worker processes per lane, its threads split evenly among them
 # (SLUICE_PROCESSES_INTERACTIVE, ...; gateway/core/lanes.py says why the
 # interactive lane has two). The default never exceeds the machine's cores.

@@ -122,7 +122,7 @@ PLANTED_POOL_KEY_ENV = "SLUICE_TEST_POOL_API_KEY"
 def platform(django_db_setup, django_db_blocker, redis_client):
     """The simulated pool, the gateway and one worker per lane, all pointed at
     this session's test database and Redis."""
-    from gateway.core.lanes import LANE_NAMES
+    from gateway.core.lanes import LANE_NAMES, LANES
     from tests.platform_harness import HEALTH_TOKEN, Platform
 
     from llm_platform.processes import metrics_dir_prepare
@@ -160,6 +160,10 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         # Health details for the tests that read them (gateway/web/health.py).
         "SLUICE_HEALTH_TOKEN": HEALTH_TOKEN,
     })
+    # The session's workers keep the threads they start with (8: start_worker),
+    # whatever the pools tests create: tests that fill a lane count on it.
+    # Sizing by the pools is tests/gateway/test_lane_pool.py's, on its own workers.
+    env.update({lane.concurrency_env: "8" for lane in LANES})
     harness = Platform(env=env, log_dir=log_dir, redis_client=redis_client)
     try:
         harness.start_sim(["--time-scale", "5"])

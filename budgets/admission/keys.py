@@ -13,6 +13,11 @@ def pool_tag(pool_id: int) -> str:
     return f"sluice:{{pool:{pool_id}}}"
 
 
+# pool id -> its in-flight limit (max_concurrency) for every active pool:
+# what the lane workers size their threads by (gateway/worker/lane_pool.py).
+POOL_IN_FLIGHT_LIMITS = "sluice:pools:in_flight_limits"
+
+
 def pool_config(pool_id: int) -> str:
     """Hash: bucket rates/capacities of the pool and of every workload on it."""
     return f"{pool_tag(pool_id)}:cfg"

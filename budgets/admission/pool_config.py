@@ -30,6 +30,10 @@ def pool_config_push(*, pool: InferencePool) -> None:
         pipe.hset(keys.pool_config(pool.id), mapping=fields)
     if reservations:
         pipe.sadd(keys.pool_workloads(pool.id), *[r.workload_id for r in reservations])
+    if pool.is_active:
+        pipe.hset(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id), pool.max_concurrency)
+    else:
+        pipe.hdel(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id))
     pipe.execute()
     # Shed scales depend on the reservations: recompute them at the current factor.
     capacity_signal(pool_id=pool.id, event="recompute")
@@ -39,6 +43,11 @@ def pool_config_push_all() -> int:
     pools = list(InferencePool.objects.all())
     for pool in pools:
         pool_config_push(pool=pool)
+    # A deleted pool's in-flight limit no longer sizes the lanes.
+    client = get_redis()
+    gone = set(client.hkeys(keys.POOL_IN_FLIGHT_LIMITS)) - {str(pool.id) for pool in pools}
+    if gone:
+        client.hdel(keys.POOL_IN_FLIGHT_LIMITS, *gone)
     return len(pools)
 
 

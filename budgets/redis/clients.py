@@ -1,8 +1,22 @@
 """Redis clients for the buckets and the request path, and what "Redis is
 away" looks like.
 
-Short timeouts on the admission path: when Redis is gone or hung the gateway
-must say 503 within a second, not hang. With ``SLUICE_REDIS_CLUSTER`` the
+Gone and busy are told apart. A Redis that refuses or does not accept a
+connection fails every call within ``SLUICE_REDIS_TIMEOUT_S`` (0.5 s): the
+gateway answers 503 at once. A Redis that accepted the command and is slow to
+answer (busy: a thousand streams relayed through it, or the process's own
+event loop behind) is waited for up to ``SLUICE_REDIS_BUSY_WAIT_S`` on the
+request path (the /v1 event loop's client, and every client of a lane
+worker: ``request_path_process``), well within a request's own deadline: a
+reply lost to a timeout would be a caller's request lost, or an admission
+Redis ran that nobody heard. Only the web process's pages and the management
+API keep the short read timeout, so a hung Redis (SIGSTOP) still gets them a
+503 or a degraded page within their bounds; the request path hears a hung
+Redis as 503 within the busy wait. A thread or task that finds every pooled
+connection in use waits for one (redis-py's BlockingConnectionPool) within
+the same bound, instead of failing with "too many connections".
+
+With ``SLUICE_REDIS_CLUSTER`` the
 clients are redis-py's cluster clients (``REDIS_URL`` names any node; the
 client finds the rest): they route a script call by its keys, which must
 share one hash slot (the key modules tag them: ``{pool:<id>}``,
@@ -43,15 +57,44 @@ _sync_lock = threading.Lock()
 _async_clients: dict[tuple[int, str], AsyncRedis] = {}
 
 
-def _options(blocking: bool) -> dict:
-    timeout = settings.SLUICE_REDIS_TIMEOUT_S
+# Connections per client: per process (and per node on a cluster). A lane
+# worker's threads and the web process's tasks each hold one only for the
+# length of a command (or a blocking read), and wait for one when all are in
+# use.
+SYNC_MAX_CONNECTIONS = 512
+ASYNC_MAX_CONNECTIONS = 4096
+
+_request_path_process = False
+
+
+def request_path_process() -> None:
+    """This process runs only the request path (a lane worker, the pacer):
+    its sync clients wait out a busy Redis (``SLUICE_REDIS_BUSY_WAIT_S``)
+    instead of timing out at ``SLUICE_REDIS_TIMEOUT_S``. Call before the
+    first client is made (llm_platform/celery.py, at worker start)."""
+    global _request_path_process
+    _request_path_process = True
+    reset_clients()
+
+
+def _options(blocking: bool, patient: bool) -> dict:
+    connect = settings.SLUICE_REDIS_TIMEOUT_S
+    read = settings.SLUICE_REDIS_BUSY_WAIT_S if patient else connect
     return {
-        "socket_connect_timeout": timeout,
+        "socket_connect_timeout": connect,
         # Blocking reads (BLPOP for a result) set their own server-side timeout.
-        "socket_timeout": None if blocking else timeout,
+        "socket_timeout": None if blocking else read,
         "health_check_interval": 30,
         "decode_responses": True,
     }
+
+
+def _pool(pool_class, *, max_connections: int, blocking: bool, patient: bool):
+    """A pool that waits for a free connection (up to the busy wait, or the
+    connect timeout where the caller must not wait) instead of raising."""
+    wait_s = settings.SLUICE_REDIS_BUSY_WAIT_S if (patient or blocking) else settings.SLUICE_REDIS_TIMEOUT_S
+    return pool_class.from_url(settings.REDIS_URL, max_connections=max_connections, timeout=wait_s,
+                               **_options(blocking, patient))
 
 
 def get_redis(*, blocking: bool = False) -> SyncRedis:
@@ -61,27 +104,32 @@ def get_redis(*, blocking: bool = False) -> SyncRedis:
         with _sync_lock:
             client = _sync_clients.get(key)
             if client is None:
+                patient = _request_path_process
                 if settings.SLUICE_REDIS_CLUSTER:
-                    # max_connections: per node on a cluster.
-                    client = redis.cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=512,
-                                                                 **_options(blocking))
+                    client = redis.cluster.RedisCluster.from_url(settings.REDIS_URL,
+                                                                 max_connections=SYNC_MAX_CONNECTIONS,
+                                                                 **_options(blocking, patient))
                 else:
-                    client = redis.Redis.from_url(settings.REDIS_URL, max_connections=512, **_options(blocking))
+                    client = redis.Redis(connection_pool=_pool(redis.BlockingConnectionPool, blocking=blocking,
+                                                               patient=patient,
+                                                               max_connections=SYNC_MAX_CONNECTIONS))
                 _sync_clients[key] = client
     return client
 
 
 def get_async_redis(*, blocking: bool = False) -> AsyncRedis:
-    """One client per event loop (a client's connections belong to its loop)."""
+    """One client per event loop (a client's connections belong to its loop).
+    The event loop serves /v1, the request path: it waits out a busy Redis."""
     loop = asyncio.get_running_loop()
     key = (id(loop), "blocking" if blocking else "fast")
     client = _async_clients.get(key)
     if client is None:
         if settings.SLUICE_REDIS_CLUSTER:
-            client = aioredis_cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=4096,
-                                                            **_options(blocking))
+            client = aioredis_cluster.RedisCluster.from_url(settings.REDIS_URL, max_connections=ASYNC_MAX_CONNECTIONS,
+                                                            **_options(blocking, True))
         else:
-            client = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096, **_options(blocking))
+            client = aioredis.Redis(connection_pool=_pool(aioredis.BlockingConnectionPool, blocking=blocking,
+                                                          patient=True, max_connections=ASYNC_MAX_CONNECTIONS))
         _async_clients[key] = client
     return client
 

@@ -18,9 +18,12 @@ from django.conf import settings
 class Lane:
     name: str
     queue: str  # the Celery queue its worker pool consumes
-    # Worker threads, sized by Little's law at the lane's design load
-    # (concurrency ~ 2 x arrival rate x time in system). Threads, not
-    # processes: a worker mostly waits on the pool's HTTP answer.
+    # Worker threads a lane starts with: its floor, sized by Little's law at
+    # the lane's design load (concurrency ~ 2 x arrival rate x time in
+    # system). Each worker then grows to what its pools can hold in flight
+    # (gateway/worker/lane_pool.py), so a 1,024-slot pool is not served
+    # through 40 threads. Threads, not processes: a worker mostly waits on
+    # the pool's HTTP answer.
     # A streamed request holds its thread for the whole stream, first token
     # to last, as an unstreamed one holds it for the whole generation: its W
     # is queue wait + the full generation time, never just the time to first
@@ -75,6 +78,22 @@ def queue_for_lane(name: str) -> str:
 def lane_concurrency(name: str) -> int:
     """Worker threads of a lane: the setting where one is made, else the default."""
     return int(settings.SLUICE_LANE_CONCURRENCY.get(name, _BY_NAME[name].default_concurrency))
+
+
+def lane_fixed(name: str) -> bool:
+    """Whether the lane's thread count is set by hand (``SLUICE_WORKERS_<LANE>``):
+    then it is kept, not sized by the pools (gateway/worker/lane_pool.py)."""
+    return name in settings.SLUICE_LANE_CONCURRENCY
+
+
+def lane_of_node(node: str) -> str | None:
+    """The lane of a worker's Celery node name (``interactive-2@host`` ->
+    ``interactive``: llm_platform/processes.py ``worker_node``), or None."""
+    name = node.split("@", 1)[0]
+    if name in _BY_NAME:
+        return name
+    base, _, index = name.rpartition("-")
+    return base if index.isdigit() and base in _BY_NAME else None
 
 
 def lane_processes(name: str) -> int:

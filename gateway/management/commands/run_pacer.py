@@ -4,6 +4,7 @@ import threading
 
 from django.core.management.base import BaseCommand
 
+from budgets.redis.clients import request_path_process
 from gateway.worker.pacer import StopFlag, pacer_run
 from gateway.worker.prober import prober_start
 
@@ -18,6 +19,7 @@ class Command(BaseCommand):
     help = "Release delayed and paced jobs onto their lanes when they are due, and probe the pools."
 
     def handle(self, *args, **options):
+        request_path_process()  # it moves requests onto lanes: a busy Redis is waited for
         stop = StopFlag()
         # The handlers only set a flag (gateway/worker/pacer.py says why).
         signal.signal(signal.SIGTERM, stop.request)
