@@ -129,6 +129,7 @@ check_time_limits()
 # Readiness markers: `make run` and the test harness wait on these instead of
 # polling the broker with `inspect ping` (slow, and noisy under load).
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  # noqa: E402
+from prometheus_client import multiprocess  # noqa: E402
 
 from budgets.redis.clients import get_redis  # noqa: E402
 from gateway.worker.lane_pool import lane_sizer_start  # noqa: E402
@@ -160,6 +161,11 @@ def _mark_gone_and_exit(sender=None, **kwargs) -> None:
         get_redis().hdel(WORKERS_READY, sender.hostname)
     except Exception:  # Redis may be the thing shutting down
         pass
+    if settings.SLUICE_METRICS_DIR:
+        # Its live gauges (the lane's calls running, its thread ceiling) stop
+        # counting; a worker killed outright leaves them until the directory
+        # is emptied at the next start (processes.metrics_dir_prepare).
+        multiprocess.mark_process_dead(os.getpid(), settings.SLUICE_METRICS_DIR)
     # Sent once the worker has stopped for good: every task finished or was
     # handed back, its ack or requeue sent, the broker connection closed.
     # What is left is the interpreter's own teardown, a full garbage

@@ -117,6 +117,9 @@ class LiveCollector:
         circuit = GaugeMetricFamily("sluice_pool_circuit_state",
                                     "1 for the pool's circuit breaker state (closed, open, half-open).",
                                     labels=["pool_id", "state"])
+        relay_rate = GaugeMetricFamily("sluice_lane_relay_tokens_per_second",
+                                       "Output tokens relayed to callers per second over the last minute, per pool "
+                                       "and lane (counted as each request finishes).", labels=["pool_id", "lane"])
         held = GaugeMetricFamily("sluice_pool_held_requests",
                                  "Requests admitted through an outage and held until the provider has room.",
                                  labels=["pool_id"])
@@ -144,6 +147,7 @@ class LiveCollector:
                 lambda_w.add_metric([pid, lane], numbers["littles_l"])
                 arrival_rate.add_metric([pid, lane], numbers["arrival_rate_per_s"])
                 time_in_system.add_metric([pid, lane], numbers["mean_time_in_system_s"])
+                relay_rate.add_metric([pid, lane], numbers["relay_tokens_per_s"])
             budget = client.hgetall(keys.pool_retry(pool_id))
             first_attempts.add_metric([pid], float(budget.get("first_attempts", 0)))
             retries.add_metric([pid], float(budget.get("retries", 0)))
@@ -152,13 +156,15 @@ class LiveCollector:
             retry_tokens.add_metric([pid], float(budget.get("tokens", 0)))
         yield from (pool_info, workload_info, capacity, pool_in_flight, lane_in_flight, lambda_w, arrival_rate,
                     time_in_system, first_attempts, retries, retry_refusals, retry_tokens, lane_limit,
-                    lane_limit_in_use, provider_remaining, circuit, held)
+                    lane_limit_in_use, provider_remaining, circuit, held, relay_rate)
         try:
             depths = queue_depths()
         except Exception as exc:  # noqa: BLE001 - the broker may live elsewhere and be down
             logger.warning("metrics: queue depths unavailable: %s", exc)
             return
-        depth = GaugeMetricFamily("sluice_queue_depth", "Messages waiting in each lane's queue.", labels=["lane"])
+        depth = GaugeMetricFamily("sluice_queue_depth",
+                                  "Admitted calls waiting in each lane's queue for a worker (zero below the pools' "
+                                  "limits: the lanes are sized by them).", labels=["lane"])
         for lane, waiting in depths.items():
             depth.add_metric([lane], waiting)
         yield depth

@@ -155,6 +155,13 @@ def test_metrics_add_up_web_and_workers_with_exact_counts(platform, make_caller)
     assert value(after, "sluice_lane_arrival_rate", pool_id=pid, lane="interactive") == pytest.approx(3 / 60, abs=1e-3)
     assert value(after, "sluice_lane_lambda_w", pool_id=pid, lane="interactive") > 0
     assert value(after, "sluice_queue_depth", lane="interactive") == 0
+    assert value(after, "sluice_lane_relay_tokens_per_second", pool_id=pid, lane="interactive") == pytest.approx(
+        (3 + 4) / 60, abs=0.1)
+    # the lane workers' own gauges: nothing running now; the session's
+    # interactive worker's 8 threads (and any worker an earlier test killed
+    # outright, whose gauges stay until the next start)
+    assert value(after, "sluice_lane_calls_running", lane="interactive") == 0
+    assert value(after, "sluice_lane_threads_ceiling", lane="interactive") >= 8
     assert value(after, "sluice_pool_retry_first_attempts_total", pool_id=pid) == 3
     assert value(after, "sluice_pool_retries_total", pool_id=pid) == 0
     assert value(after, "sluice_pool_retry_refusals_total", pool_id=pid, budget="pool") == 1

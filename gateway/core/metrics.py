@@ -47,26 +47,28 @@ def arrival_commands(pipe, *, pool_id: int, lane: str, request_id: str, expires_
 
 
 def departure_call(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
-                   upstream_429s: int = 0) -> ScriptCall[bool]:
+                   upstream_429s: int = 0, output_tokens: int = 0) -> ScriptCall[bool]:
     """Count the departure once (departure.lua): True when counted, False when
-    an earlier finish of the same request (a redelivered task) did."""
+    an earlier finish of the same request (a redelivered task) did.
+    ``output_tokens``: what the caller was relayed (the lane's tokens/s)."""
     return ScriptCall(
         script=DEPARTURE,
         keys=[keys.lane_in_flight(pool_id, lane), keys.pool_metrics(pool_id, lane)],
-        args=[request_id, slot(), max(0, int(time_in_system_ms)), max(0, int(upstream_429s))],
+        args=[request_id, slot(), max(0, int(time_in_system_ms)), max(0, int(upstream_429s)),
+              max(0, int(output_tokens))],
         parse=lambda raw: bool(int(raw)),
     )
 
 
 def departure_record(*, pool_id: int, lane: str, request_id: str, time_in_system_ms: int,
-                     upstream_429s: int = 0) -> bool:
+                     upstream_429s: int = 0, output_tokens: int = 0) -> bool:
     return departure_call(pool_id=pool_id, lane=lane, request_id=request_id, time_in_system_ms=time_in_system_ms,
-                          upstream_429s=upstream_429s).run()
+                          upstream_429s=upstream_429s, output_tokens=output_tokens).run()
 
 
 def _window_sums(raw: dict[str, str], now_s: float) -> dict[str, int]:
     oldest = slot(now_s) - WINDOW_S
-    sums = {"a": 0, "d": 0, "w": 0, "u429": 0}
+    sums = {"a": 0, "d": 0, "w": 0, "u429": 0, "t": 0}
     for field, value in raw.items():
         kind, _, at = field.partition(":")
         if kind in sums and at.isdigit() and int(at) >= oldest:
@@ -102,6 +104,7 @@ def pool_live_metrics(*, pool_id: int) -> dict:
         raw = client.hgetall(key)
         _prune(client, key, raw, now_s)
         sums = _window_sums(raw, now_s)
+        # Calls held: admitted on this pool and lane, not finished (queued or in a worker).
         in_flight = client.zcount(keys.lane_in_flight(pool_id, lane), now_ms, "+inf")
         arrival_rate = sums["a"] / WINDOW_S
         mean_w = (sums["w"] / sums["d"] / 1000) if sums["d"] else 0.0
@@ -111,6 +114,8 @@ def pool_live_metrics(*, pool_id: int) -> dict:
             "littles_l": round(arrival_rate * mean_w, 3),
             "in_flight": in_flight,
             "upstream_429_per_min": sums["u429"] * 60 / WINDOW_S,
+            # Output tokens relayed to callers, of the requests that finished in the window.
+            "relay_tokens_per_s": round(sums["t"] / WINDOW_S, 1),
         }
         total_arrivals += sums["a"]
         total_departures += sums["d"]
@@ -123,6 +128,9 @@ def pool_live_metrics(*, pool_id: int) -> dict:
         depths = {lane: -1 for lane in LANE_NAMES}
     for lane, depth in depths.items():
         lanes[lane]["queue_depth"] = depth
+        # Admitted calls no worker has taken yet (the lane's queue, shared by
+        # its pools): zero below the pools' limits, the lanes being sized by them.
+        lanes[lane]["waiting_for_worker"] = depth
     arrival_rate = total_arrivals / WINDOW_S
     mean_w = (total_w / total_departures / 1000) if total_departures else 0.0
     state = capacity_state(pool_id=pool_id)

@@ -47,6 +47,7 @@ from queue import Empty, SimpleQueue
 from typing import Any
 
 from celery.concurrency.base import BasePool, apply_target
+from prometheus_client import Gauge
 from celery.concurrency.thread import ApplyResult
 from django.conf import settings
 from django.db import connections
@@ -59,6 +60,16 @@ logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 60.0
 _STOP = object()
+
+# A lane's workers, added up over its live processes (/metrics): the calls
+# their threads run now, and how many they may run at once. Defined here, not
+# in gateway/core/observability.py: the worker imports this module before
+# Django's apps are ready.
+LANE_CALLS_RUNNING = Gauge("sluice_lane_calls_running", "Calls a lane's worker threads run now.", ["lane"],
+                           multiprocess_mode="livesum")
+LANE_THREADS_CEILING = Gauge("sluice_lane_threads_ceiling",
+                             "Calls a lane's workers may run at once (sized by the pools' in-flight limits).",
+                             ["lane"], multiprocess_mode="livesum")
 
 
 class LaneThreads:
@@ -81,6 +92,8 @@ class LaneThreads:
         self._started = 0
         self._busy = 0
         self._stopping = False
+        # Told of each change in running work (+1, -1): the lane's gauge.
+        self.on_busy: Callable[[int], None] | None = None
 
     @property
     def threads(self) -> int:
@@ -139,15 +152,13 @@ class LaneThreads:
                     return
                 future, fn, args, kwargs = item
                 if future.set_running_or_notify_cancel():
-                    with self._lock:
-                        self._busy += 1
+                    self._busy_change(1)
                     try:
                         future.set_result(fn(*args, **kwargs))
                     except BaseException as exc:  # the task's own errors are Celery's to report
                         future.set_exception(exc)
                     finally:
-                        with self._lock:
-                            self._busy -= 1
+                        self._busy_change(-1)
                 if self._stopping:
                     return
                 self._idle.release()
@@ -159,6 +170,12 @@ class LaneThreads:
                     self._on_thread_exit()
                 except Exception:
                     logger.warning("closing a lane thread's resources failed", exc_info=True)
+
+    def _busy_change(self, delta: int) -> None:
+        with self._lock:
+            self._busy += delta
+        if self.on_busy is not None:
+            self.on_busy(delta)
 
     def stop(self, *, wait: bool = True) -> None:
         """Cancel work not started; let running work finish (``wait``)."""
@@ -239,6 +256,7 @@ class LaneSizer:
         grow = want - pool.limit
         if grow > 0:
             pool.grow(grow)
+            LANE_THREADS_CEILING.labels(self.lane).set(pool.limit)
             multiplier = self.consumer.prefetch_multiplier
             # What the consumer restores after a broker reconnect, and the
             # prefetch now (the consumer's loop applies it: Celery's pool_grow).
@@ -266,11 +284,16 @@ class LaneSizer:
 
 
 def lane_sizer_start(consumer, node: str) -> LaneSizer | None:
-    """Start sizing this worker by its pools, unless its lane is unknown
-    (a worker named by hand), its pool is not a LanePool, or its size is set
-    by hand."""
+    """Report this worker's calls on its lane's gauges, and start sizing it
+    by its pools, unless its lane is unknown (a worker named by hand), its
+    pool is not a LanePool, or its size is set by hand."""
     lane = lane_of_node(node)
-    if lane is None or lane_fixed(lane) or not isinstance(consumer.pool, LanePool):
+    if lane is None or not isinstance(consumer.pool, LanePool):
+        return None
+    running = LANE_CALLS_RUNNING.labels(lane)
+    consumer.pool.threads.on_busy = running.inc
+    LANE_THREADS_CEILING.labels(lane).set(consumer.pool.limit)
+    if lane_fixed(lane):
         return None
     sizer = LaneSizer(consumer, lane)
     sizer.start()

@@ -40,7 +40,7 @@ import ssl
 import threading
 import urllib.request
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -335,9 +335,40 @@ def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0,
     return _chat_send(client, _chat_request(client, body=body, accept="application/json", mark=mark), stream=False)
 
 
+READ_BYTES = 1 << 16  # at most this much of a stream per read: what came since the last read, usually
+
+
+def sse_line_batches(reads: Iterable[bytes]) -> Iterator[list[str]]:
+    """Server-sent events' lines (decoded, without their ends: LF, CRLF or
+    a bare CR, as SSE allows), a list per read of the socket; a line cut
+    between two reads goes with the second."""
+    tail = b""
+    for raw in reads:
+        data = tail + raw
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        if cut < 0:
+            tail = data
+            continue
+        tail = data[cut + 1:]
+        text = data[:cut].decode("utf-8", errors="replace")
+        if "\r" in text:
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+        yield text.split("\n")
+    if tail:
+        yield [tail.decode("utf-8", errors="replace")]
+
+
+def stream_line_batches(response: httpx.Response | PlainStream) -> Iterator[list[str]]:
+    """A streamed answer's lines, a list per batch that came together, on
+    either path (httpx's errors either way)."""
+    if isinstance(response, PlainStream):
+        return response.iter_batches()
+    return sse_line_batches(response.iter_bytes())
+
+
 class PlainStream:
     """A streamed answer on the plain path, as the worker reads one
-    (gateway/worker/streaming.py: ``headers``, ``iter_lines``, ``close``).
+    (gateway/worker/streaming.py: ``headers``, ``iter_batches``, ``close``).
     A failure while reading is httpx's exception for it (``ReadTimeout``,
     ``ReadError``), as on the httpx path. ``close`` ends the call: the
     connection is closed, so the pool stops generating, unless the answer
@@ -355,21 +386,16 @@ class PlainStream:
         self._done = False
         self._closed = False
 
-    def iter_lines(self):
-        """The body's lines, without their ends, each as soon as it came."""
+    def iter_batches(self) -> Iterator[list[str]]:
+        """The body's lines, without their ends, a list per read: the lines
+        that came together (one batch of tokens the pool sent at once is
+        one list), each list as soon as it came."""
         response = self._response
         try:
-            while True:
-                raw = response.readline()
-                if not raw:
-                    return
-                line = raw.rstrip(b"\r\n").decode("utf-8", errors="replace")
-                if "\r" in line:  # a pool ending its lines with a bare CR, as SSE allows
-                    yield from line.split("\r")
-                    continue
-                if line == "data: [DONE]":
+            for lines in sse_line_batches(iter(lambda: response.read1(READ_BYTES), b"")):
+                if "data: [DONE]" in lines:
                     self._done = True
-                yield line
+                yield lines
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc) or "the pool's stream timed out",
                                     request=httpx.Request("POST", self._url)) from exc
@@ -412,7 +438,7 @@ def pool_chat_stream_open(client: OpenAI, *, body: dict, pool_id: int = 0,
                           mark: SentMark | None = None) -> httpx.Response | PlainStream:
     """Open a streamed chat completion (``body`` asks for ``stream``): the
     answer once its headers came (status < 400, its events still to read:
-    ``iter_lines``; the caller closes it), or the SDK's exception, as
+    ``stream_line_batches``; the caller closes it), or the SDK's exception, as
     ``pool_chat_post``; on the plain path when the pool allows it."""
     connections = _plain_connections(client)
     if connections is not None:

@@ -5,9 +5,10 @@ is always set upstream: gateway/core/request/chat.py ``pool_payload``). Opening 
 call is an attempt like any other: a refusal before the first chunk (429,
 5xx, timeout) raises as the SDK raises it, and the retry policy in
 gateway/worker/execution.py ``pool_call`` decides. From the first chunk on
-nothing is retried: each chunk is appended to the request's Redis Stream
-(gateway/core/request/streams.py) as it arrives, the caller's cancel flag is read in
-the same round trip, and the outcome says what to charge:
+nothing is retried: the chunks are appended to the request's Redis Stream
+(gateway/core/request/streams.py) as they arrive, one round trip per batch
+the pool sent together (what one read of its socket returns), the caller's
+cancel flag read in the same round trip, and the outcome says what to charge:
 
 - the pool's usage chunk when it sent one (``usage_source`` "pool");
 - else the text produced, counted with the pool's tokenizer, and the prompt
@@ -39,15 +40,15 @@ from budgets.redis.clients import get_redis
 from gateway.core.errors import error_body
 from gateway.core.request.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.request.streams import stream_append
-from gateway.worker.pool_client import pool_call_inline, pool_chat_stream_open
+from gateway.worker.pool_client import pool_call_inline, pool_chat_stream_open, stream_line_batches
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
 
 logger = logging.getLogger(__name__)
 
 CANCELLED = "cancelled"
 # The cancel flag is read with the first chunk and then at most this often
-# (a caller that leaves is noticed within it plus one chunk, well within the
-# second the contract allows); the chunks between are one XADD each.
+# (a caller that leaves is noticed within it plus one batch, well within the
+# second the contract allows); the appends between are bare XADDs.
 CANCEL_CHECK_S = 0.1
 CLIENT_CLOSED = 499  # nginx's code: the caller closed the connection first
 STREAM_BROKEN = (httpx.HTTPError, openai.APIError)
@@ -148,26 +149,36 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     # one relay through Redis and the web process instead of two.
     opening: list[str] = []
     try:
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                relay.done = True
-                break
-            if not _read_chunk(relay, data):
-                if relay.error is not None:
+        # One relay hop per batch: the events that came in one read of the
+        # pool's socket (one engine step's tokens, or what piled up while
+        # the last hop was out) go in one append, never one each.
+        for lines in stream_line_batches(response):
+            relayable: list[str] = []
+            for line in lines:
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    relay.done = True
                     break
-                continue
-            if relay.relayed == 0 and not opening and not (relay.produced or relay.finished or relay.usage):
-                opening.append(data)
-                continue
-            cancelled = _append(client, relay, [*opening, data], started)
-            opening = []
-            if cancelled:
-                break
-            if shutdown_grace_over():
-                stopped = True
+                if not _read_chunk(relay, data):
+                    if relay.error is not None:
+                        break
+                    continue
+                if (relay.relayed == 0 and not opening and not relayable
+                        and not (relay.produced or relay.finished or relay.usage)):
+                    opening.append(data)
+                    continue
+                relayable.append(data)
+            if relayable:
+                cancelled = _append(client, relay, [*opening, *relayable], started)
+                opening = []
+                if cancelled:
+                    break
+                if shutdown_grace_over():
+                    stopped = True
+                    break
+            if relay.done or relay.error is not None:
                 break
         if opening and not stopped:
             # The stream ended after its opening chunk: the caller still gets it.

@@ -303,7 +303,7 @@ STREAM_BODY = {**BODY, "stream": True, "stream_options": {"include_usage": True}
 
 def _events(response) -> list[str]:
     try:
-        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        return [line[6:] for lines in pc.stream_line_batches(response) for line in lines if line.startswith("data: ")]
     finally:
         response.close()
 
@@ -343,7 +343,7 @@ def test_a_stream_read_to_its_end_keeps_its_connection_and_one_closed_early_clos
     # a stream read to its [DONE] (and no further, as the worker reads one):
     # its connection goes back and the next stream uses it
     done = pc.pool_chat_stream_open(client, body=STREAM_BODY)
-    assert "data: [DONE]" in iter(done.iter_lines())
+    assert any("data: [DONE]" in lines for lines in pc.stream_line_batches(done))
     done.close()
     connections = pc._plain[str(client.base_url)]
     [kept] = connections._idle
@@ -352,7 +352,7 @@ def test_a_stream_read_to_its_end_keeps_its_connection_and_one_closed_early_clos
     assert connections._idle == [] and kept.sock is kept_socket
     # closed after its first event: the connection is closed (the pool sees
     # its caller go), never handed to another call
-    next(iter(stream.iter_lines()))
+    next(pc.stream_line_batches(stream))
     stream.close()
     assert connections._idle == [] and kept.sock is None and kept_socket.fileno() == -1
 
@@ -382,8 +382,8 @@ def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
             assert isinstance(stream, pc.PlainStream) is plain
             lines = []
             with pytest.raises(httpx.HTTPError) as raised:
-                for line in stream.iter_lines():
-                    lines.append(line)
+                for batch in pc.stream_line_batches(stream):
+                    lines.extend(line for line in batch if line)
             stream.close()
             broken.append((lines[0], type(raised.value)))
     finally:
@@ -392,3 +392,51 @@ def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
     # error on both (what gateway/worker/streaming.py catches)
     assert [line for line, _ in broken] == ['data: {"choices": []}'] * 2
     assert broken[0][1] is httpx.ReadError
+
+
+def test_events_the_pool_sent_together_are_read_as_one_batch_on_both_paths():
+    # a pool that writes five events at once, then three more, then its end
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    first = b"".join(b'data: {"n": %d}\n\n' % i for i in range(5))
+    second = b"".join(b'data: {"n": %d}\r\n\r\n' % i for i in range(5, 8)) + b"data: [DONE]\n\n"
+    sent_second = threading.Event()
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + f"{len(first):x}\r\n".encode() + first + b"\r\n")
+            sent_second.wait(5)
+            sent_second.clear()
+            conn.sendall(f"{len(second):x}\r\n".encode() + second + b"\r\n0\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        client = pc.pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
+        seen = []
+        for plain in (True, False):
+            if not plain:
+                pc._plain[str(client.base_url)] = None
+            stream = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+            assert isinstance(stream, pc.PlainStream) is plain
+            batches = []
+            for lines in pc.stream_line_batches(stream):
+                batches.append([line for line in lines if line])
+                sent_second.set()  # the second write goes only once the first was read
+            stream.close()
+            seen.append(batches)
+    finally:
+        listener.close()
+    # then each write is one batch, on both paths: one relay hop each
+    expected = [[f'data: {{"n": {i}}}' for i in range(5)],
+                [f'data: {{"n": {i}}}' for i in range(5, 8)] + ["data: [DONE]"]]
+    assert seen == [expected, expected]
+
+
+def test_a_line_cut_between_two_reads_goes_with_the_second():
+    reads = [b'data: {"a"', b': 1}\n\ndata: {"b": 2}\n', b"\ndata: x\r", b"\ndata: tail"]
+    assert [[line for line in lines if line] for lines in pc.sse_line_batches(reads)] == [
+        ['data: {"a": 1}', 'data: {"b": 2}'], ["data: x"], [], ["data: tail"]]

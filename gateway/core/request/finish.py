@@ -58,7 +58,8 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
 
     def departure_call_() -> ScriptCall[bool]:
         return departure_call(pool_id=record.pool_id, lane=record.lane, request_id=record.request_id,
-                              time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s)
+                              time_in_system_ms=total_ms, upstream_429s=outcome.upstream_429s,
+                              output_tokens=outcome.output_tokens)
 
     def departed(first: bool) -> None:
         if first:
