@@ -22,8 +22,8 @@ import sys
 import time
 import traceback
 
-from . import (accuracy, admission_scale, brownout, calibration, cost, mixed, overhead, request_log, retry_storm,
-               runaway, streaming)
+from . import (accuracy, admission_scale, brownout, burst, calibration, cost, mixed, overhead, request_log,
+               retry_storm, runaway, streaming)
 from .common import (OUT_DIR, fmt, git_revision, log, machine_speed, read_result, report_paths, speed_line,
                      speed_scaled, write_result)
 from .platform import Services
@@ -35,6 +35,7 @@ SCENARIOS = [
     ("overhead", overhead, "5. Overhead and throughput (spine bench)"),
     ("streaming", streaming, "7. Streaming: time to first token and inter-chunk delay"),
     ("cost", cost, "9. The cost of the path (CPU per request, profile)"),
+    ("burst", burst, "11. Burst: N streams started at once"),
     ("mixed", mixed, "1. Mixed short and long"),
     ("runaway", runaway, "2. Runaway batch (bulkhead)"),
     ("brownout", brownout, "3. Brownout"),
@@ -43,7 +44,7 @@ SCENARIOS = [
     ("request_log", request_log, "8. Request log at scale"),
 ]
 REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log",
-                "cost", "admission_scale", "calibration"]
+                "cost", "admission_scale", "burst", "calibration"]
 
 
 def _machine(speed: dict[str, float] | None) -> str:
@@ -309,6 +310,14 @@ def _summary_table() -> str:
                      f"{scaled[0]:.2f} / {scaled[1]:.3f}); < {cost.TARGET_IDLE_CORE_PCT:g} %",
                      "met" if verdicts == {"met"} else
                      f"admitted {h['admitted_verdict']}; refused {h['refused_verdict']}; idle {h['idle_verdict']}"])
+    d = get("burst")
+    if d and d.get("runs"):
+        checks = burst.targets(d)
+        rows.append([f"11 burst ({' and '.join(map(str, d['sizes']))} streams at once)",
+                     "; ".join(t["what"] for t in checks), "; ".join(f"**{t['value']}**" for t in checks),
+                     "; ".join(t["target"] for t in checks),
+                     "met" if all(t["met"] for t in checks) else
+                     f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])
     d = get("accuracy")
     if d:
         worst = max((v["excess_requests"] or 0) for v in d["windows"].values())
