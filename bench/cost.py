@@ -235,7 +235,9 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         asyncio.run(_fixed(platform.sim_url, {}, 50, rng, "warm"))
         asyncio.run(_fixed(platform.sluice_url, open_auth, 20, rng, "streamed-warm"))
 
-        idle_s = 2.0 if quick else 5.0
+        # /proc counts CPU in ticks of 10 ms, per process: over 10 s the nine
+        # processes' idle reads within about 1 ms per s of CPU (0.1 % of a core).
+        idle_s = 2.0 if quick else 10.0
         before = meter.read()
         time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
         idle = {k: v / idle_s for k, v in delta(meter.read(), before).items()}
@@ -298,13 +300,17 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
 
 
 def verdict(value: float | None, target: float, scaled: float) -> str:
-    """met at the nominal target, met only at the target scaled to this
-    machine's speed, or missed."""
+    """Against the nominal target and the one scaled to this machine's
+    speed (stricter than nominal on a machine faster than the reference)."""
     if value is None:
         return "n/a"
-    if value <= target:
+    if value <= target and value <= scaled:
         return "met"
-    return "met at this machine's speed" if value <= scaled else "missed"
+    if value <= scaled:
+        return "met at this machine's speed, missed nominally"
+    if value <= target:
+        return "met nominally, missed at this machine's speed"
+    return "missed"
 
 
 def headline(data: dict) -> dict:
