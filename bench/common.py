@@ -28,6 +28,41 @@ _T0 = time.monotonic()
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+# The machine's speed, stated beside every CPU figure: the seconds this
+# machine takes for a fixed pure-Python loop. The bench's CPU targets are
+# for a machine that runs it in about SPEED_REFERENCE_S.
+SPEED_LOOP = "s = 0\nfor i in range(10_000_000):\n    s += i\n"
+SPEED_REFERENCE_S = 0.9
+_speed: dict[str, float] = {}
+
+
+def machine_speed() -> dict[str, float]:
+    """Wall and CPU seconds of SPEED_LOOP, timed once per process (a
+    `make bench` run times it at its start and every scenario reuses it).
+
+    The loop runs at module level, as ``python -c`` runs it (its names are
+    globals: about twice the time of the same loop inside a function), which
+    is how the reference time of the targets was read."""
+    if not _speed:
+        code = compile(SPEED_LOOP, "<machine speed>", "exec")
+        wall, cpu = time.perf_counter(), time.process_time()
+        exec(code, {})
+        _speed.update(wall_s=time.perf_counter() - wall, cpu_s=time.process_time() - cpu)
+    return dict(_speed)
+
+
+def speed_scaled(target: float, speed_s: float) -> float:
+    """A CPU target for a machine running SPEED_LOOP in SPEED_REFERENCE_S,
+    scaled to one that runs it in ``speed_s``."""
+    return target * speed_s / SPEED_REFERENCE_S
+
+
+def speed_line(speed: dict[str, float]) -> str:
+    return (f"10 million pure-Python additions (`s = 0; for i in range(10_000_000): s += i`, module level) in "
+            f"{speed['wall_s']:.2f} s "
+            f"({speed['wall_s'] / SPEED_REFERENCE_S:.2f}x the {SPEED_REFERENCE_S} s the CPU targets are set for)")
+
+
 def log(message: str) -> None:
     print(f"[bench {time.monotonic() - _T0:6.1f}s] {message}", flush=True)
 

