@@ -211,10 +211,15 @@ class Platform:
     def start_sluice(self, *, lanes: dict[str, int] | None = None, web_workers: int = 1, beat: bool = True,
                      extra_env: dict[str, str] | None = None) -> None:
         """Web (uvicorn, ``web_workers`` processes), one worker pool per lane
-        (``lanes``: threads per lane; default the production sizes) and beat."""
+        (``lanes``: threads per lane, fixed; default the production sizing:
+        a floor, grown to the pools' in-flight limits) and beat."""
         from llm_platform import processes
 
         env = {**self.env, **(extra_env or {})}
+        # A lane sized by the scenario keeps that size (SLUICE_WORKERS_<LANE>);
+        # any other starts at its floor and grows to what the pools hold in
+        # flight, as under `make run` (gateway/worker/lane_pool.py).
+        env.update({lane_named(lane).concurrency_env: str(n) for lane, n in (lanes or {}).items()})
         redis = self.services.redis
         hostname = socket.gethostname()
         sizes = {lane: (lanes or {}).get(lane, lane_named(lane).default_concurrency) for lane in LANES}
