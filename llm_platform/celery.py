@@ -132,7 +132,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down  
 from prometheus_client import multiprocess  # noqa: E402
 
 from budgets.redis.clients import get_redis  # noqa: E402
-from gateway.worker.lane_pool import lane_sizer_start  # noqa: E402
+from gateway.worker.lane_pool import dead_workers_gauges_drop, lane_sizer_start  # noqa: E402
 from gateway.worker.shutdown import shutdown_begin, shutdown_watch_start  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
@@ -141,6 +141,8 @@ from llm_platform.gc_tuning import gc_tune  # noqa: E402
 def _mark_ready(sender=None, **kwargs) -> None:
     gc_tune()
     shutdown_watch_start()
+    if settings.SLUICE_METRICS_DIR:
+        dead_workers_gauges_drop(settings.SLUICE_METRICS_DIR)
     lane_sizer_start(sender, sender.hostname)
     get_redis().hset(WORKERS_READY, sender.hostname, sender.pid if hasattr(sender, "pid") else os.getpid())
 

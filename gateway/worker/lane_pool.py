@@ -40,14 +40,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any
 
 from celery.concurrency.base import BasePool, apply_target
-from prometheus_client import Gauge
+from prometheus_client import Gauge, multiprocess
 from celery.concurrency.thread import ApplyResult
 from django.conf import settings
 from django.db import connections
@@ -225,6 +227,26 @@ class LanePool(BasePool):
 
     def shrink(self, n: int = 1) -> None:
         raise NotImplementedError("a lane's ceiling only grows; idle threads end by themselves")
+
+
+def dead_workers_gauges_drop(directory: str) -> int:
+    """Forget the live gauges of processes that are gone without a word
+    (SIGKILL, OOM): a worker that stops cleanly drops its own
+    (llm_platform/celery.py), a killed one is dropped by the next worker to
+    start. Returns how many processes' gauges were dropped."""
+    dropped = set()
+    for path in Path(directory).glob("gauge_live*_*.db"):
+        pid = path.stem.rpartition("_")[2]
+        if not pid.isdigit() or int(pid) in dropped:
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(int(pid), directory)
+            dropped.add(int(pid))
+        except PermissionError:  # alive, someone else's
+            pass
+    return len(dropped)
 
 
 def pools_in_flight_total(client=None) -> int:

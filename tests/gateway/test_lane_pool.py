@@ -5,6 +5,8 @@ in-flight limits, at start and when a pool's limit rises."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ from budgets.admission.keys import POOL_IN_FLIGHT_LIMITS
 from budgets.admission.pool_config import pool_config_push
 from gateway.core.keys import WORKERS_READY
 from gateway.core.lanes import INTERACTIVE
-from gateway.worker.lane_pool import LaneThreads, lane_ceiling
+from gateway.worker.lane_pool import LaneThreads, dead_workers_gauges_drop, lane_ceiling
 from llm_platform import processes
 from tests.platform_harness import Process
 
@@ -181,3 +183,26 @@ def test_a_lane_worker_grows_to_what_its_pools_hold_in_flight_at_start_and_on_a_
         redis_client.delete(POOL_IN_FLIGHT_LIMITS)
         platform.start_worker("interactive")
         platform.wait_workers_ready(["interactive"])
+
+
+def test_the_live_gauges_of_a_worker_killed_outright_are_dropped_by_the_next_to_start(tmp_path):
+    # given a process that set a live gauge and was then killed, and one still alive
+    code = ("import os; os.environ['PROMETHEUS_MULTIPROC_DIR'] = {d!r};"
+            "from prometheus_client import Gauge;"
+            "Gauge('t_running', 'x', ['lane'], multiprocess_mode='livesum').labels('interactive').set(3);"
+            "print(os.getpid(), flush=True);"
+            "import sys; sys.stdin.read()").format(d=str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    dead_pid, alive_pid = int(dead.stdout.readline()), int(alive.stdout.readline())
+    dead.kill()
+    dead.wait()
+    try:
+        # when the next worker starts
+        assert dead_workers_gauges_drop(str(tmp_path)) == 1
+        # then only the dead one's file is gone
+        assert sorted(p.name for p in tmp_path.glob("gauge_live*")) == [f"gauge_livesum_{alive_pid}.db"]
+        assert dead_pid != alive_pid
+    finally:
+        alive.kill()
+        alive.wait()
