@@ -137,7 +137,7 @@ def _peak_running_while(platform, calls) -> tuple[int, list[int]]:
 
 @pytest.mark.slow
 def test_a_lane_worker_grows_to_what_its_pools_hold_in_flight_at_start_and_on_a_change(
-        platform, make_caller, redis_client):
+        platform, make_caller, redis_client, tmp_path):
     # given a pool that holds 6 calls in flight (the only pool the lanes
     # size by: earlier tests' pools are forgotten; the simulator runs 16 at once)
     redis_client.delete(POOL_IN_FLIGHT_LIMITS)
@@ -151,7 +151,7 @@ def test_a_lane_worker_grows_to_what_its_pools_hold_in_flight_at_start_and_on_a_
     hostname = f"interactive@{os.uname().nodename}"
     redis_client.hdel(WORKERS_READY, hostname)
     worker = Process("worker-interactive-sized", processes.worker_command(lane="interactive", concurrency=2), env,
-                     platform.log_dir).start()
+                     tmp_path).start()
 
     def call():
         return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
