@@ -27,6 +27,8 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from bench.http import read_head
+
 try:
     import uvloop
 except ImportError:  # the plain loop measures the same, at a higher client CPU
@@ -41,20 +43,6 @@ def _request_bytes(url: str, headers: dict[str, str], body: dict) -> tuple[str, 
              f"Content-Length: {len(payload)}", "Accept: text/event-stream", "Connection: close",
              *(f"{name}: {value}" for name, value in headers.items())]
     return host, port, ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
-
-
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    status_line = await reader.readline()
-    if not status_line:
-        raise asyncio.IncompleteReadError(b"", None)
-    status = int(status_line.split(None, 2)[1])
-    headers: dict[str, str] = {}
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b"\n", b""):
-            return status, headers
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
 
 
 async def _body_parts(reader: asyncio.StreamReader, headers: dict[str, str]):
@@ -92,7 +80,7 @@ async def one(url: str, headers: dict[str, str], body: dict, t0: float) -> dict:
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
         writer.write(raw)
         await writer.drain()
-        status, response_headers = await _read_head(reader)
+        status, response_headers = await read_head(reader)
         out["status"] = status
         if status != 200:
             body_bytes = b"".join([part async for part in _body_parts(reader, response_headers)])

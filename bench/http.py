@@ -22,6 +22,21 @@ from urllib.parse import urlsplit
 MAX_IDLE_S = 2.0
 
 
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """An HTTP/1.1 answer's status and headers (names lower-cased)."""
+    status_line = await reader.readline()
+    if not status_line:
+        raise asyncio.IncompleteReadError(b"", None)
+    status = int(status_line.split(None, 2)[1])
+    headers: dict[str, str] = {}
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b"\n", b""):
+            return status, headers
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+
+
 @dataclass
 class Response:
     status: int
@@ -122,17 +137,7 @@ class HttpClient:
         conn.writer.write(raw)
         await conn.writer.drain()
         reader = conn.reader
-        status_line = await reader.readline()
-        if not status_line:
-            raise asyncio.IncompleteReadError(b"", None)
-        status = int(status_line.split(None, 2)[1])
-        headers: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
+        status, headers = await read_head(reader)
         if "content-length" in headers:
             body = await reader.readexactly(int(headers["content-length"]))
         elif headers.get("transfer-encoding", "").lower() == "chunked":
