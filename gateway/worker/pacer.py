@@ -52,8 +52,12 @@ BATCH = 100
 # waits (gateway/core/protection/held_release.lua), so looking a few times a
 # second releases as much, in bigger groups.
 HELD_EVERY_S = 0.2
-# Slices of a plain sleep (after a failed step), so the stop is seen.
+# Slices of a plain sleep, so the stop is seen.
 PAUSE_SLICE_S = 0.05
+# A blocked read may time out up to one server tick late (hz 10; Redis 6
+# looks at blocked clients' timeouts on its tick when idle): the pacer
+# listens until this much before the head is due and sleeps the rest itself.
+REDIS_TICK_S = 0.1
 _held_next = 0.0
 
 
@@ -152,11 +156,11 @@ def pacer_wait(client=None) -> PacerWait:
 def _wait(wait: PacerWait, stop: StopFlag) -> None:
     if wait.seconds < 0.001 or stop.requested:
         return
-    if wait.held:
+    if wait.held or wait.seconds <= REDIS_TICK_S:
         _pause(wait.seconds, stop)
         return
-    # BLPOP counts whole milliseconds at best, and 0 would mean for ever.
-    get_redis(blocking=True).blpop([keys.PACER_WAKE], timeout=max(0.001, round(wait.seconds, 3)))
+    # In whole milliseconds (0 would mean for ever); the next look sleeps what is left.
+    get_redis(blocking=True).blpop([keys.PACER_WAKE], timeout=round(wait.seconds - REDIS_TICK_S, 3) or 0.001)
 
 
 class StopFlag:
