@@ -40,8 +40,8 @@ T = TypeVar("T")
 class Commands:
     """Plain commands for one round trip, queued with the pipeline methods
     their callers use (``hset(key, mapping=...)``, ``pexpire``, ``hincrby``,
-    ``zadd``, ``lpush``, ``zrem``, ``hdel``) and run together: in order, on
-    one connection. On a plain client they go out in one write and are read
+    ``zadd``, ``lpush``, ``ltrim``, ``zrem``, ``hdel``) and run together: in
+    order, on one connection. On a plain client they go out in one write and are read
     back without redis-py's ``Pipeline`` (adapters/redis.py); elsewhere (a
     cluster client, a single-connection client) through redis-py's own
     pipeline, or its ``execute_command`` for one command alone (a blocking
@@ -94,6 +94,10 @@ class Commands:
 
     def lpush(self, name: str, *values: Any) -> Commands:
         self.commands.append(("LPUSH", name, *values))
+        return self
+
+    def ltrim(self, name: str, start: int, end: int) -> Commands:
+        self.commands.append(("LTRIM", name, int(start), int(end)))
         return self
 
     def command(self, *args: Any) -> Commands:

@@ -101,6 +101,13 @@ CALLBACK_RETRIES = "sluice:jobs:callbacks:due"
 again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""
 
 
+PACER_WAKE = "sluice:pacer:wake"
+"""List of at most one element: pushed by a write that adds work for the
+pacer (a delayed job, a callback retry, a held request); a pacer waiting in
+BLPOP on it wakes at once (gateway/core/pacer_wake.py). Single-key commands
+only, no hash tag needed."""
+
+
 # --- attempt throttles ------------------------------------------------------------------
 
 

@@ -3,26 +3,38 @@ due job-callback retries onto the housekeeping lane, and requests held
 through an outage onto their lanes as the provider makes room for them
 (gateway/core/protection/held.py).
 
-Several pacers may run (one per host): ZREM is the claim, so each due job is
-released by exactly one of them. It sleeps until the earliest release, never
-longer than MAX_SLEEP_S (new jobs may be due sooner).
+It does not poll. Between steps it waits in Redis (BLPOP on the wake-up key,
+gateway/core/pacer_wake.py) until the earliest delayed job or callback retry
+is due, never longer than WAIT_MAX_S; whoever parks work pushes a wake-up in
+the same round trip, so work due sooner than that is released at once, and
+a lost wake-up costs at most WAIT_MAX_S. While any pool has held requests
+it steps every HELD_EVERY_S instead, without listening: their release
+follows the provider's room, which nobody announces, and an outage's
+admissions would each wake it.
 
-Stopping: SIGTERM only sets a flag (``StopFlag``) that the loop reads between
-steps, so the pacer exits within MAX_SLEEP_S plus one step. The handler must
-not take a lock: it runs in the main thread between two bytecodes, and
-``threading.Event.set()`` from a handler deadlocks for good when the main
-thread was interrupted inside ``Event.wait()`` on the same event while
-holding the event's (non-reentrant) lock. A step in progress finishes: a job
-taken off the delayed set is released, not dropped."""
+Several pacers may run (one per host): ZREM is the claim, so each due job is
+released by exactly one of them; a wake-up wakes one of them, which is
+enough.
+
+Stopping: SIGTERM only sets a flag (``StopFlag``) that the loop reads after
+each step and each wait, so the pacer exits within WAIT_MAX_S plus one step
+(the handler runs while the BLPOP waits; the read resumes after it). The
+handler must not take a lock: it runs in the main thread between two
+bytecodes, and ``threading.Event.set()`` from a handler deadlocks for good
+when the main thread was interrupted inside ``Event.wait()`` on the same
+event while holding the event's (non-reentrant) lock. A step in progress
+finishes: a job taken off the delayed set is released, not dropped."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from django.db import close_old_connections
 
 from budgets.redis.clients import get_redis, redis_now_ms
+from budgets.redis.composition import Commands
 
 from gateway.core import keys
 from gateway.core.jobs.callbacks import callback_retries_release
@@ -32,13 +44,20 @@ from gateway.core.jobs.lifecycle import job_release
 
 logger = logging.getLogger(__name__)
 
-MAX_SLEEP_S = 0.05
+# The longest wait without a look: bounds a lost wake-up and the stop.
+WAIT_MAX_S = 1.0
 BATCH = 100
-# How often the held pools are looked at. A release is paced by the
-# provider's room and a bucket that fills while it waits
-# (gateway/core/protection/held_release.lua), so looking every few steps releases as
-# much, in bigger groups, and spares Redis a SMEMBERS on every idle step.
+# How often the held pools are looked at while any has held requests. A
+# release is paced by the provider's room and a bucket that fills while it
+# waits (gateway/core/protection/held_release.lua), so looking a few times a
+# second releases as much, in bigger groups.
 HELD_EVERY_S = 0.2
+# Slices of a plain sleep, so the stop is seen.
+PAUSE_SLICE_S = 0.05
+# A blocked read may time out up to one server tick late (hz 10; Redis 6
+# looks at blocked clients' timeouts on its tick when idle): the pacer
+# listens until this much before the head is due and sleeps the rest itself.
+REDIS_TICK_S = 0.1
 _held_next = 0.0
 
 
@@ -92,13 +111,56 @@ def held_step(client) -> int:
     return released
 
 
-def pacer_sleep_s() -> float:
-    client = get_redis()
-    head = client.zrange(keys.DELAYED_JOBS, 0, 0, withscores=True)
-    if not head:
-        return MAX_SLEEP_S
-    wait = (head[0][1] - redis_now_ms(client)) / 1000
-    return min(MAX_SLEEP_S, max(0.001, wait))
+@dataclass(frozen=True)
+class PacerWait:
+    """How long the pacer may wait before its next step, and whether any
+    pool has held requests (then it waits without listening)."""
+
+    seconds: float
+    held: bool
+
+
+def _head_ms(reply) -> float | None:
+    """The score of ``ZRANGE key 0 0 WITHSCORES``'s one member: a flat
+    [member, score], or [[member, score]] where the client pairs them."""
+    if not reply:
+        return None
+    return float(reply[0][1] if isinstance(reply[0], (list, tuple)) else reply[1])
+
+
+def pacer_wait(client=None) -> PacerWait:
+    """Until the earliest delayed job or callback retry is due (at most
+    WAIT_MAX_S; at most until the next held step while pools hold requests).
+    Takes the wake-ups pushed so far in the same round trip as it reads the
+    heads: work they announced is in what it reads, and work parked after it
+    leaves a wake-up for the wait."""
+    client = client or get_redis()
+    now_ms = redis_now_ms(client)
+    _, delayed, retries, held_pools = (
+        Commands()
+        .command("DEL", keys.PACER_WAKE)
+        .command("ZRANGE", keys.DELAYED_JOBS, 0, 0, "WITHSCORES")
+        .command("ZRANGE", keys.CALLBACK_RETRIES, 0, 0, "WITHSCORES")
+        .command("SCARD", keys.HELD_POOLS)
+        .run(client))
+    seconds = WAIT_MAX_S
+    for head_ms in (_head_ms(delayed), _head_ms(retries)):
+        if head_ms is not None:
+            seconds = min(seconds, (head_ms - now_ms) / 1000)
+    held = int(held_pools) > 0
+    if held:
+        seconds = min(seconds, _held_next - time.monotonic())
+    return PacerWait(seconds=max(0.0, seconds), held=held)
+
+
+def _wait(wait: PacerWait, stop: StopFlag) -> None:
+    if wait.seconds < 0.001 or stop.requested:
+        return
+    if wait.held or wait.seconds <= REDIS_TICK_S:
+        _pause(wait.seconds, stop)
+        return
+    # In whole milliseconds (0 would mean for ever); the next look sleeps what is left.
+    get_redis(blocking=True).blpop([keys.PACER_WAKE], timeout=round(wait.seconds - REDIS_TICK_S, 3) or 0.001)
 
 
 class StopFlag:
@@ -112,22 +174,23 @@ class StopFlag:
 
 
 def _pause(seconds: float, stop: StopFlag) -> None:
-    """Sleep up to ``seconds`` in slices of MAX_SLEEP_S, ending early on stop."""
+    """Sleep up to ``seconds`` in slices of PAUSE_SLICE_S, ending early on stop."""
     deadline = time.monotonic() + seconds
     while not stop.requested:
         left = deadline - time.monotonic()
         if left <= 0:
             return
-        time.sleep(min(MAX_SLEEP_S, left))
+        time.sleep(min(PAUSE_SLICE_S, left))
 
 
 def pacer_run(*, stop: StopFlag) -> None:
     logger.info("pacer running")
     while not stop.requested:
         try:
-            if pacer_step() == 0:
-                _pause(pacer_sleep_s(), stop)
+            released = pacer_step()
             close_old_connections()
+            if released == 0 and not stop.requested:
+                _wait(pacer_wait(), stop)
         except Exception:
             logger.exception("pacer step failed")
             _pause(1.0, stop)

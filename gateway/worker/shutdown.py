@@ -27,16 +27,21 @@ cold shutdown cannot stop a thread. So a task decides for itself:
 4. A retry waiting out its backoff stops waiting (``pause``): the last
    attempt's outcome stands.
 
-The signal handler only writes one attribute (``shutdown_begin``): it runs in
-the main thread between two bytecodes, and taking a lock there can deadlock
-(gateway/worker/pacer.py). A watcher thread, started when the worker is
-ready, turns that into events the task threads wait on."""
+The signal handler only writes one attribute (``shutdown_begin``) and one
+byte to a pipe: it runs in the main thread between two bytecodes, and taking
+a lock there can deadlock (gateway/worker/pacer.py); a write is a system
+call, no lock. A watcher thread, started when the worker is ready, sleeps in
+``select`` on that pipe (idle, it wakes every WATCH_IDLE_S instead of every
+WATCH_INTERVAL_S) and turns the attribute into events the task threads wait
+on."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -46,7 +51,11 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
+# During the grace: how often the watcher looks at the clock.
 WATCH_INTERVAL_S = 0.05
+# Before the stop: the longest the watcher sleeps without looking, in case a
+# wake-up byte never came (the handler writes one: it normally wakes at once).
+WATCH_IDLE_S = 1.0
 
 
 class HandBack(Exception):
@@ -105,14 +114,22 @@ class _Shutdown:
         self._sockets: set[socket.socket] = set()  # plain calls' sockets, shut down when the grace ends
         self._watcher: threading.Thread | None = None
         self.threads = _CallThreads()
+        # The handler's wake-up for the watcher; never blocks the handler.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_write, False)
+        os.set_blocking(self._wake_read, False)
 
     def begin(self, grace_s: float) -> None:
         if self.deadline is None:
             self.deadline = time.monotonic() + grace_s
+            try:
+                os.write(self._wake_write, b"\0")
+            except OSError:  # the pipe is full: the watcher has a byte to wake on already
+                pass
 
     def watch(self) -> None:
         while self.deadline is None:
-            time.sleep(WATCH_INTERVAL_S)
+            select.select([self._wake_read], [], [], WATCH_IDLE_S)
         self.stopping.set()
         logger.warning("worker stopping: pool calls in flight get %.1fs to answer, work not started goes back",
                        max(0.0, self.deadline - time.monotonic()))
@@ -195,6 +212,11 @@ class _Shutdown:
         """Back to running (tests that exercise a stop in-process)."""
         with self._lock:
             self.deadline = None
+            try:
+                while os.read(self._wake_read, 512):
+                    pass
+            except BlockingIOError:  # drained
+                pass
             self.stopping.clear()
             self.expired.clear()
             self._sockets.clear()

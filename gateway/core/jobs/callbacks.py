@@ -11,8 +11,10 @@ from celery import current_app
 from django.db import transaction
 
 from budgets.redis.clients import get_redis, parked_release, redis_now_ms
+from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.lanes import HOUSEKEEPING
+from gateway.core.pacer_wake import pacer_wake_commands
 from tenants.outbound import (MAX_URL_LENGTH, SIGNATURE_HEADER, CallbackRefused, CallbackTarget, address_refusal, callback_signature, callback_signature_verify,
                               callback_target_resolve, callback_url_check, callback_url_parse, resolve_host,
                               webhook_backoff_s)
@@ -63,7 +65,9 @@ def callback_retry_schedule(*, job_id: str, attempt: int, delay_s: float) -> flo
     broker a task held past visibility_timeout is delivered twice."""
     client = get_redis()
     due_ms = redis_now_ms(client) + delay_s * 1000
-    client.zadd(keys.CALLBACK_RETRIES, {f"{job_id}:{attempt}": due_ms})
+    parked = Commands().zadd(keys.CALLBACK_RETRIES, {f"{job_id}:{attempt}": due_ms})
+    pacer_wake_commands(parked)  # it may be due before the pacer's next look
+    parked.run(client)
     return due_ms
 
 

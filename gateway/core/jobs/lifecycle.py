@@ -19,10 +19,12 @@ from django.utils import timezone
 
 from budgets.admission.estimation import Estimate
 from budgets.redis.clients import REDIS_UNAVAILABLE, get_redis, redis_now_ms
+from budgets.redis.composition import Commands
 from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
+from gateway.core.pacer_wake import pacer_wake_commands
 from gateway.core.request.admission import lease_ttl_ms, request_admit
 from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
 from gateway.core.request.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
@@ -124,7 +126,9 @@ def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None
     job.release_at = _ms_to_datetime(release_ms)
     job.reason = reason
     job.save(update_fields=["status", "release_at", "reason", "delays"])
-    get_redis().zadd(keys.DELAYED_JOBS, {str(job.id): release_ms})
+    parked = Commands().zadd(keys.DELAYED_JOBS, {str(job.id): release_ms})
+    pacer_wake_commands(parked)  # it may be due before the pacer's next look
+    parked.run()
 
 
 def _leaky_release_ms(ctx: CallerContext, estimate: Estimate) -> float:

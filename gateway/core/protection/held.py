@@ -31,6 +31,7 @@ from budgets.admission import keys as budget_keys
 from budgets.admission.provider_limits import SentMark
 from budgets.redis.scripts import LuaScript, ScriptCall
 from gateway.core import keys
+from gateway.core.pacer_wake import pacer_wake_commands
 from gateway.core.request.records import RequestRecord
 
 HELD_RELEASE = LuaScript(__package__, "held_release.lua")
@@ -53,6 +54,7 @@ def held_commands(pipe, record: RequestRecord) -> None:
     member = f"{record.request_id}|{record.lane}|{record.estimated_input_tokens + record.estimated_output_tokens}"
     pipe.zadd(keys.pool_held(record.pool_id), {member: record.deadline_ms})
     pipe.sadd(keys.HELD_POOLS, record.pool_id)
+    pacer_wake_commands(pipe)  # a pacer with no pool held waits long: look now
 
 
 def mark_text(mark: SentMark) -> str:

@@ -1,0 +1,101 @@
+"""The pacer waits in Redis instead of polling (gateway/worker/pacer.py): a
+job parked while it waits wakes it, and a stop asked while it waits ends it
+within its longest wait. The pacer runs in-process on a thread, against a
+Redis database of the test's own (no pacer of the session's platform takes
+the job first) and the real job service."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connection
+
+from budgets.redis.clients import get_redis
+from gateway.core import keys
+from gateway.core.jobs.lifecycle import job_submit
+from gateway.core.request.chat import validate_chat_request
+from gateway.core.request.context import context_for_workload
+from gateway.models import Job
+from gateway.worker import pacer
+from gateway.worker.pacer import StopFlag, pacer_run
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "Summarize the quarterly report."}],
+        "max_tokens": 8}
+
+
+def wait_until(check, what: str, timeout: float, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
+def pacer_waiting_in_blpop(redis_client) -> bool:
+    """Whether a client of the test's Redis is blocked in BLPOP (the pacer's wait)."""
+    return any(client.get("cmd") == "blpop" and "b" in client.get("flags", "") for client in redis_client.client_list())
+
+
+@pytest.fixture
+def running_pacer():
+    """Start ``pacer_run`` on a thread; stop it (and close its database connection) after the test."""
+    started: list[tuple[StopFlag, threading.Thread]] = []
+
+    def start() -> tuple[StopFlag, threading.Thread]:
+        stop = StopFlag()
+
+        def run() -> None:
+            try:
+                pacer_run(stop=stop)
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=run, name="pacer-under-test", daemon=True)
+        thread.start()
+        started.append((stop, thread))
+        return stop, thread
+
+    yield start
+    for stop, thread in started:
+        stop.request()
+        get_redis().lpush(keys.PACER_WAKE, 1)  # a test may have made its wait long
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_a_job_parked_while_the_pacer_waits_wakes_it_and_leaves_at_its_time(
+        redis_of_its_own, make_caller, running_pacer, monkeypatch):
+    # given a pacer with nothing to do, waiting up to 30 s between looks
+    monkeypatch.setattr(pacer, "WAIT_MAX_S", 30.0)
+    caller = make_caller(workload_class="scheduled", reserved_tpm=6_000, ceiling_tpm=6_000, prompt_tokens_cap=200,
+                         max_tokens_cap=64)
+    ctx = context_for_workload(caller.workload)
+    running_pacer()
+    wait_until(lambda: pacer_waiting_in_blpop(redis_of_its_own), "the pacer to wait in BLPOP", 10)
+    # when two jobs of a scheduled workload arrive: its leaky bucket (100
+    # tokens/s) lets the first out now and parks the second for a fraction
+    # of a second
+    jobs = [job_submit(ctx=ctx, chat=validate_chat_request(BODY), body=BODY).job for _ in range(2)]
+    parked = Job.objects.get(pk=jobs[1].pk)
+    assert parked.status == Job.Status.DELAYED and parked.reason == "paced"
+    assert redis_of_its_own.zscore(keys.DELAYED_JOBS, str(parked.id)) is not None
+    # then the pacer releases it onto its lane well before its 30 s wait would end
+    wait_until(lambda: Job.objects.get(pk=parked.pk).status == Job.Status.QUEUED, "the parked job's release", 3)
+    assert redis_of_its_own.zcard(keys.DELAYED_JOBS) == 0
+    # and goes back to waiting, the wake-up taken
+    wait_until(lambda: pacer_waiting_in_blpop(redis_of_its_own), "the pacer to wait again", 3)
+    assert redis_of_its_own.llen(keys.PACER_WAKE) == 0
+
+
+def test_a_stop_asked_while_the_pacer_waits_ends_it_within_its_longest_wait(redis_of_its_own, running_pacer):
+    # given a pacer waiting in Redis with nothing to do (longest wait: WAIT_MAX_S)
+    stop, thread = running_pacer()
+    wait_until(lambda: pacer_waiting_in_blpop(redis_of_its_own), "the pacer to wait in BLPOP", 10)
+    # when its stop is asked (what its SIGTERM handler does)
+    stop.request()
+    # then it ends without waking anyone (generous bound: WAIT_MAX_S plus a step on a slow machine)
+    thread.join(timeout=pacer.WAIT_MAX_S + 4)
+    assert not thread.is_alive()
