@@ -31,6 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db import close_old_connections
 
 from budgets.redis.clients import get_redis, redis_now_ms
@@ -160,7 +161,11 @@ def _wait(wait: PacerWait, stop: StopFlag) -> None:
         _pause(wait.seconds, stop)
         return
     # In whole milliseconds (0 would mean for ever); the next look sleeps what is left.
-    get_redis(blocking=True).blpop([keys.PACER_WAKE], timeout=round(wait.seconds - REDIS_TICK_S, 3) or 0.001)
+    # On the client with a read timeout (the busy wait, above WAIT_MAX_S): a
+    # hung Redis fails the read within it, so a stop asked meanwhile is seen
+    # within seconds, not when Redis answers again.
+    seconds = min(wait.seconds, settings.SLUICE_REDIS_BUSY_WAIT_S / 2) - REDIS_TICK_S
+    get_redis().blpop([keys.PACER_WAKE], timeout=round(max(seconds, 0.001), 3))
 
 
 class StopFlag:
