@@ -30,11 +30,13 @@ def pool_config_push(*, pool: InferencePool) -> None:
         pipe.hset(keys.pool_config(pool.id), mapping=fields)
     if reservations:
         pipe.sadd(keys.pool_workloads(pool.id), *[r.workload_id for r in reservations])
-    if pool.is_active:
-        pipe.hset(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id), pool.max_concurrency)
-    else:
-        pipe.hdel(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id))
     pipe.execute()
+    # Not in the MULTI: the key is the platform's, not the pool's (another
+    # hash slot on a cluster). The lanes size by it (gateway/worker/lane_pool.py).
+    if pool.is_active:
+        get_redis().hset(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id), pool.max_concurrency)
+    else:
+        get_redis().hdel(keys.POOL_IN_FLIGHT_LIMITS, str(pool.id))
     # Shed scales depend on the reservations: recompute them at the current factor.
     capacity_signal(pool_id=pool.id, event="recompute")
 
