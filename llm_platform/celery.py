@@ -12,6 +12,7 @@ from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
 from budgets.redis.clients import request_path_process
+from gateway.core.db_threads import database_threads_start
 from gateway.core.keys import WORKERS_READY
 from gateway.core.lanes import HOUSEKEEPING
 
@@ -102,8 +103,10 @@ def _configure_logging(**kwargs) -> None:
 @celeryd_init.connect
 def _request_path_redis(**kwargs) -> None:
     """A lane worker runs only the request path: it waits out a busy Redis
-    (budgets/redis/clients.py)."""
+    (budgets/redis/clients.py), and its threads share a few database
+    connections (gateway/core/db_threads.py)."""
     request_path_process()
+    database_threads_start(settings.SLUICE_WORKER_DB_THREADS)
 
 
 # budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's

@@ -315,6 +315,9 @@ SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
 # it keeps the number given.
 SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default_concurrency) for lane in LANES
                            if lane.concurrency_env in os.environ}
+# Database connections per lane worker process: its calls' ledger rows go
+# through this many threads (gateway/core/db_threads.py), however many calls it runs.
+SLUICE_WORKER_DB_THREADS = env_int("SLUICE_WORKER_DB_THREADS", 8)
 # How often a lane worker looks whether its pools' in-flight limits rose.
 SLUICE_LANE_SIZE_CHECK_S = env_float("SLUICE_LANE_SIZE_CHECK_S", 5.0)
 # Worker processes per lane, its threads split evenly among them

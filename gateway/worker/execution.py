@@ -32,6 +32,7 @@ from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
+from gateway.core.db_threads import on_database
 from gateway.core import keys
 from gateway.core.protection.concurrency import lane_limited
 from gateway.core.request.enqueue import CallHint
@@ -517,7 +518,7 @@ def leases_reap(*, pool_ids: list[int]) -> int:
             client.zrem(budget_keys.pool_leases(pool_id), request_id)
             if data:
                 writing = time.monotonic()
-                usage_record_write(entry=ledger_entry(
+                on_database(usage_record_write, entry=ledger_entry(
                     record, status="lease_expired", actual_input_tokens=record.estimated_input_tokens,
                     actual_output_tokens=record.estimated_output_tokens,
                     total_ms=max(0, int(now_ms - record.admitted_ms)), error="lease_expired",

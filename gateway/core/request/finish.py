@@ -19,6 +19,7 @@ from budgets.redis.clients import redis_now_ms
 from budgets.redis.composition import RoundTrip, Step
 from budgets.redis.scripts import ScriptCall
 from budgets.ledger.writer import usage_record_write
+from gateway.core.db_threads import on_database
 from gateway.core.jobs.lifecycle import job_complete
 from gateway.core.metrics import departure_call
 from gateway.core.observability import settlement_report
@@ -47,7 +48,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
 
     def ledger() -> None:
         writing = time.monotonic()
-        usage_record_write(entry=ledger_entry(
+        on_database(usage_record_write, entry=ledger_entry(
             record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
             actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
             upstream_ms=outcome.upstream_ms, total_ms=total_ms, ttft_ms=outcome.ttft_ms, attempts=outcome.attempts,
@@ -88,7 +89,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
         # and ends the caller's stream with the published outcome.
         steps.append(("stream_end", lambda: stream_end(request_id=record.request_id)))
     if record.job_id:
-        steps.append(("job", lambda: job_complete(job_id=record.job_id, outcome=outcome)))
+        steps.append(("job", lambda: on_database(job_complete, job_id=record.job_id, outcome=outcome)))
     return steps
 
 

@@ -1,0 +1,68 @@
+"""A lane worker's database work on a few threads of its own.
+
+A lane worker runs a thread per pool call, and grows to as many threads as
+its pools hold calls (gateway/worker/lane_pool.py): a thousand streams are a
+thousand threads. Django gives every thread its own database connection, so
+the ledger rows they write at their ends would open as many PostgreSQL
+connections (its default max_connections is 100). Instead, a lane worker
+sends the request path's database work (the ledger row, a job's completion)
+to ``SLUICE_WORKER_DB_THREADS`` threads of its own and waits for it: as
+many connections per process, each kept (``DB_CONN_MAX_AGE``), the call's
+result or exception returned to the calling thread as if it had run there.
+Any other process (web, beat, the pacer) runs the work where it is called."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from django.db import close_old_connections, connections
+
+T = TypeVar("T")
+
+_executor: ThreadPoolExecutor | None = None
+_size = 0
+_NAME = "sluice-db"
+
+
+def database_threads_start(threads: int) -> None:
+    """Run this process's ``on_database`` work on ``threads`` threads (a lane worker, at start)."""
+    global _executor, _size
+    if _executor is None:
+        _size = max(1, threads)
+        _executor = ThreadPoolExecutor(max_workers=_size, thread_name_prefix=_NAME)
+
+
+def database_threads_stop() -> None:
+    """Close the threads' connections and run the work where it is called again (tests)."""
+    global _executor
+    executor, _executor = _executor, None
+    if executor is None:
+        return
+    # One close per thread: each waits at the barrier until all are taken.
+    threads = _size
+    barrier = threading.Barrier(threads)
+
+    def close() -> None:
+        barrier.wait(timeout=10)
+        connections.close_all()
+
+    for _ in range(threads):
+        executor.submit(close)
+    executor.shutdown(wait=True)
+
+
+def _run(fn: Callable[..., T], args: tuple, kwargs: dict[str, Any]) -> T:
+    # A connection a database restart broke is replaced, as a task's own is
+    # at its start (gateway/worker/tasks.py).
+    close_old_connections()
+    return fn(*args, **kwargs)
+
+
+def on_database(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the process's database threads when it has them, else here."""
+    executor = _executor
+    if executor is None or threading.current_thread().name.startswith(_NAME):
+        return fn(*args, **kwargs)
+    return executor.submit(_run, fn, args, kwargs).result()
