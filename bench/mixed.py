@@ -281,6 +281,7 @@ def summarize(data: dict) -> str:
     idle_ratio = ratio(m["sluice"]["short"]["p99"], m.get("idle", {}).get("short", {}).get("p99"))
     long_goodput = ratio(m["sluice"].get("long_output_tokens_per_s"), fifo.get("long_output_tokens_per_s"))
     tput_ratio = ratio(m["sluice"]["output_tokens_per_s"], fifo["output_tokens_per_s"])
+    long_p99_ratio = ratio(m["sluice"]["long"]["p99"], fifo["long"]["p99"])
     queue_failed = _long_failed_for_queueing(m, "sluice")
     base_ratio = ratio(m["baseline"]["short"]["p99"], fifo["short"]["p99"])
     base_tput = ratio(m["baseline"]["output_tokens_per_s"], fifo["output_tokens_per_s"])
@@ -289,7 +290,7 @@ def summarize(data: dict) -> str:
         f"{data['clients']} closed-loop clients, {data['duration_sim_s']:.0f} simulated s per system (first "
         f"{data['warmup_sim_s']:.0f} s not counted), time scale {data['time_scale']:g}; simulator "
         f"`{' '.join(data['sim_args'])}` (the bigger pool: `{' '.join(data.get('large_kv_sim_args', []))}`). "
-        "Sluice runs with its default settings: 16 interactive-long workers, lane limit starting at "
+        "Sluice runs with its default settings: the interactive-long lane's threads sized by the pool, lane limit starting at "
         "SLUICE_LANE_LIMIT_INITIAL and learned from there. Latencies in simulated seconds; throughput = completed "
         "requests (and output tokens) per simulated second. Long slots = how many interactive-long calls the lane's "
         "learned concurrency limit lets into the pool at once (the limit's whole part: a limit of 3.999 is 3 "
@@ -305,6 +306,8 @@ def summarize(data: dict) -> str:
              f"≤ 1.5: {_verdict(idle_ratio, lambda v: v <= 1.5)}"],
             ["Sluice long goodput / FIFO (long output tokens of completed requests per s)",
              f"**{fmt(long_goodput, 2)}**", f"≥ 0.9: {_verdict(long_goodput, lambda v: v >= 0.9)}"],
+            ["Sluice long p99 / FIFO long p99", f"**{fmt(long_p99_ratio, 2)}**",
+             f"≤ 1.5: {_verdict(long_p99_ratio, lambda v: v <= 1.5)}"],
             ["long requests Sluice failed for queueing", f"**{queue_failed}**",
              f"0: {'met' if queue_failed == 0 else 'missed'}"],
             ["Sluice throughput / FIFO (all output tokens)", fmt(tput_ratio, 2), ""],

@@ -244,9 +244,12 @@ def _summary_table() -> str:
         r = m["sluice"]["short"]["p99"] / m["fifo"]["short"]["p99"]
         i = m["sluice"]["short"]["p99"] / m["idle"]["short"]["p99"]
         t = m["sluice"]["long_output_tokens_per_s"] / m["fifo"]["long_output_tokens_per_s"]
+        lp = m["sluice"]["long"]["p99"] / m["fifo"]["long"]["p99"]
         ok = r <= 0.25 and i <= 1.5 and t >= 0.9
-        rows.append(["1 mixed (default settings)", "Sluice short p99 / FIFO; / idle pool; long goodput / FIFO",
-                     f"**{r:.2f}**; **{i:.2f}**; **{t:.2f}**", "≤ 0.25; ≤ 1.5; ≥ 0.9", "met" if ok else "missed"])
+        rows.append(["1 mixed (default settings)", "Sluice short p99 / FIFO; / idle pool; long goodput / FIFO; "
+                     "long p99 / FIFO", f"**{r:.2f}**; **{i:.2f}**; **{t:.2f}**; **{lp:.2f}**",
+                     "≤ 0.25; ≤ 1.5; ≥ 0.9; ≤ 1.5",
+                     ("met" if lp <= 1.5 else "met but long p99") if ok else "missed"])
     d = get("runaway")
     if d:
         ch = d["chat"]["p99_change"]
