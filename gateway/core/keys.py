@@ -136,6 +136,13 @@ def lane_slots(pool_id: int, lane: str) -> str:
     return f"{pool_tag(pool_id)}:lane:{lane}:slots"
 
 
+def lane_slot_waiters(pool_id: int, lane: str) -> tuple[str, str]:
+    """Sorted sets: request ids waiting for one of the lane's slots, scored
+    by their first ask (the order they are served in), and by when a waiter
+    that stopped asking counts as gone (protection/slot_acquire.lua)."""
+    return f"{pool_tag(pool_id)}:lane:{lane}:waiters", f"{pool_tag(pool_id)}:lane:{lane}:waiters_expiry"
+
+
 def lane_limits(pool_id: int) -> str:
     """Hash: the adaptive concurrency limit of each limited lane on the pool
     (``<lane>.limit``) and the short-latency signal that moves it

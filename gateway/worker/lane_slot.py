@@ -24,7 +24,8 @@ from budgets.redis.clients import redis_now_ms
 from budgets.redis.composition import RoundTrip, Step, answered
 from budgets.redis.scripts import ScriptCall
 from gateway.core.protection.circuit import CircuitVerdict, circuit_gate, circuit_gate_call, circuit_record_call
-from gateway.core.protection.concurrency import SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call, slot_release
+from gateway.core.protection.concurrency import (SIGNAL_LANE, lane_limit_call, lane_limited, slot_acquire_call,
+                                                 slot_release, slot_wait_end)
 from gateway.core.lanes import BATCH, SCHEDULED
 from gateway.core.request.records import Outcome, RequestRecord
 from gateway.worker.shutdown import pause
@@ -50,11 +51,13 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
         if deadline_ms and grant.now_ms >= deadline_ms:
             logger.info("request %s: no %s slot before its deadline (%d held, limit %.2f); calling anyway",
                         holder, lane, grant.held, grant.limit)
+            slot_wait_end(pool_id=pool_id, lane=lane, holder=holder)
             return False
-        # Full jitter: waiters polling in step would all race for one freed
-        # slot. A slot that is free but spaced (gateway/core/protection/slot_acquire.lua)
+        # Waiters are served in the order they first asked (slot_acquire.lua);
+        # the jitter only spreads their polls. A slot that is free but spaced
         # is asked again when the spacing says, jittered the same way.
         if not pause(grant.spacing_wait_ms / 1000 + rng.uniform(0, delay)):
+            slot_wait_end(pool_id=pool_id, lane=lane, holder=holder)
             return False
         delay = min(POLL_MAX_S, delay * 2)
 

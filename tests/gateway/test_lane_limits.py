@@ -14,9 +14,9 @@ import pytest
 
 from budgets.redis.clients import redis_now_ms
 from gateway.core import keys
-from gateway.core.protection.concurrency import (LIMITED_LANES, lane_limit_long_done, lane_limit_short_sample,
-                                      lane_limit_throttle, lane_limits_read, slot_acquire_call, slot_lease_ms,
-                                      slot_release)
+from gateway.core.protection.concurrency import (LIMITED_LANES, WAITER_GRACE_MS, lane_limit_long_done,
+                                                 lane_limit_short_sample, lane_limit_throttle, lane_limits_read,
+                                                 slot_acquire_call, slot_lease_ms, slot_release, slot_wait_end)
 from gateway.worker.lane_slot import slot_wait
 from tests.hammer import _hammer, slots_take_many
 
@@ -85,6 +85,45 @@ def test_release_frees_the_slot_for_the_next(redis_client):
     assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="b").run().taken
     assert slot_release(pool_id=POOL, lane=LONG, holder="a") == 0
     assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="b").run().taken
+
+
+def test_a_freed_slot_goes_to_the_waiter_that_asked_first_whoever_polls_first(redis_client):
+    # given the lane's one slot held, and waiters that asked in the order a, b, c
+    _set_limit(redis_client, LONG, 1)
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="holder").run().taken
+    for waiter in ("a", "b", "c"):
+        assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder=waiter).run().taken
+    # when the slot is freed and the later waiters poll before the first
+    slot_release(pool_id=POOL, lane=LONG, holder="holder")
+    # then neither they nor a newcomer take it; the first waiter does
+    assert [slot_acquire_call(pool_id=POOL, lane=LONG, holder=h).run().taken for h in ("c", "b", "new", "a")] == [
+        False, False, False, True]
+    # and the next one freed goes to b, then c, then the newcomer
+    order = []
+    for _ in range(3):
+        slot_release(pool_id=POOL, lane=LONG, holder=order[-1] if order else "a")
+        order.append(next(h for h in ("new", "c", "b") if slot_acquire_call(pool_id=POOL, lane=LONG, holder=h).run().taken))
+    assert order == ["b", "c", "new"]
+
+
+def test_a_waiter_that_stops_asking_leaves_the_line(redis_client):
+    _set_limit(redis_client, LONG, 1)
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="holder").run().taken
+    assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="gone").run().taken
+    assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="next").run().taken
+    slot_release(pool_id=POOL, lane=LONG, holder="holder")
+    # "gone" is first in line: "next" waits behind it while it may still ask
+    assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="next").run().taken
+    # when it has not asked for longer than its grace (its worker died)
+    time.sleep(WAITER_GRACE_MS / 1000 + 0.1)
+    # then the next in line gets the slot
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="next").run().taken
+    # and one that gives up leaves the line at once
+    assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="quits").run().taken
+    assert not slot_acquire_call(pool_id=POOL, lane=LONG, holder="after").run().taken
+    slot_wait_end(pool_id=POOL, lane=LONG, holder="quits")
+    slot_release(pool_id=POOL, lane=LONG, holder="next")
+    assert slot_acquire_call(pool_id=POOL, lane=LONG, holder="after").run().taken
 
 
 def test_a_dead_holders_slot_comes_back_when_its_lease_ends(redis_client):

@@ -26,6 +26,9 @@ from gateway.core import keys
 from gateway.core.lanes import BATCH, INTERACTIVE, INTERACTIVE_LONG
 
 SLOT_ACQUIRE = LuaScript(__package__, "slot_acquire.lua")
+# A waiter for a slot asks again within its spacing wait plus POLL_MAX_S
+# (gateway/worker/lane_slot.py); one this late after that has stopped asking.
+WAITER_GRACE_MS = 1000
 LANE_LIMIT = LuaScript(__package__, "lane_limit.lua")
 
 # The lanes whose pool calls are limited, and the one whose latency is the
@@ -73,11 +76,18 @@ def slot_lease_ms() -> int:
 def slot_acquire_call(*, pool_id: int, lane: str, holder: str, lease_ms: int | None = None) -> ScriptCall[SlotGrant]:
     return ScriptCall(
         script=SLOT_ACQUIRE,
-        keys=[keys.lane_slots(pool_id, lane), keys.lane_limits(pool_id)],
-        args=[holder, lease_ms if lease_ms is not None else slot_lease_ms(), lane, settings.SLUICE_LANE_LIMIT_INITIAL],
+        keys=[keys.lane_slots(pool_id, lane), keys.lane_limits(pool_id), *keys.lane_slot_waiters(pool_id, lane)],
+        args=[holder, lease_ms if lease_ms is not None else slot_lease_ms(), lane, settings.SLUICE_LANE_LIMIT_INITIAL,
+              WAITER_GRACE_MS],
         parse=lambda raw: SlotGrant(taken=int(raw[0]) == 1, held=int(raw[1]), limit=float(raw[2]),
                                     now_ms=float(raw[3]), spacing_wait_ms=float(raw[4])),
     )
+
+
+def slot_wait_end(*, pool_id: int, lane: str, holder: str, client=None) -> None:
+    """A waiter that stops waiting (it calls without a slot) leaves the line
+    at once, not when its grace ends."""
+    (client or get_redis()).zrem(keys.lane_slot_waiters(pool_id, lane)[0], holder)
 
 
 def slot_release(*, pool_id: int, lane: str, holder: str, client=None) -> int:

@@ -19,9 +19,19 @@
 -- ``<lane>.call_ms``); while either is unknown (no short traffic to
 -- protect, no long call finished yet) there is no gap.
 --
--- KEYS: 1 slots zset (request id -> lease end, ms), 2 lane-limits hash
+-- Waiters are served in the order they first asked. A call that finds no
+-- free slot (or the spacing not yet passed) joins the lane's waiters, scored
+-- by its first ask; a freed slot goes to the waiters at the head, however
+-- the polls of the others fall, so no long call waits behind ones that came
+-- after it (with polls alone, the unlucky few made the long p99). A waiter
+-- that stops asking (it called without a slot at its deadline, or its worker
+-- died) is dropped when its expected next ask is ARGV[5] ms late.
+--
+-- KEYS: 1 slots zset (request id -> lease end, ms), 2 lane-limits hash,
+--       3 waiters zset (request id -> first ask, ms), 4 waiters' expiry zset
+--       (request id -> when it counts as gone, ms)
 -- ARGV: 1 holder (request id), 2 lease (ms), 3 lane, 4 initial limit (a
---       lane whose limit was never set starts here)
+--       lane whose limit was never set starts here), 5 a waiter's grace (ms)
 -- Returns {1 taken | 0 full or spaced, slots held now (this one included
 --          when taken), the limit in force, now_ms, ms until the spacing
 --          lets a long call start (0: it does now)}
@@ -42,16 +52,35 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
   redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
   return {1, redis.call('ZCARD', KEYS[1]), tostring(limit), tostring(now), '0'}
 end
+local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
+if #gone > 0 then
+  redis.call('ZREM', KEYS[3], unpack(gone))
+  redis.call('ZREM', KEYS[4], unpack(gone))
+end
+local grace = tonumber(ARGV[5])
+local function wait_in_line(held, wait)
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+  redis.call('ZADD', KEYS[4], now + wait + grace, ARGV[1])
+  local ttl = math.ceil(tonumber(ARGV[2])) + 60000
+  redis.call('PEXPIRE', KEYS[3], ttl)
+  redis.call('PEXPIRE', KEYS[4], ttl)
+  return {0, held, tostring(limit), tostring(now), tostring(wait)}
+end
+
 local held = redis.call('ZCARD', KEYS[1])
-if held >= whole then return {0, held, tostring(limit), tostring(now), '0'} end
+if held >= whole then return wait_in_line(held, 0) end
+local ahead = redis.call('ZRANK', KEYS[3], ARGV[1]) or redis.call('ZCARD', KEYS[3])
+if ahead >= whole - held then return wait_in_line(held, 0) end
 
 local short_ms, call_ms = tonumber(st[2]), tonumber(st[3])
 local last_start = tonumber(st[4]) or 0
 if short_ms and call_ms then
   local gap = math.min(short_ms, call_ms / (2 * whole))
   local wait = last_start + gap - now
-  if wait > 0 then return {0, held, tostring(limit), tostring(now), tostring(wait)} end
+  if wait > 0 then return wait_in_line(held, wait) end
 end
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2])) + 60000)
 redis.call('HSET', KEYS[2], 'long_start_ms', tostring(now))
