@@ -292,10 +292,16 @@ def targets(data: dict) -> list[dict]:
     out.append({"what": f"platform peak RSS, N={sizes[-1]}", "value": f"{peak / 2**20:,.0f} MiB",
                 "target": f"< {TARGET_RSS_BYTES / 1e9:g} GB", "met": peak < TARGET_RSS_BYTES})
     probes = [p for n in sizes for p in runs[n]["sluice"]["probes"]]
-    worst = max((p["answer_ms"] for p in probes), default=None)
-    out.append({"what": "refused stream answered (slowest of all probes), ms", "value": fmt(worst, 1),
-                "target": f"< {TARGET_REFUSAL_MS:g} ms, 429",
-                "met": bool(probes) and worst < TARGET_REFUSAL_MS and all(p["status"] == 429 for p in probes)})
+    # A probe the workload's bucket had refilled for (its one request per
+    # 60 / OVER_RPM s, when the machine delayed the probes that long) is
+    # admitted and streams behind the burst: not a refusal, listed apart.
+    refused = [p for p in probes if p["status"] == 429]
+    admitted = len(probes) - len(refused)
+    worst = max((p["answer_ms"] for p in refused), default=None)
+    out.append({"what": "refused stream answered (slowest refusal of the probes), ms"
+                        + (f"; {admitted} probe(s) admitted on a refilled bucket" if admitted else ""),
+                "value": fmt(worst, 1), "target": f"< {TARGET_REFUSAL_MS:g} ms, 429",
+                "met": len(refused) >= PROBES and worst < TARGET_REFUSAL_MS})
     return out
 
 
