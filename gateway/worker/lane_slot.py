@@ -53,7 +53,8 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
                         holder, lane, grant.held, grant.limit)
             slot_wait_end(pool_id=pool_id, lane=lane, holder=holder)
             return False
-        # Waiters are served in the order they first asked (slot_acquire.lua);
+        # Waiters are served in the order they first asked
+        # (gateway/core/protection/slot_acquire.lua);
         # the jitter only spreads their polls. A slot that is free but spaced
         # is asked again when the spacing says, jittered the same way.
         if not pause(grant.spacing_wait_ms / 1000 + rng.uniform(0, delay)):
