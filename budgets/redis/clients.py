@@ -1,9 +1,10 @@
 """Redis clients for the buckets and the request path, and what "Redis is
 away" looks like.
 
-Gone and busy are told apart. A Redis that refuses or does not accept a
-connection fails every call within ``SLUICE_REDIS_TIMEOUT_S`` (0.5 s): the
-gateway answers 503 at once. A Redis that accepted the command and is slow to
+Gone and busy are told apart. A Redis that refuses a connection fails every
+call at once: the gateway answers 503. One that does not accept a connection
+fails within ``SLUICE_REDIS_TIMEOUT_S`` (0.5 s) for pages and the management
+API, within ``SLUICE_REDIS_BUSY_WAIT_S`` on the request path. A Redis that accepted the command and is slow to
 answer (busy: a thousand streams relayed through it, or the process's own
 event loop behind) is waited for up to ``SLUICE_REDIS_BUSY_WAIT_S`` on the
 request path (the /v1 event loop's client, and every client of a lane
@@ -78,8 +79,12 @@ def request_path_process() -> None:
 
 
 def _options(blocking: bool, patient: bool) -> dict:
-    connect = settings.SLUICE_REDIS_TIMEOUT_S
-    read = settings.SLUICE_REDIS_BUSY_WAIT_S if patient else connect
+    # A refused connection fails at once whatever the timeout. On the request
+    # path a connect is given the busy wait too: a process whose event loop
+    # or threads are behind (a thousand streams admitted at once) reads its
+    # own lag as a slow connect.
+    connect = settings.SLUICE_REDIS_BUSY_WAIT_S if patient else settings.SLUICE_REDIS_TIMEOUT_S
+    read = connect
     return {
         "socket_connect_timeout": connect,
         # Blocking reads (BLPOP for a result) set their own server-side timeout.

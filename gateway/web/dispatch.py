@@ -72,7 +72,7 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     try:
         (popped,) = await Commands().command("BLPOP", result_key, max(0.01, timeout_s)).run_async(blocking)
     except REDIS_UNAVAILABLE as exc:
-        raise _result_unavailable() from exc
+        raise _result_unavailable(exc) from exc
     return Outcome.from_json(popped[1]) if popped else None
 
 
@@ -101,7 +101,7 @@ class _StreamFirstWait:
             reply = await blocking.xread({self.stream_key: "0-0"}, count=STREAM_READ_BATCH,
                                          block=max(1, int(timeout_s * 1000)))
         except REDIS_UNAVAILABLE as exc:
-            raise _result_unavailable() from exc
+            raise _result_unavailable(exc) from exc
         if reply and CHUNK_FIELD in reply[0][1][0][1]:
             self.head = tuple(reply[0][1])
             return Outcome(status=STREAMING, streamed=True)
@@ -111,7 +111,7 @@ class _StreamFirstWait:
             # Taken over by this process (finished, or lost): published, no marker needed.
             raw = await blocking.lpop(self.result_key)
         except REDIS_UNAVAILABLE as exc:
-            raise _result_unavailable() from exc
+            raise _result_unavailable(exc) from exc
         return Outcome.from_json(raw) if raw else None
 
 
@@ -122,9 +122,10 @@ def _stream_cancel_quietly(record: RequestRecord) -> None:
         logger.warning("request %s: could not cancel the stream", record.request_id, exc_info=True)
 
 
-def _result_unavailable() -> Rejected:
+def _result_unavailable(exc: BaseException) -> Rejected:
     # The request was admitted and queued; its worker settles it. The
-    # caller learns only that we lost sight of it.
+    # caller learns only that we lost sight of it; the log says why.
+    logger.warning("lost the result store while waiting: %s: %s", type(exc).__name__, exc)
     return Rejected(reason="result_unavailable", message="Sluice lost its connection to the result store; the request may still complete.",
                     status=503, retry_after_ms=1000, error_type="service_unavailable")
 
@@ -135,7 +136,7 @@ async def _claim(record: RequestRecord) -> Claim:
         # hangs a few seconds delays the answer instead of failing it.
         return await claim_call(WATCH, record, holder=heartbeat_holder("web")).run_async(get_async_redis(blocking=True))
     except BudgetUnavailable as exc:
-        raise _result_unavailable() from exc
+        raise _result_unavailable(exc) from exc
 
 
 async def _take_over(record: RequestRecord, claim: Claim) -> None:
