@@ -21,7 +21,6 @@ from django.conf import settings
 from django.http import StreamingHttpResponse
 
 from budgets.redis.clients import REDIS_UNAVAILABLE, get_async_redis
-from budgets.redis.composition import Commands
 from budgets.errors import Rejected
 from gateway.core import keys
 from gateway.core.errors import error_body
@@ -36,15 +35,6 @@ logger = logging.getLogger(__name__)
 def _unavailable_event(message: str) -> bytes:
     return stream_error_event(Outcome(status="result_unavailable", body=error_body(
         message=message, error_type="service_unavailable", code="result_unavailable")))
-
-
-def entries_of(reply: list | dict) -> list[tuple[str, dict[str, str]]]:
-    """One stream's entries from an XREAD reply, as (id, fields): Redis's
-    own reply (RESP2: a list of [stream, entries]; RESP3: a map of stream to
-    entries; an entry's fields a flat list) or redis-py's parsed one."""
-    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-    return [(entry_id, fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2])))
-            for entry_id, fields in entries]
 
 
 async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncIterator[bytes]:
@@ -62,12 +52,8 @@ async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncItera
                 reply, head = [(stream_key, list(head))], ()
             else:
                 try:
-                    # As a plain command (budgets/redis/composition.py): the
-                    # relay's one Redis call per batch, without redis-py's
-                    # per-command layers and reply parsing (entries_of reads it).
-                    (reply,) = await Commands().command(
-                        "XREAD", "COUNT", STREAM_READ_BATCH, "BLOCK", block_ms, "STREAMS", stream_key, last_id,
-                    ).run_async(get_async_redis(blocking=True))
+                    reply = await get_async_redis(blocking=True).xread({stream_key: last_id}, count=STREAM_READ_BATCH,
+                                                                       block=block_ms)
                 except REDIS_UNAVAILABLE:
                     logger.warning("request %s: lost the stream store mid-stream", record.request_id, exc_info=True)
                     ended = True  # nobody could read a cancel flag either; the worker settles what it relayed
@@ -86,7 +72,7 @@ async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncItera
                 yield stream_closing_events(outcome)
                 return
             events = []
-            for entry_id, fields in entries_of(reply):
+            for entry_id, fields in reply[0][1]:
                 last_id = entry_id
                 chunk = fields.get(CHUNK_FIELD)
                 if chunk is not None:
