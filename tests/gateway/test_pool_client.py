@@ -357,8 +357,10 @@ def test_a_stream_read_to_its_end_keeps_its_connection_and_one_closed_early_clos
     assert connections._idle == [] and kept.sock is None and kept_socket.fileno() == -1
 
 
-def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
-    # a pool that sends one chunk of its chunked body, then drops the connection
+def _on_both_paths(respond, read) -> list:
+    """A pool on a raw socket that answers each of two streamed calls with
+    ``respond(conn)``; what ``read(stream)`` made of its answer on the plain
+    path, then on httpx's."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -366,51 +368,7 @@ def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
         for _ in range(2):
             conn, _ = listener.accept()
             conn.recv(65536)
-            event = b'data: {"choices": []}\n\n'
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         + f"{len(event):x}\r\n".encode() + event + b"\r\n" + b"40\r\ndata: {\"cho")
-            conn.close()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        client = pc.pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
-        broken = []
-        for plain in (True, False):
-            if not plain:
-                pc._plain[str(client.base_url)] = None
-            stream = pc.pool_chat_stream_open(client, body=STREAM_BODY)
-            assert isinstance(stream, pc.PlainStream) is plain
-            lines = []
-            with pytest.raises(httpx.HTTPError) as raised:
-                for batch in pc.stream_line_batches(stream):
-                    lines.extend(line for line in batch if line)
-            stream.close()
-            broken.append((lines[0], type(raised.value)))
-    finally:
-        listener.close()
-    # the event before the cut arrives on both paths; the cut is an httpx
-    # error on both (what gateway/worker/streaming.py catches)
-    assert [line for line, _ in broken] == ['data: {"choices": []}'] * 2
-    assert broken[0][1] is httpx.ReadError
-
-
-def test_events_the_pool_sent_together_are_read_as_one_batch_on_both_paths():
-    # a pool that writes five events at once, then three more, then its end
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    first = b"".join(b'data: {"n": %d}\n\n' % i for i in range(5))
-    second = b"".join(b'data: {"n": %d}\r\n\r\n' % i for i in range(5, 8)) + b"data: [DONE]\n\n"
-    sent_second = threading.Event()
-
-    def serve() -> None:
-        for _ in range(2):
-            conn, _ = listener.accept()
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                         + f"{len(first):x}\r\n".encode() + first + b"\r\n")
-            sent_second.wait(5)
-            sent_second.clear()
-            conn.sendall(f"{len(second):x}\r\n".encode() + second + b"\r\n0\r\n\r\n")
+            respond(conn)
             conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
@@ -422,14 +380,59 @@ def test_events_the_pool_sent_together_are_read_as_one_batch_on_both_paths():
                 pc._plain[str(client.base_url)] = None
             stream = pc.pool_chat_stream_open(client, body=STREAM_BODY)
             assert isinstance(stream, pc.PlainStream) is plain
-            batches = []
-            for lines in pc.stream_line_batches(stream):
-                batches.append([line for line in lines if line])
-                sent_second.set()  # the second write goes only once the first was read
-            stream.close()
-            seen.append(batches)
+            try:
+                seen.append(read(stream))
+            finally:
+                stream.close()
+        return seen
     finally:
         listener.close()
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_a_stream_cut_off_mid_way_raises_what_the_httpx_path_raises_for_it():
+    # a pool that sends one chunk of its chunked body, then drops the connection
+    event = b'data: {"choices": []}\n\n'
+
+    def respond(conn) -> None:
+        conn.sendall(SSE_HEAD + f"{len(event):x}\r\n".encode() + event + b"\r\n" + b"40\r\ndata: {\"cho")
+
+    def read(stream) -> tuple[str, type]:
+        lines = []
+        with pytest.raises(httpx.HTTPError) as raised:
+            for batch in pc.stream_line_batches(stream):
+                lines.extend(line for line in batch if line)
+        return lines[0], type(raised.value)
+
+    broken = _on_both_paths(respond, read)
+    # the event before the cut arrives on both paths; the cut is an httpx
+    # error on both (what gateway/worker/streaming.py catches)
+    assert [line for line, _ in broken] == ['data: {"choices": []}'] * 2
+    assert broken[0][1] is httpx.ReadError
+
+
+def test_events_the_pool_sent_together_are_read_as_one_batch_on_both_paths():
+    # a pool that writes five events at once, then three more, then its end
+    first = b"".join(b'data: {"n": %d}\n\n' % i for i in range(5))
+    second = b"".join(b'data: {"n": %d}\r\n\r\n' % i for i in range(5, 8)) + b"data: [DONE]\n\n"
+    first_read = threading.Event()
+
+    def respond(conn) -> None:
+        conn.sendall(SSE_HEAD + f"{len(first):x}\r\n".encode() + first + b"\r\n")
+        first_read.wait(5)
+        first_read.clear()
+        conn.sendall(f"{len(second):x}\r\n".encode() + second + b"\r\n0\r\n\r\n")
+
+    def read(stream) -> list:
+        batches = []
+        for lines in pc.stream_line_batches(stream):
+            batches.append([line for line in lines if line])
+            first_read.set()  # the second write goes only once the first was read
+        return batches
+
+    seen = _on_both_paths(respond, read)
     # then each write is one batch, on both paths: one relay hop each
     expected = [[f'data: {{"n": {i}}}' for i in range(5)],
                 [f'data: {{"n": {i}}}' for i in range(5, 8)] + ["data: [DONE]"]]
