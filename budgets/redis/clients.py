@@ -83,12 +83,11 @@ def _options(blocking: bool, patient: bool) -> dict:
     # path a connect is given the busy wait too: a process whose event loop
     # or threads are behind (a thousand streams admitted at once) reads its
     # own lag as a slow connect.
-    connect = settings.SLUICE_REDIS_BUSY_WAIT_S if patient else settings.SLUICE_REDIS_TIMEOUT_S
-    read = connect
+    timeout = settings.SLUICE_REDIS_BUSY_WAIT_S if patient else settings.SLUICE_REDIS_TIMEOUT_S
     return {
-        "socket_connect_timeout": connect,
+        "socket_connect_timeout": timeout,
         # Blocking reads (BLPOP for a result) set their own server-side timeout.
-        "socket_timeout": None if blocking else read,
+        "socket_timeout": None if blocking else timeout,
         "health_check_interval": 30,
         "decode_responses": True,
     }

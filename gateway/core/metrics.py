@@ -127,10 +127,9 @@ def pool_live_metrics(*, pool_id: int) -> dict:
     except Exception:  # the broker may be elsewhere and down; metrics must still answer
         depths = {lane: -1 for lane in LANE_NAMES}
     for lane, depth in depths.items():
-        lanes[lane]["queue_depth"] = depth
         # Admitted calls no worker has taken yet (the lane's queue, shared by
         # its pools): zero below the pools' limits, the lanes being sized by them.
-        lanes[lane]["waiting_for_worker"] = depth
+        lanes[lane]["queue_depth"] = depth
     arrival_rate = total_arrivals / WINDOW_S
     mean_w = (total_w / total_departures / 1000) if total_departures else 0.0
     state = capacity_state(pool_id=pool_id)

@@ -112,15 +112,20 @@ class LaneThreads:
             future.cancel()
             return future
         self._work.put((future, fn, args, kwargs))
-        if self._idle.acquire(blocking=False):
-            return future
-        with self._lock:
-            if len(self._threads) < self.ceiling:
-                self._started += 1
-                thread = threading.Thread(target=self._serve, name=f"{self._name}-{self._started}", daemon=True)
-                self._threads.add(thread)
-                thread.start()
+        if not self._idle.acquire(blocking=False):
+            self._thread_start()
         return future
+
+    def _thread_start(self) -> bool:
+        """Start one more thread unless the ceiling is reached; whether it did."""
+        with self._lock:
+            if len(self._threads) >= self.ceiling:
+                return False
+            self._started += 1
+            thread = threading.Thread(target=self._serve, name=f"{self._name}-{self._started}", daemon=True)
+            self._threads.add(thread)
+        thread.start()
+        return True
 
     def grow_to(self, ceiling: int) -> None:
         """Raise the ceiling (never lowers it); work waiting gets threads now."""
@@ -130,13 +135,8 @@ class LaneThreads:
             self.ceiling = ceiling
             waiting = self._work.qsize()
         for _ in range(waiting):
-            with self._lock:
-                if len(self._threads) >= self.ceiling:
-                    return
-                self._started += 1
-                thread = threading.Thread(target=self._serve, name=f"{self._name}-{self._started}", daemon=True)
-                self._threads.add(thread)
-            thread.start()
+            if not self._thread_start():
+                return
 
     def _serve(self) -> None:
         me = threading.current_thread()
