@@ -6,7 +6,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from tenants.keys import api_key_hash
-from tenants.models import ApiKey
+from tenants.models import ApiKey, Tenant
 
 
 def api_key_lookup(*, raw_key: str) -> ApiKey | None:
@@ -24,3 +24,8 @@ def api_key_hashes_revoked_since(*, since: datetime) -> list[str]:
     """Digests of the keys revoked at or after ``since`` (an index range on
     revoked_at): what each web process drops from its key cache."""
     return list(ApiKey.objects.filter(revoked_at__gte=since).values_list("key_hash", flat=True))
+
+
+def tenant_slugs_by_id(*, tenant_ids: set[int]) -> dict[int, str]:
+    """Slugs for pages that list rows of several tenants (admins, finance)."""
+    return dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("id", "slug")) if tenant_ids else {}

@@ -33,6 +33,20 @@ def usage_day_problem(day: date | None) -> str | None:
     if day is not None and not FIRST_DAY <= day <= LAST_DAY:
         return f"Choose a day between {FIRST_DAY:%Y-%m-%d} and {LAST_DAY:%Y-%m-%d}."
     return None
+# The ledger's cost has 8 decimal places (UsageRecord.cost).
+COST_PLACES = Decimal("0.00000001")
+
+
+def cost_exact(value) -> Decimal:
+    """A summed cost as the ledger's exact Decimal. SQLite (``make run``)
+    keeps decimals as binary floats and sums them as such; snapping each sum
+    to the ledger's 8 places keeps totals free of float residue
+    (0.1200679000000001), and adding them as Decimals keeps them so."""
+    if value is None:
+        return Decimal(0)
+    return Decimal(str(value)).quantize(COST_PLACES)
+
+
 SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
         "actual_output_tokens", "cost")
 
@@ -114,7 +128,10 @@ class UsageRow:
 
     def add(self, values: dict) -> None:
         for name in SUMS:
-            setattr(self, name, getattr(self, name) + (values.get(name) or 0))
+            if name == "cost":
+                self.cost += cost_exact(values.get("cost"))
+            else:
+                setattr(self, name, getattr(self, name) + (values.get(name) or 0))
 
 
 @dataclass
@@ -353,7 +370,7 @@ def usage_by_api_key(*, tenant_ids: frozenset[int] | None, start: datetime, end:
     rows = rows.order_by().values("api_key_id").annotate(
         n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")), spent=Sum("cost"))
     return {r["api_key_id"]: KeyUsage(api_key_id=r["api_key_id"], requests=r["n"], tokens=r["tokens"] or 0,
-                                      cost=r["spent"] or Decimal(0)) for r in rows}
+                                      cost=cost_exact(r["spent"])) for r in rows}
 
 
 @dataclass(frozen=True)
@@ -380,7 +397,7 @@ def spend_by_workload(*, workload_ids: list[int], start: datetime, end: datetime
     rows = (UsageRecord.objects.filter(workload_id__in=workload_ids, created_at__gte=start, created_at__lt=end)
             .order_by().values("workload_id")
             .annotate(n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")), spent=Sum("cost")))
-    return {r["workload_id"]: WorkloadSpend(r["workload_id"], r["n"], r["tokens"] or 0, r["spent"] or Decimal(0))
+    return {r["workload_id"]: WorkloadSpend(r["workload_id"], r["n"], r["tokens"] or 0, cost_exact(r["spent"]))
             for r in rows}
 
 
@@ -396,4 +413,4 @@ def spend_by_time(*, filters: UsageFilters, bucket: str) -> dict[datetime, Decim
     trunc = {"minute": TruncMinute, "hour": TruncHour}[bucket]
     rows = (ledger_rows(filters=filters).order_by().annotate(at=trunc("created_at", tzinfo=dt_timezone.utc))
             .values("at").annotate(spent=Sum("cost")))
-    return {row["at"]: row["spent"] or Decimal(0) for row in rows}
+    return {row["at"]: cost_exact(row["spent"]) for row in rows}

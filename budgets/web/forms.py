@@ -189,8 +189,18 @@ class SpendFilterForm(forms.Form):
         today = now.date()
         start, end = data.get("start"), data.get("end")
         period = data.get("period") or "this_month"
+        if start or end:
+            # Explicit dates win over the period preset; the Period dropdown
+            # then says "Custom", so the page names one range, not two.
+            self.data = self.data.copy()
+            self.data["period"] = ""
+            data["period"] = period = ""
         if not (start or end) and period in PERIOD_SPANS:
-            start_at, end_at = now - PERIOD_SPANS[period], now
+            # Ends on the current minute's start: the range the page prints
+            # (to the minute) is then exactly the one it sums, and the export
+            # and drill-down links can repeat it as explicit from/to times.
+            end_at = now.replace(second=0, microsecond=0)
+            start_at = end_at - PERIOD_SPANS[period]
         elif not (start or end):  # explicit dates win over the period preset
             first, last = period_range(period, today)
             start_at, end_at = _midnight(first), _midnight(last) + timedelta(days=1)
@@ -210,6 +220,27 @@ class SpendFilterForm(forms.Form):
         data["group_by"] = data.get("group_by") or "tenant"
         return data
 
+    def range_params(self) -> dict[str, str]:
+        """The cleaned range as explicit UTC from/to (minutes): the CSV export
+        and the drill-down links repeat the exact range the page shows, not a
+        preset that would be evaluated again at a later "now"."""
+        data = self.cleaned_data
+        return {"start": f"{data['start_at']:%Y-%m-%dT%H:%M}", "end": f"{data['end_at']:%Y-%m-%dT%H:%M}"}
+
+    def filter_params(self) -> dict[str, str]:
+        """The chosen filters (not the range or the grouping) as GET parameters."""
+        data = self.cleaned_data
+        params = {}
+        if data.get("tenant"):
+            params["tenant"] = data["tenant"].slug
+        if data.get("cost_center"):
+            params["cost_center"] = data["cost_center"]
+        if data.get("workload"):
+            params["workload"] = data["workload"].slug
+        if data.get("model"):
+            params["model"] = data["model"]
+        return params
+
 
 LOG_STATUSES = [("", "any"), *UsageRecord.Status.choices, (REJECTED, "Rejected (before the pool)")]
 
@@ -217,6 +248,8 @@ LOG_STATUSES = [("", "any"), *UsageRecord.Status.choices, (REJECTED, "Rejected (
 class RequestLogForm(forms.Form):
     """The request log's filters (the range is parsed by budgets.web.ranges)."""
 
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.none(), required=False, empty_label="any",
+                                    to_field_name="slug")
     workload = forms.ModelChoiceField(queryset=Workload.objects.none(), required=False, empty_label="any")
     key = forms.ModelChoiceField(queryset=ApiKey.objects.none(), required=False, empty_label="any", label="API key")
     status = forms.ChoiceField(choices=LOG_STATUSES, required=False)
@@ -233,6 +266,10 @@ class RequestLogForm(forms.Form):
         if tenant_ids is not None:
             workloads = workloads.filter(tenant_id__in=tenant_ids)
             keys = keys.filter(workload__tenant_id__in=tenant_ids)
+            del self.fields["tenant"]  # a tenant's own log: its tenant is the page's
+        else:
+            self.fields["tenant"].queryset = Tenant.objects.order_by("slug")
+            self.fields["tenant"].label_from_instance = lambda t: t.slug
         self.fields["workload"].queryset = workloads
         self.fields["key"].queryset = keys
         self.fields["key"].label_from_instance = lambda k: f"{k.prefix}… ({k.workload.slug}{', ' + k.name if k.name else ''})"

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from urllib.parse import urlencode
+
 from django.http import HttpResponseBadRequest
 from django.shortcuts import render
+from django.urls import reverse
 from django.utils import timezone
 
 from tenants.access import tenants_for_user
@@ -24,6 +27,13 @@ from budgets.web.views import presenters
 
 # Past this span a day-bucketed chart would be too dense: months instead.
 MONTH_BUCKETS_AFTER = timedelta(days=92)
+
+# Drill-down: a row of the first grouping opens the page again filtered to
+# it and grouped by the second. A model row (and any row already filtered to
+# a workload) opens the request log instead. A grouping without a step here
+# (pool, day, month) shows plain rows.
+DRILL_NEXT = {"tenant": "workload", "cost_center": "tenant", "workload": "model"}
+DRILL_FILTER = {"tenant": "tenant", "cost_center": "cost_center", "workload": "workload"}
 
 
 def _filters(request, *, now: datetime) -> tuple[SpendFilterForm, UsageFilters | None]:
@@ -72,6 +82,37 @@ def _spend_chart(*, filters: UsageFilters, currency: str, whole_days: bool):
     return chart, bucket, len(starts)
 
 
+def _row_links(*, form: SpendFilterForm, summary, group_by: str) -> list[dict]:
+    """Each summary row with the link that drills into it (None: no link)."""
+    base = {**form.range_params(), **form.filter_params()}
+    rows = []
+    for row in summary.rows:
+        value = row.key.get(group_by)
+        href = None
+        if group_by == "model" and value:
+            href = _request_log_href(form=form, model=value)
+        elif group_by in DRILL_NEXT and value is not None:
+            # Filters name tenants and workloads by slug: the row's label.
+            param = row.label if group_by in ("tenant", "workload") else value
+            params = {**base, DRILL_FILTER[group_by]: param, "group_by": DRILL_NEXT[group_by]}
+            href = "?" + urlencode(params)
+        rows.append({"row": row, "href": href})
+    return rows
+
+
+def _request_log_href(*, form: SpendFilterForm, model: str) -> str:
+    """The cross-tenant request log over the page's exact range, narrowed to
+    the page's tenant, workload and this model."""
+    data = form.cleaned_data
+    params = {"range": "custom", "from": form.range_params()["start"], "to": form.range_params()["end"]}
+    if data.get("tenant"):
+        params["tenant"] = data["tenant"].slug
+    if data.get("workload"):
+        params["workload"] = data["workload"].id
+    params["model"] = model
+    return f"{reverse('request-log')}?{urlencode(params)}"
+
+
 @auditor_required
 def finance(request):
     form, filters = _filters(request, now=timezone.now())
@@ -87,7 +128,8 @@ def finance(request):
             "spend_chart": chart, "bucket": bucket, "bucket_count": buckets,
             "spend_rows": [{"status": s, "bar": presenters.spend_bar(s)}
                            for s in spend_statuses_all(tenant_ids=None, now=timezone.now())],
-            "query": request.GET.urlencode(),
+            "rows": _row_links(form=form, summary=summary, group_by=group_by),
+            "export_query": urlencode({**form.range_params(), **form.filter_params(), "group_by": group_by}),
         })
     return render(request, "budgets/finance.html", context, status=200 if filters is not None else 400)
 

@@ -12,6 +12,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_safe
 
 from tenants.access import tenant_for_user_or_404
+from tenants.selectors import tenant_slugs_by_id
 from tenants.decorators import auditor_required
 
 from budgets.ledger.pricing import price_table_currency
@@ -43,6 +44,8 @@ def _log(request, *, tenant, tenant_ids: frozenset[int] | None):
     if context["errors"]:
         return render(request, "budgets/request_log.html", context, status=400)
     data = form.cleaned_data if request.GET else {}
+    if data.get("tenant") is not None:  # only offered on the cross-tenant log
+        tenant_ids = frozenset({data["tenant"].id})
     filters = LogFilters(
         start=time_range.start, end=time_range.end, tenant_ids=tenant_ids,
         workload_id=data["workload"].id if data.get("workload") else None,
@@ -56,6 +59,7 @@ def _log(request, *, tenant, tenant_ids: frozenset[int] | None):
     query.pop("after", None)
     context.update({
         "range": time_range, "filters": filters, "page": page, "query": query.urlencode(),
+        "tenant_slugs": tenant_slugs_by_id(tenant_ids={e.tenant_id for e in page.entries}) if tenant is None else {},
         "latency": latency_by_workload_lane(filters=filters) if cursor is None else None,
     })
     return render(request, "budgets/request_log.html", context)
