@@ -61,24 +61,27 @@ class ApprovalPreview:
         return not self.problems
 
 
-def budget_request_candidate(*, request: BudgetRequest) -> Reservation:
-    """The reservation approval would save (not saved)."""
+def budget_request_candidate(*, request: BudgetRequest, reserved_tpm: int | None = None) -> Reservation:
+    """The reservation approval would save (not saved); ``reserved_tpm``: a
+    smaller figure the reviewer grants instead of the one asked."""
     workload = request.workload if request.workload_id else None
     reservation = Reservation.objects.filter(workload=workload).first() if workload else None
     if reservation is None:
         reservation = Reservation(workload=workload) if workload else Reservation()
     reservation.pool = request.pool
-    reservation.reserved_tpm = request.reserved_tpm
+    reservation.reserved_tpm = request.reserved_tpm if reserved_tpm is None else reserved_tpm
     reservation.ceiling_tpm = request.ceiling_tpm
     reservation.rpm = request.rpm
     reservation.lend_fraction = request.lend_fraction
     return reservation
 
 
-def budget_request_preview(*, request: BudgetRequest) -> ApprovalPreview:
-    """What approving ``request`` would do to its pool, and why it cannot be
+def budget_request_preview(*, request: BudgetRequest, reserved_tpm: int | None = None) -> ApprovalPreview:
+    """What approving ``request`` (with ``reserved_tpm`` instead of the
+    figure asked, when given) would do to its pool, and why it cannot be
     approved if it cannot (the same rules Reservation.clean enforces)."""
     pool = request.pool
+    granted_tpm = request.reserved_tpm if reserved_tpm is None else reserved_tpm
     headroom = pool_headroom(pool=pool)
     current = (
         Reservation.objects.filter(pool=pool, workload_id=request.workload_id).first() if request.workload_id else None
@@ -87,7 +90,7 @@ def budget_request_preview(*, request: BudgetRequest) -> ApprovalPreview:
     cur_rpm = current.rpm if current else 0
     after = PoolHeadroom(
         admission_tpm=headroom.admission_tpm, admission_rpm=headroom.admission_rpm,
-        reserved_tpm=headroom.reserved_tpm - cur_tpm + request.reserved_tpm,
+        reserved_tpm=headroom.reserved_tpm - cur_tpm + granted_tpm,
         reserved_rpm=headroom.reserved_rpm - cur_rpm + request.rpm,
     )
     problems: dict[str, str] = {}
@@ -105,7 +108,7 @@ def budget_request_preview(*, request: BudgetRequest) -> ApprovalPreview:
             f"Approval would reserve {after.reserved_rpm:,} RPM on {pool}, {-after.free_rpm:,} above its admission "
             f"budget of {headroom.admission_rpm:,} RPM (free now: {headroom.free_rpm:,})."
         )
-    candidate = budget_request_candidate(request=request)
+    candidate = budget_request_candidate(request=request, reserved_tpm=reserved_tpm)
     try:
         candidate.clean()
     except ValidationError as exc:

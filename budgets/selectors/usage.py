@@ -414,3 +414,33 @@ def spend_by_time(*, filters: UsageFilters, bucket: str) -> dict[datetime, Decim
     rows = (ledger_rows(filters=filters).order_by().annotate(at=trunc("created_at", tzinfo=dt_timezone.utc))
             .values("at").annotate(spent=Sum("cost")))
     return {row["at"]: cost_exact(row["spent"]) for row in rows}
+
+
+@dataclass(frozen=True)
+class MinuteUse:
+    """A workload's use per UTC minute over its last ``days`` days: the
+    busiest minute and the 95th percentile (nearest rank) of the minutes in
+    which it sent anything, against which a reviewer weighs its slice.
+    Idle minutes are left out: a workload busy two hours a day would
+    otherwise show a p95 of 0."""
+
+    days: int
+    peak_tpm: int
+    p95_tpm: int
+    busy_minutes: int
+
+
+def workload_minute_use(*, workload_id: int, now: datetime, days: int) -> MinuteUse:
+    """Per-minute actual tokens from the ledger, through its (workload,
+    created_at) index: at most one row per minute of the window."""
+    rows = (
+        UsageRecord.objects.filter(workload_id=workload_id, created_at__gte=now - timedelta(days=days),
+                                   created_at__lt=now).order_by()
+        .annotate(minute=TruncMinute("created_at", tzinfo=dt_timezone.utc)).values("minute")
+        .annotate(tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")))
+    )
+    per_minute = sorted(row["tokens"] or 0 for row in rows)
+    if not per_minute:
+        return MinuteUse(days=days, peak_tpm=0, p95_tpm=0, busy_minutes=0)
+    rank = max(1, -(-95 * len(per_minute) // 100))  # ceil(0.95 n): nearest rank
+    return MinuteUse(days=days, peak_tpm=per_minute[-1], p95_tpm=per_minute[rank - 1], busy_minutes=len(per_minute))

@@ -124,10 +124,15 @@ def _reservation_snapshot(reservation: Reservation | None) -> dict | None:
             "ceiling_tpm": reservation.ceiling_tpm, "rpm": reservation.rpm, "lend_fraction": reservation.lend_fraction}
 
 
-def budget_request_approve(*, request_id: int, approver, comment: str = "") -> BudgetRequest:
+def budget_request_approve(*, request_id: int, approver, comment: str = "",
+                           reserved_tpm: int | None = None) -> BudgetRequest:
     """Approve a pending request: reserve its slice, create its workload if it
-    named a new one, set its spend budget. Raises ValidationError (field
-    errors) when the pool lacks the headroom or the request is not pending."""
+    named a new one, set its spend budget. ``reserved_tpm`` grants less than
+    was asked (at least 1, at most the request's own figure): the request
+    keeps what was asked (its contents are an audit record), the reservation
+    and the approval event hold what was granted.
+    Raises ValidationError (field errors) when the pool lacks the headroom,
+    the amount is out of bounds or the request is not pending."""
     pool_id = BudgetRequest.objects.values_list("pool_id", flat=True).get(pk=request_id)
     with transaction.atomic():
         pool = InferencePool.objects.select_for_update().get(pk=pool_id)
@@ -135,7 +140,11 @@ def budget_request_approve(*, request_id: int, approver, comment: str = "") -> B
         if not request.is_pending:
             raise ValidationError({"status": f"This request is already {request.status}."})
         request.pool = pool
-        preview = budget_request_preview(request=request)
+        asked_tpm = request.reserved_tpm
+        granted_tpm = asked_tpm if reserved_tpm is None else reserved_tpm
+        if not 1 <= granted_tpm <= asked_tpm:
+            raise ValidationError({"reserved_tpm": f"Approve between 1 and the {asked_tpm:,} TPM asked for."})
+        preview = budget_request_preview(request=request, reserved_tpm=granted_tpm)
         if not preview.fits:
             raise ValidationError(preview.problems)
         workload = request.workload if request.workload_id else _new_workload_for(request, pool)
@@ -144,7 +153,7 @@ def budget_request_approve(*, request_id: int, approver, comment: str = "") -> B
         if reservation is None:
             reservation = Reservation(workload=workload)
         reservation.pool = pool
-        reservation.reserved_tpm = request.reserved_tpm
+        reservation.reserved_tpm = granted_tpm
         reservation.ceiling_tpm = request.ceiling_tpm
         reservation.rpm = request.rpm
         reservation.lend_fraction = request.lend_fraction
@@ -163,11 +172,13 @@ def budget_request_approve(*, request_id: int, approver, comment: str = "") -> B
         request.save()
         _event(request=request, action=BudgetRequestEvent.Action.APPROVED, actor=approver, comment=comment.strip(),
                details={"headroom_before": asdict(preview.headroom), "headroom_after": asdict(preview.after),
-                        "previous_reservation": previous, "workload_id": workload.id})
+                        "previous_reservation": previous, "workload_id": workload.id,
+                        "requested_reserved_tpm": asked_tpm, "approved_reserved_tpm": granted_tpm})
         notification_create(
             tenant=request.tenant, workload=workload, kind=Notification.Kind.REQUEST_APPROVED,
             dedupe_key=f"request:{request.pk}:approved",
-            message=(f"Budget request #{request.pk} for {workload.slug} was approved: {request.reserved_tpm:,} TPM reserved, "
+            message=(f"Budget request #{request.pk} for {workload.slug} was approved: {granted_tpm:,} TPM reserved"
+                     + (f" (of {asked_tpm:,} asked)" if granted_tpm != asked_tpm else "") + ", "
                      f"ceiling {request.ceiling_tpm:,} TPM, {request.rpm:,} RPM on {pool}."
                      + (f" Comment: {comment.strip()}" if comment.strip() else "")),
         )

@@ -77,6 +77,9 @@ class BudgetRequestForm(forms.Form):
 
 class DecisionForm(forms.Form):
     comment = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False, max_length=5000)
+    reserved_tpm = forms.IntegerField(
+        label="Approve reserved TPM", required=False, min_value=1, max_value=10**12,
+        help_text="Leave empty to approve what was asked; a smaller figure grants less.")
 
 
 class ApiKeyForm(forms.Form):

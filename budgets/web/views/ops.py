@@ -13,6 +13,7 @@ from tenants.decorators import staff_required
 
 from budgets.selectors.reservations import reservation_of_workload
 
+from budgets.admission.capacity import capacity_state
 from budgets.admission.pool_status import PoolStatus, pool_statuses
 from budgets.redis.clients import REDIS_UNAVAILABLE, unavailable_note
 from budgets.services.budget_requests import budget_request_approve, budget_request_reject
@@ -22,6 +23,7 @@ from budgets.web.forms import DecisionForm
 from budgets.models import InferencePool
 from budgets.models import BudgetRequest
 from budgets.selectors.pools import budget_request_preview, pool_by_slug, pool_headroom, pools_for_user
+from budgets.selectors.usage import workload_minute_use
 from budgets.selectors.requests import (
     budget_request_for_review,
     budget_request_history,
@@ -99,6 +101,21 @@ def review_list(request):
     })
 
 
+def _effective_capacity(pool: InferencePool, *, now) -> dict | None:
+    """What admission runs the pool at now (the adaptive factor of
+    budgets/admission/capacity.py times its admission budget), and why;
+    None when Redis cannot say."""
+    try:
+        state = capacity_state(pool_id=pool.id)
+    except REDIS_UNAVAILABLE:
+        unavailable_note("pool capacity")
+        return None
+    now_ms = now.timestamp() * 1000
+    factor = state.effective_factor(now_ms=now_ms)
+    return {"factor": factor, "tpm": int(pool.admission_tpm * factor + 1e-9),
+            "rpm": int(pool.admission_rpm * factor + 1e-9), "reason": state.reason(now_ms=now_ms)}
+
+
 def _review_context(request_id: int, form: DecisionForm | None = None, errors: dict | None = None) -> dict:
     try:
         budget_request = budget_request_for_review(request_id=request_id)
@@ -106,7 +123,11 @@ def _review_context(request_id: int, form: DecisionForm | None = None, errors: d
         raise Http404("No such request.")
     preview = budget_request_preview(request=budget_request)
     before, after = presenters.approval_charts(preview, budget_request.workload_label)
+    now = timezone.now()
     return {
+        "use": ([workload_minute_use(workload_id=budget_request.workload_id, now=now, days=days) for days in (7, 30)]
+                if budget_request.workload_id else []),
+        "capacity": _effective_capacity(budget_request.pool, now=now),
         "req": budget_request, "preview": preview, "before_chart": before, "after_chart": after,
         "history": budget_request_history(request=budget_request), "form": form or DecisionForm(),
         "errors": errors or {},
@@ -129,18 +150,20 @@ def review_decide(request, request_id: int, decision: str):
     comment = form.cleaned_data.get("comment") or ""
     try:
         if decision == "approve":
-            budget_request_approve(request_id=request_id, approver=request.user, comment=comment)
+            budget_request_approve(request_id=request_id, approver=request.user, comment=comment,
+                                   reserved_tpm=form.cleaned_data.get("reserved_tpm"))
         else:
             budget_request_reject(request_id=request_id, reviewer=request.user, comment=comment)
     except BudgetRequest.DoesNotExist:
         raise Http404("No such request.")
     except ValidationError as exc:
-        # A missing comment is the reviewer's input: the form again, with
+        # A missing comment or a granted amount is the reviewer's input: the form again, with
         # what they typed. Anything else (no headroom, already decided)
         # conflicts with the current state: back to the request's page (its
         # URL, not /approve), which shows why once: the headroom problems
         # box when the request no longer fits, else this message.
-        if set(exc.message_dict) == {"comment"}:
+        typed = {"comment"} | ({"reserved_tpm"} if form.cleaned_data.get("reserved_tpm") is not None else set())
+        if set(exc.message_dict) <= typed:
             return render(request, "budgets/review_detail.html",
                           _review_context(request_id, form, errors=exc.message_dict), status=400)
         context = _review_context(request_id)
