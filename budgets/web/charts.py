@@ -88,16 +88,49 @@ def _y_axis(body: list[str], *, left: int, top: int, plot_w: int, plot_h: int, y
                     f"{escape(human(value))}{escape(unit)}</text>")
 
 
-def _legend(body: list[str], items: Sequence[tuple[str, str]], *, x: int, y: int, width: int) -> None:
+# Width of one character of FONT, generous: text placed by it stays inside
+# the drawing (an SVG clips what passes its viewBox).
+CHAR_W = 7
+LEGEND_LINE = 16
+
+
+def _legend(body: list[str], items: Sequence[tuple[str, str]], *, x: int, y: int, width: int) -> int:
+    """Lays the legend out in lines of ``width``; returns the baseline of its
+    last line, so the chart grows to hold every line (none clipped)."""
     cx = x
     for name, color in items:
-        text_w = 7 * len(name) + 22
-        if cx + text_w > x + width:
+        text_w = CHAR_W * len(name) + 22
+        if cx + text_w > x + width and cx > x:
             cx = x
-            y += 16
+            y += LEGEND_LINE
         body.append(f'<rect x="{cx}" y="{y - 9}" width="10" height="10" rx="2" fill="{color}"/>'
                     f'<text x="{cx + 14}" y="{y}" fill="#374151" {FONT}>{escape(name)}</text>')
         cx += text_w
+    return y
+
+
+def _x_labels(body: list[str], *, labels: Sequence[str], x_of, y: float, width: int) -> None:
+    """About six labels along the x axis, the last one always among them; a
+    label that would pass the drawing's edge is anchored inside it, and one
+    that would touch the last label gives way to it."""
+    n = len(labels)
+    indexes = list(range(0, n, max(1, n // 6)))
+    if n and indexes[-1] != n - 1:
+        indexes.append(n - 1)
+    placed = []  # (text start, text end, x, anchor, label)
+    for i in indexes:
+        x, text_w = x_of(i), CHAR_W * len(labels[i])
+        if x + text_w / 2 > width:
+            x, anchor, start = min(x, width - 1), "end", min(x, width - 1) - text_w
+        elif x - text_w / 2 < 0:
+            anchor, start = "start", x
+        else:
+            anchor, start = "middle", x - text_w / 2
+        placed.append((start, start + text_w, x, anchor, labels[i]))
+    if len(placed) > 1 and placed[-2][1] + CHAR_W > placed[-1][0]:
+        del placed[-2]
+    for _start, _end, x, anchor, label in placed:
+        body.append(f'<text x="{x:.1f}" y="{y}" text-anchor="{anchor}" fill="#6b7280" {FONT}>{escape(label)}</text>')
 
 
 @dataclass(frozen=True)
@@ -151,10 +184,7 @@ def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: S
     def y_at(v: float) -> float:
         return top + plot_h - plot_h * (min(v, y_max) / y_max)
 
-    step = max(1, n // 6)
-    for i in range(0, n, step):
-        body.append(f'<text x="{x_at(i):.1f}" y="{top + plot_h + 14}" text-anchor="middle" fill="#6b7280" {FONT}>'
-                    f"{escape(labels[i])}</text>")
+    _x_labels(body, labels=labels, x_of=x_at, y=top + plot_h + 14, width=width)
     for t in thresholds:
         y = y_at(t.value)
         body.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="{t.color}" '
@@ -186,8 +216,8 @@ def line_chart(*, labels: Sequence[str], series: Sequence[Series], thresholds: S
             if v:
                 body.append(f'<circle cx="{x_at(i):.1f}" cy="{y_at(v):.1f}" r="2.5" fill="{color}">'
                             f"<title>{escape(s.name)} {escape(labels[i] if i < len(labels) else '')}: {escape(human(v))}</title></circle>")
-    _legend(body, legend, x=left, y=height - 8, width=plot_w)
-    return _svg(width, height, title, body)
+    last = _legend(body, legend, x=left, y=height - 8, width=plot_w)
+    return _svg(width, max(height, last + 8), title, body)
 
 
 def stacked_bar_chart(*, labels: Sequence[str], stacks: Sequence[Series], title: str, width: int = 640,
@@ -213,15 +243,13 @@ def stacked_bar_chart(*, labels: Sequence[str], stacks: Sequence[Series], title:
             body.append(f'<rect x="{left + slot * i + (slot - bar_w) / 2:.1f}" y="{y:.1f}" width="{bar_w:.1f}" '
                         f'height="{h:.1f}" fill="{s.color or color_for(index)}"><title>{escape(labels[i])} '
                         f"{escape(s.name)}: {escape(human(value))}</title></rect>")
-    step = max(1, n // 6)
-    for i in range(0, len(labels), step):
-        body.append(f'<text x="{left + slot * i + slot / 2:.1f}" y="{top + plot_h + 14}" text-anchor="middle" '
-                    f'fill="#6b7280" {FONT}>{escape(labels[i])}</text>')
+    _x_labels(body, labels=labels, x_of=lambda i: left + slot * i + slot / 2, y=top + plot_h + 14, width=width)
     if not any(totals):
         body.append(f'<text x="{left + plot_w / 2:.1f}" y="{top + plot_h / 2:.1f}" text-anchor="middle" '
                     f'fill="#9ca3af" {FONT}>none</text>')
-    _legend(body, [(s.name, s.color or color_for(i)) for i, s in enumerate(stacks)], x=left, y=height - 8, width=plot_w)
-    return _svg(width, height, title, body)
+    last = _legend(body, [(s.name, s.color or color_for(i)) for i, s in enumerate(stacks)], x=left, y=height - 8,
+                   width=plot_w)
+    return _svg(width, max(height, last + 8), title, body)
 
 
 def bar_chart(*, labels: Sequence[str], values: Sequence[float], title: str, width: int = 640, height: int = 200,
@@ -266,8 +294,8 @@ def capacity_bar(*, segments: Sequence[Segment], total: float, title: str, marke
                     f'stroke-width="2"><title>{escape(m.name)}: {escape(human(m.value))}{escape(unit)}</title></line>')
         legend.append((m.name, m.color))
     legend.append(("unreserved", "#e5e7eb"))
-    _legend(body, legend, x=left, y=top + bar_h + 24, width=plot_w)
-    return _svg(width, height, title, body)
+    last = _legend(body, legend, x=left, y=top + bar_h + 24, width=plot_w)
+    return _svg(width, max(height, last + 8), title, body)
 
 
 def progress_bar(*, value: float, maximum: float, soft: float | None = None, projected: float | None = None,

@@ -52,3 +52,46 @@ def test_stacked_bars_sum_per_label_and_say_none_when_empty():
 
 def test_human_numbers():
     assert [human(v) for v in (0, 7, 1234, 2_500_000, 0.000512, 12.5)] == ["0", "7", "1.2k", "2.5M", "0.000512", "12.5"]
+
+
+def _view_box(svg: ET.Element) -> tuple[float, float]:
+    _x, _y, width, height = (float(v) for v in svg.get("viewBox").split())
+    return width, height
+
+
+def _text_extent(text: ET.Element) -> tuple[float, float]:
+    """Where a text runs horizontally, at the charts' own 7 px per character."""
+    x, width = float(text.get("x")), 7 * len(text.text or "")
+    anchor = text.get("text-anchor", "start")
+    start = x - width if anchor == "end" else (x - width / 2 if anchor == "middle" else x)
+    return start, start + width
+
+
+def test_a_long_legend_wraps_inside_the_chart_which_grows_to_hold_it():
+    names = [f"workload-with-a-long-name-{i}" for i in range(8)]
+    for svg in (
+        parse(line_chart(labels=["a", "b"], series=[Series(n, [1, 2]) for n in names], title="t")),
+        parse(stacked_bar_chart(labels=["a", "b"], stacks=[Series(n, [1, 2]) for n in names], title="t")),
+        parse(capacity_bar(segments=[Segment(n, 10) for n in names], total=100, title="t")),
+    ):
+        width, height = _view_box(svg)
+        legend = [t for t in svg.iter(f"{SVG}text") if (t.text or "").startswith("workload-with")]
+        assert [t.text for t in legend] == names
+        assert max(float(t.get("y")) for t in legend) <= height - 4  # every line inside, none clipped
+        assert len({t.get("y") for t in legend}) > 1  # it did wrap
+        assert all(_text_extent(t)[1] <= width for t in legend)
+
+
+def test_the_last_x_label_is_drawn_and_stays_inside_the_chart():
+    labels = [f"11-{d:02d} 23:00" for d in range(1, 31)]
+    for svg in (parse(line_chart(labels=labels, series=[Series("used", list(range(30)))], title="t")),
+                parse(stacked_bar_chart(labels=labels, stacks=[Series("used", list(range(30)))], title="t"))):
+        width, _height = _view_box(svg)
+        shown = [t for t in svg.iter(f"{SVG}text") if t.text in labels]
+        assert shown[-1].text == labels[-1] and shown[0].text == labels[0]
+        for text in shown:
+            start, end = _text_extent(text)
+            assert 0 <= start and end <= width, (text.text, start, end)
+        # no two labels overlap
+        extents = sorted(_text_extent(t) for t in shown)
+        assert all(a[1] <= b[0] for a, b in zip(extents, extents[1:]))

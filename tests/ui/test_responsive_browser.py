@@ -1,0 +1,99 @@
+"""Every page of the web UI, as a member, an admin and finance, in a real
+browser (Playwright driving Debian's Chromium) at a phone's 390 px and a
+1,400 px window: the page itself never scrolls sideways (tables scroll in
+their own container, charts shrink with the page). Fails on
+``document.documentElement.scrollWidth > innerWidth`` and names the
+elements that stick out."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from tests.ui.test_browser import browser  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+WIDTHS = (390, 1400)
+
+# The page's width against the window's, and the elements whose right edge
+# passes the window (the culprits, for the failure message).
+OVERFLOW_JS = """() => {
+  const out = [];
+  for (const el of document.querySelectorAll('body *')) {
+    const box = el.getBoundingClientRect();
+    if (box.right > window.innerWidth + 1 && !el.closest('.table-scroll')) {
+      out.push(el.tagName.toLowerCase() + (el.id ? '#' + el.id : '') +
+               (el.className && typeof el.className === 'string' ? '.' + el.className.split(' ').join('.') : '') +
+               ' right=' + Math.round(box.right));
+    }
+  }
+  return {scroll: document.documentElement.scrollWidth, inner: window.innerWidth, culprits: out.slice(0, 8)};
+}"""
+
+
+def _pages(world, *, budget_request, request_id: str, key_id: int) -> dict[str, list[str]]:
+    a, wl = world.tenant_a.slug, world.wl_a.slug
+    member = ["/", "/t/", f"/t/{a}/", f"/t/{a}/requests/new", f"/t/{a}/requests/{budget_request.pk}/",
+              f"/t/{a}/alerts", f"/t/{a}/log/?range=7d", f"/t/{a}/log/{request_id}/",
+              f"/t/{a}/keys/{key_id}/revoke", f"/t/{a}/workloads/{wl}/jobs", f"/t/{a}/?range=30d"]
+    finance = ["/", "/t/", f"/t/{a}/", "/finance/", "/finance/?period=last_30_days&group_by=workload",
+               "/finance/?period=last_hour&group_by=day", "/log/?range=7d", f"/log/{request_id}/", f"/t/{a}/log/"]
+    admin = sorted(set(member + finance) | {
+        "/ops/pools/", f"/ops/pools/{world.pool.slug}/", f"/ops/pools/{world.pool.slug}/?range=7d", "/ops/requests/",
+        f"/ops/requests/{budget_request.pk}/"})
+    return {"member": member, "finance": finance, "admin": admin}
+
+
+def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world):  # noqa: F811
+    from django.utils import timezone
+
+    from budgets.services.budget_requests import budget_request_submit
+    from tenants.models import ApiKey
+    from tests.people import PASSWORD, ledger_add, ledger_spread
+
+    # given a few days of traffic on both tenants, a pending budget request and a key
+    now = timezone.now()
+    ledger_spread(world=world, now=now, days=5, per_day=3)
+    request_id = ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=2))
+    budget_request = budget_request_submit(
+        tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a, reserved_tpm=150_000,
+        ceiling_tpm=200_000, rpm=800, justification="A launch with a rather long justification " * 6)
+    key_id = ApiKey.objects.filter(workload=world.wl_a).values_list("id", flat=True).first()
+    pages = _pages(world, budget_request=budget_request, request_id=request_id, key_id=key_id)
+    people = {"member": world.member_a, "admin": world.admin, "finance": world.finance}
+
+    failures, visited = [], 0
+    anonymous = browser.new_context(base_url=live_server.url, viewport={"width": 390, "height": 800})
+    login_page = anonymous.new_page()
+    login_page.goto("/accounts/login/")
+    found = login_page.evaluate(OVERFLOW_JS)
+    if found["scroll"] > found["inner"]:
+        failures.append(f"anonymous 390px /accounts/login/: {found}")
+    anonymous.close()
+    for role, user in people.items():
+        context = browser.new_context(base_url=live_server.url, viewport={"width": 1400, "height": 900})
+        context.set_default_timeout(15_000)
+        page = context.new_page()
+        page.goto("/accounts/login/")
+        page.fill("#id_username", user.username)
+        page.fill("#id_password", PASSWORD)
+        page.click("button[type=submit]")
+        page.wait_for_load_state()
+        assert "/accounts/login/" not in page.url, f"login failed for {role}"
+        for width in WIDTHS:
+            page.set_viewport_size({"width": width, "height": 900})
+            for url in pages[role]:
+                response = page.goto(url)
+                assert response.status == 200, f"{role} {url}: {response.status}"
+                visited += 1
+                found = page.evaluate(OVERFLOW_JS)
+                if found["scroll"] > found["inner"]:
+                    failures.append(f"{role} {width}px {url}: page {found['scroll']} px wide in {found['inner']}; "
+                                    f"sticking out: {found['culprits']}")
+        context.close()
+
+    # then every page fits its window, at both widths, for every role
+    assert visited == 2 * sum(len(urls) for urls in pages.values())
+    assert failures == [], "\n".join(failures)
