@@ -40,6 +40,21 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     return api_key
 
 
+def api_key_expiry_set(*, api_key: ApiKey, expires_at: datetime | None) -> ApiKey:
+    """Change when a key stops working (None: never). Only a future time: a
+    key that must stop now is revoked, which every web process applies
+    within a second; a new expiry reaches a process's key cache within
+    SLUICE_AUTH_CACHE_S, long before any future expiry falls due. Raises
+    ValidationError for a revoked key or a time in the past."""
+    if api_key.revoked_at is not None:
+        raise ValidationError({"expires_at": "A revoked key cannot be given a new expiry."})
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": "The expiry must be in the future; revoke the key to stop it now."})
+    api_key.expires_at = expires_at
+    api_key.save(update_fields=["expires_at"])
+    return api_key
+
+
 def api_keys_mark_used(*, last_used: dict[int, datetime]) -> int:
     """Record when keys were last used (a batch from the gateway's buffer):
     one UPDATE per key, and only where the time moves forward. Returns how

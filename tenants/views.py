@@ -1,25 +1,27 @@
 """API keys in the web UI: create (the raw key is shown once, on the response
-to the POST, never stored or put in a cookie) and revoke; and rotating the
-tenant's job-callback signing secret."""
+to the POST, never stored or put in a cookie) and change their expiry; and
+rotating the tenant's job-callback signing secret. Revoking is a gateway page
+(gateway/web/pages.py): its confirmation shows the key's last use, which the
+gateway buffers before the database has it."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import ValidationError
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.utils import timezone
-from django.views.decorators.http import require_http_methods, require_POST
+from django.views.decorators.http import require_POST
 
 from tenants.access import api_key_of_tenant, tenant_for_user_or_404, workload_of_tenant
 from tenants.keys import KEY_EXPIRY_DAYS
 from tenants.models import ApiKey, Workload
-from tenants.services import api_key_create, api_key_revoke, tenant_callback_secret_rotate
+from tenants.services import api_key_create, api_key_expiry_set, tenant_callback_secret_rotate
 
 
 @login_required
@@ -46,24 +48,31 @@ def api_key_new(request, slug: str):
 
 
 @login_required
-@require_http_methods(["GET", "POST"])
-def api_key_revoke_view(request, slug: str, key_id: int):
-    """GET: a page that says what revoking does and asks to confirm. POST
-    with ``confirm=revoke``: revoke. A POST without it (a stale form, a
-    script) is shown the confirmation, never acted on."""
+@require_POST
+def api_key_expiry_view(request, slug: str, key_id: int):
+    """Set a key's expiry to one of the creation form's choices, counted from
+    now (0: never)."""
     tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
     try:
         key = api_key_of_tenant(tenant=tenant, key_id=key_id)
     except ApiKey.DoesNotExist:
         raise Http404("No such key.")
-    if request.method == "POST" and request.POST.get("confirm") == "revoke":
-        api_key_revoke(api_key=key)
-        messages.success(request, f"Key {key.prefix}… of {key.workload.slug} is revoked: calls with it are refused "
-                                  f"within a second on every gateway process.")
-        return redirect(reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys")
-    return render(request, "tenants/api_key_revoke.html", {
-        "tenant": tenant, "key": key, "poll_s": settings.SLUICE_AUTH_REVOCATION_POLL_S,
-    }, status=200 if request.method == "GET" else 400)
+    try:
+        days = int(request.POST.get("expires_in_days") or "")
+    except ValueError:
+        days = -1
+    back = reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys"
+    if days not in KEY_EXPIRY_DAYS:
+        messages.error(request, "Choose when the key expires from the list.")
+        return redirect(back)
+    try:
+        api_key_expiry_set(api_key=key, expires_at=timezone.now() + timedelta(days=days) if days else None)
+    except ValidationError as exc:
+        messages.error(request, " ".join(m for ms in exc.message_dict.values() for m in ms))
+        return redirect(back)
+    when = f"on {key.expires_at:%Y-%m-%d %H:%M} UTC" if key.expires_at else "never"
+    messages.success(request, f"Key {key.prefix}… of {key.workload.slug} now expires {when}.")
+    return redirect(back)
 
 
 @login_required

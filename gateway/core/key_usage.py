@@ -11,7 +11,7 @@ from datetime import datetime, timezone as dt_timezone
 
 from redis.exceptions import ResponseError
 
-from budgets.redis.clients import get_async_redis, get_redis
+from budgets.redis.clients import REDIS_UNAVAILABLE, get_async_redis, get_redis, unavailable_note
 from gateway.core import keys
 from tenants.services import api_keys_mark_used
 
@@ -20,6 +20,24 @@ async def key_last_used_push(*, last_used: dict[int, float]) -> None:
     """One round trip: ``last_used`` maps key id -> unix seconds."""
     if last_used:
         await get_async_redis().zadd(keys.KEY_LAST_USED, {str(k): at for k, at in last_used.items()}, gt=True)
+
+
+def key_last_used_at(*, key_id: int, stored: datetime | None, noted: float | None = None) -> datetime | None:
+    """The freshest known use of a key: the database's, the uses pushed to
+    Redis and not flushed yet (either set), and ``noted`` (unix seconds: a
+    use this process holds and has not pushed). A page that read only the
+    database would say "never" for a key used seconds before."""
+    seen = [stored.timestamp()] if stored else []
+    if noted:
+        seen.append(noted)
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        pipe.zscore(keys.KEY_LAST_USED, str(key_id))
+        pipe.zscore(keys.KEY_LAST_USED_FLUSHING, str(key_id))
+        seen.extend(score for score in pipe.execute() if score is not None)
+    except REDIS_UNAVAILABLE:
+        unavailable_note("API key last use")
+    return datetime.fromtimestamp(max(seen), tz=dt_timezone.utc) if seen else None
 
 
 def key_last_used_flush() -> int:

@@ -201,6 +201,12 @@ def _inflight_done(digest: str, shared: asyncio.Future, result: object) -> None:
         shared.set_result(result)
 
 
+def key_use_noted(*, key_id: int) -> float | None:
+    """When this process last saw the key used and has not pushed it to
+    Redis yet (unix seconds), or None."""
+    return _tick.last_used.get(key_id)
+
+
 def _noted(cached: CachedKey) -> KeyCheck:
     _tick.last_used[cached.key_id] = time.time()
     _push_schedule()

@@ -1,16 +1,25 @@
-"""Web UI pages whose data lives in gateway: a workload's jobs."""
+"""Web UI pages whose data lives in gateway: a workload's jobs, and the
+confirmation to revoke an API key (with its last use, which the gateway
+buffers in memory and Redis before the database has it)."""
 
 from __future__ import annotations
 
+from django.conf import settings
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404
-from django.shortcuts import render
+from django.shortcuts import redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_http_methods
 
 from budgets.errors import Rejected
 from gateway.core.jobs.lifecycle import job_list_params, jobs_of_workload, jobs_running
+from gateway.core.key_usage import key_last_used_at
 from gateway.models import Job
-from tenants.access import tenant_for_user_or_404
-from tenants.models import Workload
+from gateway.web.auth import key_use_noted
+from tenants.access import api_key_of_tenant, tenant_for_user_or_404
+from tenants.models import ApiKey, Workload
+from tenants.services import api_key_revoke
 
 
 @login_required
@@ -34,3 +43,25 @@ def workload_jobs(request, slug: str, workload_slug: str):
         "tenant": tenant, "workload": workload, "jobs": page.jobs, "running": jobs_running(jobs=page.jobs), "has_more": page.has_more, "status": status,
         "statuses": Job.Status.choices, "next_after": page.jobs[-1].id if page.has_more else None,
     })
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def api_key_revoke_page(request, slug: str, key_id: int):
+    """GET: a page that says what revoking does and asks to confirm. POST
+    with ``confirm=revoke``: revoke. A POST without it (a stale form, a
+    script) is shown the confirmation, never acted on."""
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    try:
+        key = api_key_of_tenant(tenant=tenant, key_id=key_id)
+    except ApiKey.DoesNotExist:
+        raise Http404("No such key.")
+    if request.method == "POST" and request.POST.get("confirm") == "revoke":
+        api_key_revoke(api_key=key)
+        messages.success(request, f"Key {key.prefix}… of {key.workload.slug} is revoked: calls with it are refused "
+                                  f"within a second on every gateway process.")
+        return redirect(reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys")
+    return render(request, "tenants/api_key_revoke.html", {
+        "tenant": tenant, "key": key, "poll_s": settings.SLUICE_AUTH_REVOCATION_POLL_S,
+        "last_used_at": key_last_used_at(key_id=key.id, stored=key.last_used_at, noted=key_use_noted(key_id=key.id)),
+    }, status=200 if request.method == "GET" else 400)

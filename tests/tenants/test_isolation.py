@@ -67,6 +67,7 @@ def page_cases(world, request_a, key_a):
         "budget-request-detail": [("get", f"/t/{a}/requests/{request_a.pk}/", {})],
         "budget-request-withdraw": [("post", f"/t/{a}/requests/{request_a.pk}/withdraw", {})],
         "api-key-new": [("post", f"/t/{a}/keys/new", {"workload": world.wl_a.id})],
+        "api-key-expiry": [("post", f"/t/{a}/keys/{key_a.id}/expiry", {"expires_in_days": "7"})],
         "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {}), ("get", f"/t/{a}/keys/{key_a.id}/revoke", {}),
                            ("post", f"/t/{a}/keys/{key_a.id}/revoke", {"confirm": "revoke"})],
         "tenant-alerts": [("get", f"/t/{a}/alerts", {}), ("post", f"/t/{a}/alerts", {"email_recipients": "x@y.test"})],
