@@ -56,6 +56,7 @@ class AlertDelivery(models.Model):
 
     class Meta:
         ordering = ["-at", "-id"]
+        verbose_name_plural = "alert deliveries"
         constraints = [models.UniqueConstraint(fields=["notification", "channel", "attempt"],
                                                name="uniq_alert_delivery_attempt")]
         indexes = [models.Index(fields=["tenant", "-at"])]

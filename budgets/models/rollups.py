@@ -93,7 +93,9 @@ class RejectionSample(models.Model):
     pool = models.ForeignKey("budgets.InferencePool", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
     reason = models.CharField(max_length=64)
     estimated_tokens = models.PositiveIntegerField(default=0)
-    retry_after_ms = models.PositiveIntegerField(null=True, blank=True)
+    # 64-bit: a spend cap refused early in a month says retry in weeks, past
+    # a 32-bit column's 24.8 days of milliseconds.
+    retry_after_ms = models.PositiveBigIntegerField(null=True, blank=True)
     # The refusal as the caller read it, with its numbers ("at most 2000
     # tokens; your prompt ... resulted in 9008 tokens").
     message = models.CharField(max_length=300, blank=True)

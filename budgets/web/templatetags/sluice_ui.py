@@ -68,11 +68,31 @@ def intcomma(value) -> str:
         return str(value)
 
 
+_UNITS = (("d", 86_400), ("h", 3_600), ("min", 60), ("s", 1))
+
+
+def human_duration(seconds: float) -> str:
+    """A wait as people read it: "0.4 s", "12 s", "5 min 3 s", "26 d 16 h":
+    tenths only under 10 s, then the two largest whole units."""
+    if seconds < 10:
+        return f"{seconds:.1f} s".replace(".0 s", " s")
+    whole, parts = int(round(seconds)), []
+    for unit, size in _UNITS:
+        if whole >= size or parts:
+            parts.append((whole // size, unit))
+            whole %= size
+        if len(parts) == 2:
+            break
+    first, *rest = parts  # "1 h", not "1 h 0 min"
+    return " ".join(f"{n} {unit}" for n, unit in [first, *(part for part in rest if part[0])])
+
+
 @register.filter
 def seconds(ms) -> str:
-    if ms is None:
+    """Milliseconds (a Retry-After) as a human duration."""
+    if ms is None or ms == "":
         return "—"
-    return f"{int(ms) / 1000:.1f}s"
+    return human_duration(max(0, int(ms)) / 1000)
 
 
 @register.filter
