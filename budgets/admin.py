@@ -116,7 +116,8 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 class SpendBudgetAdmin(admin.ModelAdmin):
     list_display = ("scope_label", "monthly_amount", "currency", "soft_threshold", "hard_cap", "updated_at")
     list_filter = ("hard_cap",)
-    raw_id_fields = ("tenant", "workload")
+    # Searchable selects by name or slug, not raw ids (tenants/admin.py's search_fields).
+    autocomplete_fields = ("tenant", "workload")
 
 
 class BudgetRequestEventInline(admin.TabularInline):

@@ -11,6 +11,7 @@ class MembershipInline(admin.TabularInline):
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
     list_display = ("name", "slug", "cost_center")
+    search_fields = ("name", "slug", "cost_center")
     prepopulated_fields = {"slug": ("name",)}
     inlines = [MembershipInline]
 
@@ -19,6 +20,7 @@ class TenantAdmin(admin.ModelAdmin):
 class WorkloadAdmin(admin.ModelAdmin):
     list_display = ("slug", "tenant", "workload_class", "prompt_tokens_cap", "max_tokens_cap", "queue_timeout_s", "is_active")
     list_filter = ("workload_class", "tenant")
+    search_fields = ("slug", "name", "tenant__slug")
     prepopulated_fields = {"slug": ("name",)}
 
 
