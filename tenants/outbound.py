@@ -165,6 +165,13 @@ def _host_refusal(host: str, *, allow_private: bool) -> str | None:
     return None
 
 
+# Said with each refusal an operator's setting would lift, so whoever reads
+# it knows the refusal is a deployment's choice and which switch it is.
+ALLOW_PRIVATE_HINT = (" A platform operator can allow private, loopback and internal receivers with "
+                      "SLUICE_CALLBACK_ALLOW_PRIVATE=true (for trusted networks only).")
+ALLOW_HTTP_HINT = " A platform operator can allow plain http with SLUICE_CALLBACK_ALLOW_HTTP=true."
+
+
 def callback_url_parse(*, url: object, field: str = "callback_url") -> CallbackTarget:
     """Check what can be checked without DNS: scheme, credentials, host
     spelling, an IP literal's address. Raises CallbackRefused."""
@@ -183,7 +190,8 @@ def callback_url_parse(*, url: object, field: str = "callback_url") -> CallbackT
     scheme = parts.scheme.lower()
     allowed = {"https", "http"} if settings.SLUICE_CALLBACK_ALLOW_HTTP else {"https"}
     if scheme not in allowed:
-        raise CallbackRefused(f"'{field}' must be an {' or '.join(sorted(allowed, reverse=True))} URL.")
+        hint = ALLOW_HTTP_HINT if scheme == "http" else ""
+        raise CallbackRefused(f"'{field}' must be an {' or '.join(sorted(allowed, reverse=True))} URL.{hint}")
     if "@" in parts.netloc:
         raise CallbackRefused(f"'{field}' must not carry a user name or password.")
     if not parts.hostname:
@@ -194,14 +202,17 @@ def callback_url_parse(*, url: object, field: str = "callback_url") -> CallbackT
     if literal is not None:
         host = str(literal)
         refusal = address_refusal(literal, allow_private=allow_private)
+        lifted = refusal is not None and address_refusal(literal, allow_private=True) is None
     else:
         try:
             host = parts.hostname.rstrip(".").encode("idna").decode("ascii").lower()
         except UnicodeError:
             raise CallbackRefused(f"'{field}' has a host name that is not valid.") from None
         refusal = _host_refusal(host, allow_private=allow_private)
+        lifted = refusal is not None and _host_refusal(host, allow_private=True) is None
     if refusal is not None:
-        raise CallbackRefused(f"'{field}' must point to a public host; its host is {refusal}.")
+        raise CallbackRefused(f"'{field}' must point to a public host; its host is {refusal}."
+                              + (ALLOW_PRIVATE_HINT if lifted else ""))
     path_and_query = parts.path + (f"?{parts.query}" if parts.query else "")
     return CallbackTarget(url=url, scheme=scheme, host=host, port=port or (443 if scheme == "https" else 80),
                           path_and_query=path_and_query)
@@ -232,8 +243,9 @@ def callback_target_resolve(*, url: object, field: str = "callback_url") -> Call
         address = ipaddress.ip_address(text)
         refusal = address_refusal(address, allow_private=allow_private)
         if refusal is not None:
+            lifted = address_refusal(address, allow_private=True) is None
             raise CallbackRefused(f"'{field}' must point to a public host; {target.host} resolves to "
-                                  f"{address}, {refusal}.")
+                                  f"{address}, {refusal}." + (ALLOW_PRIVATE_HINT if lifted else ""))
     return CallbackTarget(**{**target.__dict__, "address": addresses[0]})
 
 

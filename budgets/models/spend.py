@@ -76,6 +76,7 @@ class Notification(models.Model):
         REQUEST_REJECTED = "request_rejected", "Budget request rejected"
         REQUEST_EXPIRED = "request_expired", "Budget slice expired"
         REJECTION_SPIKE = "rejection_spike", "Sustained rejection spike"
+        ALERT_TEST = "alert_test", "Test alert"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="notifications")
     workload = models.ForeignKey(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from datetime import datetime, timezone as dt_timezone
 
 from celery import current_app
@@ -53,6 +54,8 @@ EVENT_OF_KIND = {
     Notification.Kind.REQUEST_REJECTED: AlertEvent.REQUEST_DECISION,
     Notification.Kind.REQUEST_EXPIRED: AlertEvent.REQUEST_DECISION,
     Notification.Kind.REJECTION_SPIKE: AlertEvent.REJECTION_SPIKE,
+    # Not an event a tenant chooses: sent on request to every channel set up.
+    Notification.Kind.ALERT_TEST: "test",
 }
 
 
@@ -112,12 +115,19 @@ def alert_enqueue(*, notification: Notification) -> list[str]:
     event = EVENT_OF_KIND.get(notification.kind)
     if config is None or event not in config.events:
         return []
-    channels = []
-    if config.recipients:
-        channels.append(AlertDelivery.Channel.EMAIL)
-    if config.webhook_url:
-        channels.append(AlertDelivery.Channel.WEBHOOK)
+    return _channels_enqueue(notification=notification, channels=_channels(config))
 
+
+def _channels(config: AlertSettings | None) -> list[str]:
+    channels = []
+    if config is not None and config.recipients:
+        channels.append(AlertDelivery.Channel.EMAIL)
+    if config is not None and config.webhook_url:
+        channels.append(AlertDelivery.Channel.WEBHOOK)
+    return channels
+
+
+def _channels_enqueue(*, notification: Notification, channels: list[str]) -> list[str]:
     def send() -> None:
         for channel in channels:
             try:
@@ -132,6 +142,23 @@ def alert_enqueue(*, notification: Notification) -> list[str]:
                                  exc_info=True)
 
     transaction.on_commit(send)
+    return channels
+
+
+def alert_test_send(*, tenant: Tenant, user) -> list[str]:
+    """A test alert to every channel the tenant set up, whatever events it
+    chose: a notification of its own kind, sent, logged and retried exactly
+    like a real one (the delivery log shows how it went). Returns the
+    channels; raises ValidationError when none is set up."""
+    channels = _channels(AlertSettings.objects.filter(tenant=tenant).first())
+    if not channels:
+        raise ValidationError({"alerts": "Save e-mail recipients or a webhook URL first."})
+    with transaction.atomic():
+        notification = Notification.objects.create(
+            tenant=tenant, kind=Notification.Kind.ALERT_TEST, dedupe_key=f"alert-test:{uuid.uuid4().hex}",
+            message=f"Test alert for {tenant.name}, sent by {getattr(user, 'username', '') or 'someone'} from the "
+                    "alerts page. Nothing happened: this checks that alerts reach you.")
+        _channels_enqueue(notification=notification, channels=channels)
     return channels
 
 

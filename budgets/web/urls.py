@@ -13,6 +13,7 @@ urlpatterns = [
     path("t/<slug:slug>/requests/<int:request_id>/withdraw", tenant_pages.budget_request_withdraw_view,
          name="budget-request-withdraw"),
     path("t/<slug:slug>/alerts", alerts.tenant_alerts, name="tenant-alerts"),
+    path("t/<slug:slug>/alerts/test", alerts.tenant_alerts_test, name="tenant-alerts-test"),
     path("ops/pools/", ops.pool_list, name="pool-list"),
     path("ops/pools/<slug:slug>/", ops.pool_detail, name="pool-detail"),
     path("ops/pools/<slug:slug>/live", ops.pool_live, name="pool-live"),

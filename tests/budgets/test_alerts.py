@@ -197,3 +197,72 @@ def test_alerts_go_out_from_the_housekeeping_worker(platform, tmp_path):
     assert json.loads(posts[0].body)["id"] == notification.id
     mails = [p.read_text() for p in tmp_path.iterdir()]
     assert len(mails) == 1 and "To: ops@acme.test" in mails[0] and "was approved" in mails[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_test_alert_goes_to_every_channel_through_the_delivery_path(world, private_receivers, redis_client,
+                                                                       monkeypatch, login):
+    enqueued: list[tuple[int, str, int]] = []
+    monkeypatch.setattr(alerts_service, "_send", lambda *attempt: enqueued.append(attempt))
+    client = login(world.member_a)
+    # nothing set up yet: the page says what to do first, and nothing is sent
+    response = client.post(f"/t/{world.tenant_a.slug}/alerts/test", follow=True)
+    assert "Save e-mail recipients or a webhook URL first." in response.content.decode()
+    assert 'id="send-test-alert"' not in response.content.decode()
+    assert not Notification.objects.exists() and enqueued == []
+    with CallbackReceiver(statuses=[204]) as receiver:
+        # given recipients and a webhook, and no event chosen at all
+        alert_settings_save(tenant=world.tenant_a, email_recipients="ops@acme.test", webhook_url=receiver.url("/alerts"),
+                            events=[])
+        assert 'id="send-test-alert"' in client.get(f"/t/{world.tenant_a.slug}/alerts").content.decode()
+        # when the member presses "Send a test alert"
+        response = client.post(f"/t/{world.tenant_a.slug}/alerts/test", follow=True)
+        assert "Test alert sent by email and webhook" in response.content.decode()
+        notification = Notification.objects.get(tenant=world.tenant_a)
+        assert notification.kind == "alert_test" and world.member_a.username in notification.message
+        # then each channel's first attempt is enqueued and delivers like a real alert
+        assert enqueued == [(notification.id, "email", 1), (notification.id, "webhook", 1)]
+        assert alert_deliver(notification_id=notification.id, channel="email", attempt=1) == "delivered"
+        assert alert_deliver(notification_id=notification.id, channel="webhook", attempt=1) == "delivered"
+        posts = receiver.received
+    assert mail.outbox[-1].to == ["ops@acme.test"] and "Test alert" in mail.outbox[-1].subject
+    assert len(posts) == 1
+    body = json.loads(posts[0].body)
+    assert (body["event"], body["kind"], body["tenant"]) == ("test", "alert_test", world.tenant_a.slug)
+    assert posts[0].headers["x-sluice-event"] == "test"
+    assert list(AlertDelivery.objects.order_by("channel").values_list("channel", "delivered")) == [
+        ("email", True), ("webhook", True)]
+    page = client.get(f"/t/{world.tenant_a.slug}/alerts").content.decode()
+    assert page.count("Test alert") >= 2  # both deliveries in the log
+    # finance reads the page but cannot send; another tenant's member cannot either
+    for user in (world.finance, world.member_b):
+        assert login(user).post(f"/t/{world.tenant_a.slug}/alerts/test").status_code in (403, 404)
+    assert Notification.objects.count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url, setting", [
+    ("https://127.0.0.1/hook", "SLUICE_CALLBACK_ALLOW_PRIVATE=true"),
+    ("https://10.1.2.3/hook", "SLUICE_CALLBACK_ALLOW_PRIVATE=true"),
+    ("https://localhost/hook", "SLUICE_CALLBACK_ALLOW_PRIVATE=true"),
+    ("https://hooks/x", "SLUICE_CALLBACK_ALLOW_PRIVATE=true"),
+    ("http://hooks.example.com/x", "SLUICE_CALLBACK_ALLOW_HTTP=true"),
+    ("https://169.254.169.254/latest", None),  # never allowed: no setting to name
+    ("ftp://hooks.example.com/x", None),
+])
+def test_a_refused_webhook_url_names_the_setting_that_would_allow_it(world, url, setting):
+    with pytest.raises(Exception) as refused:
+        alert_settings_save(tenant=world.tenant_a, email_recipients="", webhook_url=url, events=EVENTS)
+    message = refused.value.message_dict["webhook_url"][0]
+    if setting is None:
+        assert "SLUICE_CALLBACK_ALLOW" not in message
+    else:
+        assert setting in message and "platform operator" in message
+
+
+@pytest.mark.django_db
+def test_the_alerts_page_shows_the_setting_for_a_local_webhook(login, world):
+    response = login(world.member_a).post(f"/t/{world.tenant_a.slug}/alerts", {
+        "email_recipients": "", "webhook_url": "https://127.0.0.1/hook", "events": ["spend_hard"]})
+    assert response.status_code == 400
+    assert "SLUICE_CALLBACK_ALLOW_PRIVATE=true" in response.content.decode()

@@ -71,6 +71,7 @@ def page_cases(world, request_a, key_a):
         "api-key-revoke": [("post", f"/t/{a}/keys/{key_a.id}/revoke", {}), ("get", f"/t/{a}/keys/{key_a.id}/revoke", {}),
                            ("post", f"/t/{a}/keys/{key_a.id}/revoke", {"confirm": "revoke"})],
         "tenant-alerts": [("get", f"/t/{a}/alerts", {}), ("post", f"/t/{a}/alerts", {"email_recipients": "x@y.test"})],
+        "tenant-alerts-test": [("post", f"/t/{a}/alerts/test", {})],
         "workload-jobs": [("get", f"/t/{a}/workloads/{world.wl_a.slug}/jobs", {})],
         "callback-secret-rotate": [("post", f"/t/{a}/callback-secret/rotate", {})],
         "pool-list": [("get", "/ops/pools/", {})],

@@ -8,12 +8,31 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.shortcuts import redirect, render
-from django.views.decorators.http import require_http_methods
+from django.views.decorators.http import require_http_methods, require_POST
 
 from tenants.access import tenant_for_user_or_404, tenant_is_writable
 
 from budgets.models import AlertEvent
-from budgets.services.alerts import alert_deliveries_of_tenant, alert_settings_of_tenant, alert_settings_save
+from budgets.services.alerts import (
+    alert_deliveries_of_tenant,
+    alert_settings_of_tenant,
+    alert_settings_save,
+    alert_test_send,
+)
+
+
+@login_required
+@require_POST
+def tenant_alerts_test(request, slug: str):
+    tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    try:
+        channels = alert_test_send(tenant=tenant, user=request.user)
+    except ValidationError as exc:
+        messages.error(request, " ".join(m for ms in exc.message_dict.values() for m in ms))
+    else:
+        messages.success(request, f"Test alert sent by {' and '.join(channels)}: its deliveries show below "
+                                  "within seconds.")
+    return redirect("tenant-alerts", slug=tenant.slug)
 
 
 @login_required
