@@ -48,6 +48,7 @@ from gateway.core.request.takeover import request_take_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
+from gateway.worker.pool_errors import pool_error_message
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
 from gateway.worker.shutdown import CallInterrupted, HandBack, pause, pool_call_within_grace, shutdown_requested
@@ -97,6 +98,7 @@ def _pool_refusal(exc: openai.APIStatusError, upstream_ms: int) -> Outcome:
         upstream_ms=upstream_ms,
         attempts=1,
         upstream_status=exc.status_code,
+        upstream_message=pool_error_message(exc),
     )
 
 
@@ -134,6 +136,7 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
             retry_after_ms=retry_after_ms(exc.response.headers) if exc.response is not None else None,
             attempts=1,
             upstream_status=exc.status_code,
+            upstream_message=pool_error_message(exc),
         ), exc.status_code in RETRYABLE_STATUSES
     except (openai.APITimeoutError, openai.APIConnectionError) as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)

@@ -53,3 +53,18 @@ def pool_status_error(response: httpx.Response) -> openai.APIStatusError:
                 message += f" - {body['message']}"
     error_class = _BY_STATUS.get(status) or (openai.InternalServerError if status >= 500 else openai.APIStatusError)
     return error_class(message, response=response, body=body)
+
+
+# How much of a pool's own error message the ledger keeps.
+POOL_MESSAGE_CHARS = 200
+
+
+def pool_error_message(exc: openai.APIStatusError) -> str:
+    """The pool's own words for its error answer, short and on one line:
+    the JSON error's ``message`` (or the JSON's, or the text), truncated."""
+    body = exc.body
+    message = body.get("message") if isinstance(body, Mapping) else body
+    if not isinstance(message, str) or not message:
+        message = exc.response.text if exc.response is not None else ""
+    message = " ".join(message.replace("\x00", "").split())
+    return message if len(message) <= POOL_MESSAGE_CHARS else message[:POOL_MESSAGE_CHARS - 1] + "…"

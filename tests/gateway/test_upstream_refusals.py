@@ -37,7 +37,9 @@ def assert_refusal_recorded(redis_client, caller, response: httpx.Response, *, s
     assert error["type"] == "invalid_request_error"
     assert error["code"] == code
     row = ledger_row(response.headers["x-request-id"])
-    assert (row.status, row.error, row.attempts) == ("invalid_request", code, 1)
+    # the ledger keeps the code and the pool's own status (and words: exact in the stub test below)
+    assert (row.status, row.attempts) == ("invalid_request", 1)
+    assert row.error.startswith(f"{code} (pool answered {status}: ") and row.error.endswith(")")
     assert (row.actual_input_tokens, row.actual_output_tokens) == (0, 0)
     wid = caller.workload.id
     # the tokens come back; the request slot stays spent (the pool saw the call)
@@ -109,6 +111,7 @@ def test_only_malformed_request_statuses_are_relayed(platform, make_caller, redi
         server.shutdown()
     assert response.status_code == relayed, response.text
     row = ledger_row(response.headers["x-request-id"])
+    assert row.error == f"{'stubcode' if relayed == status else 'upstream_error'} (pool answered {status}: stub says {status} !)"
     if relayed == status:
         assert_refusal_recorded(redis_client, caller, response, status=status, code="stubcode")
         assert response.json()["error"]["message"] == f"The inference pool refused the request: stub says {status} !"

@@ -52,7 +52,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
             record, status=outcome.status, actual_input_tokens=outcome.input_tokens,
             actual_output_tokens=outcome.output_tokens, queue_wait_ms=outcome.queue_wait_ms,
             upstream_ms=outcome.upstream_ms, total_ms=total_ms, ttft_ms=outcome.ttft_ms, attempts=outcome.attempts,
-            error="" if outcome.status == "ok" else str((outcome.body or {}).get("error", {}).get("code", "")),
+            error=outcome.ledger_error,
             usage_source=outcome.usage_source or ("pool" if outcome.input_tokens or outcome.output_tokens else ""),
         ))
         written["s"] = time.monotonic() - writing

@@ -156,6 +156,8 @@ class Outcome:
     retry_after_ms: int | None = None
     attempts: int = 0
     upstream_status: int = 0
+    # The pool's own message with an error status (truncated), for the ledger.
+    upstream_message: str = ""
     upstream_429s: int = 0
     # Where the charged tokens come from: "pool" (its usage), "counted" (a
     # stream cut short, its text counted with the pool's tokenizer),
@@ -168,6 +170,19 @@ class Outcome:
     # Streams: ms until the pool's first chunk (pool_stream gives it per
     # attempt; request execution turns it into ms since admission).
     ttft_ms: int | None = None
+
+    @property
+    def ledger_error(self) -> str:
+        """The ledger row's ``error``: the error code, and for a pool's error
+        answer its status and message ("upstream_error (pool answered 503:
+        model is loading)"), so a failure can be told apart later."""
+        if self.status == "ok":
+            return ""
+        code = str((self.body or {}).get("error", {}).get("code", ""))
+        if self.upstream_status and self.upstream_status >= 400:
+            said = f": {self.upstream_message}" if self.upstream_message else ""
+            return f"{code} (pool answered {self.upstream_status}{said})"[:500]
+        return code
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict: that deep-copies the body
