@@ -11,6 +11,7 @@ from django.utils import timezone
 from gateway.core.request.records import Outcome
 from gateway.core.errors import error_body
 from gateway.worker.pool_errors import POOL_MESSAGE_CHARS, pool_error_message, pool_status_error
+from tests.people import login, world  # noqa: F401 (fixtures)
 
 REQUEST = httpx.Request("POST", "http://pool.test/v1/chat/completions")
 
