@@ -199,10 +199,10 @@ class SpendFilterForm(forms.Form):
             self.data["period"] = ""
             data["period"] = period = ""
         if not (start or end) and period in PERIOD_SPANS:
-            # Ends on the current minute's start: the range the page prints
-            # (to the minute) is then exactly the one it sums, and the export
-            # and drill-down links can repeat it as explicit from/to times.
-            end_at = now.replace(second=0, microsecond=0)
+            # Whole seconds: the range the page prints is exactly the one it
+            # sums, and the export and drill-down links repeat it as explicit
+            # from/to times (range_params), not as a preset evaluated again.
+            end_at = now.replace(microsecond=0)
             start_at = end_at - PERIOD_SPANS[period]
         elif not (start or end):  # explicit dates win over the period preset
             first, last = period_range(period, today)
@@ -224,11 +224,14 @@ class SpendFilterForm(forms.Form):
         return data
 
     def range_params(self) -> dict[str, str]:
-        """The cleaned range as explicit UTC from/to (minutes): the CSV export
+        """The cleaned range as explicit UTC from/to (to the second where it
+        has seconds): the CSV export
         and the drill-down links repeat the exact range the page shows, not a
         preset that would be evaluated again at a later "now"."""
         data = self.cleaned_data
-        return {"start": f"{data['start_at']:%Y-%m-%dT%H:%M}", "end": f"{data['end_at']:%Y-%m-%dT%H:%M}"}
+        start_at, end_at = data["start_at"], data["end_at"]
+        fmt = "%Y-%m-%dT%H:%M:%S" if start_at.second or end_at.second else "%Y-%m-%dT%H:%M"
+        return {"start": start_at.strftime(fmt), "end": end_at.strftime(fmt)}
 
     def filter_params(self) -> dict[str, str]:
         """The chosen filters (not the range or the grouping) as GET parameters."""

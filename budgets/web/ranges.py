@@ -17,7 +17,7 @@ MAX_SPAN = timedelta(days=400)
 BUCKETS = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 # At most this many buckets on a chart: a range picks the finest unit that fits.
 MAX_BUCKETS = 200
-INPUT_FORMATS = ("%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%d")
+INPUT_FORMATS = ("%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S")
 
 
 @dataclass(frozen=True)

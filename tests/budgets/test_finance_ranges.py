@@ -58,7 +58,7 @@ def test_last_hour_includes_59_minutes_ago_and_excludes_61(login, world):
     client = login(world.finance)
     requests, actual, cost, body = page_totals(client, "period=last_hour&group_by=workload")
     assert (requests, actual, cost) == (1, 150, ledger_cost([inside]))
-    assert chart_buckets(body) == ("minute", 60)  # the range ends on the current minute's start: 60 whole minutes
+    assert chart_buckets(body) == ("minute", 61)  # 60 whole minutes and the partial one the range starts in
     rows = export_rows(client, "period=last_hour&group_by=workload")
     assert [r["request_id"] for r in rows] == [inside]
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from budgets.web.templatetags.sluice_ui import human_duration
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,7 +186,7 @@ def test_member_admin_finance_story_in_a_real_browser(platform, browser, redis_c
     example = member.locator("#rejection-examples tr", has_text="workload_tpm").first.inner_text()
     assert world.wl_a.slug in example
     assert f"{estimated_tokens:,}" in example  # the estimate the admission refused
-    assert f"{retry_after_ms / 1000:.1f}s" in example  # the Retry-After the caller was given
+    assert human_duration(retry_after_ms / 1000) in example  # the Retry-After the caller was given
     assert "Approved for the launch" in member.inner_text("#notifications")
     shot(member, "02-tenant-page")
     member.goto(f"/t/{world.tenant_a.slug}/requests/{request.pk}/")

@@ -59,7 +59,7 @@ def test_tenant_page_shows_usage_rejections_keys_and_requests(login, world):
     body = text(response)
     assert response.status_code == 200
     assert world.wl_a.slug in body and "<svg" in body
-    assert "workload_tpm" in body and "777" in body and "2.3s" in body  # the example, with its Retry-After
+    assert "workload_tpm" in body and "777" in body and "2.3 s" in body  # the example, with its Retry-After
     assert ApiKey.objects.filter(workload=world.wl_a).get().prefix in body
     assert "budget spent" in body  # 1,234 + 10 tokens of sim-small cost 0.000191 > 0.0001
     assert world.tenant_b.name not in body and world.wl_b.slug not in body
