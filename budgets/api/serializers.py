@@ -148,6 +148,9 @@ class BudgetRequestQuerySerializer(serializers.Serializer):
 
 class DecisionSerializer(serializers.Serializer):
     comment = serializers.CharField(max_length=5000, required=False, allow_blank=True, default="")
+    reserved_tpm = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=1, max_value=10**12,
+        help_text="Approve: grant this reserved TPM instead of the figure asked (at most that figure).")
 
 
 def _usage_day(day):

@@ -153,7 +153,8 @@ class BudgetRequestDecision(APIView):
         budget_request_for_review(request_id=request_id)
         comment = payload.validated_data["comment"]
         if self.decision == "approve":
-            budget_request_approve(request_id=request_id, approver=request.user, comment=comment)
+            budget_request_approve(request_id=request_id, approver=request.user, comment=comment,
+                                   reserved_tpm=payload.validated_data["reserved_tpm"])
         else:
             budget_request_reject(request_id=request_id, reviewer=request.user, comment=comment)
         return Response(BudgetRequestSerializer(budget_request_for_user(user=request.user, request_id=request_id)).data)

@@ -84,6 +84,20 @@ def test_member_flow_request_then_admin_approves(world, django_capture_on_commit
     assert again.status_code == 400 and "status" in again.json()
 
 
+def test_an_admin_approves_less_than_asked_through_the_api(world):
+    request_id = as_user(world.member_a).post("/api/budget-requests/", slice_body(world), format="json").json()["id"]
+    admin = as_user(world.admin)
+    too_much = admin.post(f"/api/budget-requests/{request_id}/approve/", {"reserved_tpm": 120_001}, format="json")
+    assert too_much.status_code == 400
+    assert too_much.json() == {"reserved_tpm": ["Approve between 1 and the 120,000 TPM asked for."]}
+    assert admin.post(f"/api/budget-requests/{request_id}/approve/", {"reserved_tpm": 0},
+                      format="json").status_code == 400
+    approved = admin.post(f"/api/budget-requests/{request_id}/approve/", {"reserved_tpm": 70_000}, format="json")
+    assert approved.status_code == 200 and approved.json()["status"] == "approved"
+    assert approved.json()["reserved_tpm"] == 120_000  # what was asked, kept
+    assert Reservation.objects.get(workload=world.wl_a).reserved_tpm == 70_000
+
+
 def test_oversubscribing_approval_is_a_400_with_the_reason(world):
     member = as_user(world.member_a)
     request_id = member.post("/api/budget-requests/", slice_body(world, reserved_tpm=760_000, ceiling_tpm=760_000),
