@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from tests.ui.test_browser import browser  # noqa: F401 (fixture)
+from tests.ui.test_browser import browser, shot  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -89,6 +89,8 @@ def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world)
                 assert response.status == 200, f"{role} {url}: {response.status}"
                 visited += 1
                 found = page.evaluate(OVERFLOW_JS)
+                if width == 390 and role == "admin":  # the phone pictures, for a look (SLUICE_SCREENSHOTS)
+                    shot(page, "phone-" + (url.strip("/").replace("/", "-").replace("?", "-")[:60] or "home"))
                 if found["scroll"] > found["inner"]:
                     failures.append(f"{role} {width}px {url}: page {found['scroll']} px wide in {found['inner']}; "
                                     f"sticking out: {found['culprits']}")
