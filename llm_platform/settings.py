@@ -285,6 +285,9 @@ SLUICE_KEY_LAST_USED_FLUSH_S = env_float("SLUICE_KEY_LAST_USED_FLUSH_S", 30.0)
 PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.
 SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
+# The demo's second simulated pool (sim-overflow: pay-as-you-go overflow
+# behind sim-pool), its own simulator process under `make run`.
+SLUICE_SIM_OVERFLOW_URL = os.environ.get("SLUICE_SIM_OVERFLOW_URL", "http://127.0.0.1:8101/v1")
 
 # --- health (gateway/web/health.py) and pool probes (gateway/worker/prober.py) ------
 # /healthz (the process answers) and /readyz (database and Redis answer) tell

@@ -64,7 +64,7 @@ class ApprovalPreview:
 def budget_request_candidate(*, request: BudgetRequest) -> Reservation:
     """The reservation approval would save (not saved)."""
     workload = request.workload if request.workload_id else None
-    reservation = Reservation.objects.filter(workload=workload).first() if workload else None
+    reservation = Reservation.objects.filter(workload=workload, pool=request.pool).first() if workload else None
     if reservation is None:
         reservation = Reservation(workload=workload) if workload else Reservation()
     reservation.pool = request.pool

@@ -185,7 +185,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         "x-sluice-estimated-prompt-tokens": str(dispatched.estimate.input_tokens),
         "x-sluice-queue-ms": str(outcome.queue_wait_ms),
         "x-sluice-attempts": str(outcome.attempts),
-        **ratelimit_headers(ctx.limits, admission.rate_limits),
+        "x-sluice-pool": dispatched.pool_slug,
+        **ratelimit_headers(dispatched.ctx.limits, admission.rate_limits),
     }
     if outcome.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-outcome.retry_after_ms // 1000)))

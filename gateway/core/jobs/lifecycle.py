@@ -25,7 +25,8 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
 from gateway.core.pacer_wake import pacer_wake_commands
-from gateway.core.request.admission import lease_ttl_ms, request_admit
+from gateway.core.request.admission import lease_ttl_ms
+from gateway.core.request.routing import request_route_admit
 from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
 from gateway.core.request.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.request.context import CallerContext, context_for_workload
@@ -42,7 +43,7 @@ PACE = LuaScript(__package__, "pace.lua")
 # not answer comes back: its jobs wait for it like for budget.
 DELAYABLE = {"workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
              "pool_saturated", "workload_concurrency", "pool_backoff", "pool_unavailable", "provider_tpm",
-             "provider_rpm"}
+             "provider_rpm", "pool_circuit_open"}
 
 
 @dataclass(frozen=True)
@@ -151,16 +152,20 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Esti
     request_id = new_request_id()
     lease_ms = lease_ttl_ms(queue_s=max(0.0, (deadline_ms - now_ms) / 1000))
     try:
-        admission = request_admit(ctx, request_id=request_id, model=chat.model, estimate=estimate, lease_ms=lease_ms)
+        # Routed as a chat call is (gateway/core/request/routing.py), on the
+        # estimate taken at submit.
+        routed = request_route_admit(ctx.route(chat.model), request_id=request_id, model=chat.model,
+                                     estimate_for=lambda _on_pool: estimate, lease_ms=lease_ms)
     except Rejected as rejected:
         if rejected.reason in DELAYABLE and rejected.retry_after_ms is not None:
             job.delays += 1
             _delay(job, release_ms=now_ms + rejected.retry_after_ms, reason=rejected.reason, at_submit=at_submit)
             return
         raise
-    record = record_build(ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
-                          admission=admission, deadline_ms=deadline_ms, retry_deadline_ms=deadline_ms,
-                          session_id=job.session_id, job_id=str(job.id))
+    record = record_build(routed.ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate),
+                          estimate=estimate, admission=routed.admission, deadline_ms=deadline_ms,
+                          retry_deadline_ms=deadline_ms, session_id=job.session_id, job_id=str(job.id),
+                          fallback_pool_ids=routed.fallback_pool_ids)
     job.request_id = request_id
     job.status = Job.Status.QUEUED
     job.released_at = timezone.now()

@@ -83,6 +83,14 @@ class RequestRecord:
     # Admitted while the pool's circuit was open, or a retry of such a
     # request: it waits in the pool's held set, not on its lane (gateway/core/protection/held.py).
     held: bool = False
+    # Routing across pools (gateway/core/request/routing.py): served by an
+    # overflow slice; moved here after a failed call on another pool; and the
+    # pools of its route after this one (ids in route order), where a call
+    # that fails before its first token may move once.
+    overflow: bool = False
+    failed_over: bool = False
+    fallback_pools: str = ""
+    pool_slug: str = ""  # the x-sluice-pool header
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -104,6 +112,8 @@ class RequestRecord:
         data["stream"] = int(self.stream)
         data["stream_usage"] = int(self.stream_usage)
         data["held"] = int(self.held)
+        data["overflow"] = int(self.overflow)
+        data["failed_over"] = int(self.failed_over)
         return {k: str(v) for k, v in data.items()}
 
     @classmethod
@@ -135,6 +145,10 @@ class RequestRecord:
             stream_usage=data.get("stream_usage") == "1",
             tokenizer=data.get("tokenizer", ""),
             held=data.get("held") == "1",
+            overflow=data.get("overflow") == "1",
+            failed_over=data.get("failed_over") == "1",
+            fallback_pools=data.get("fallback_pools", ""),
+            pool_slug=data.get("pool_slug", ""),
         )
 
 
@@ -168,6 +182,9 @@ class Outcome:
     # Streams: ms until the pool's first chunk (pool_stream gives it per
     # attempt; request execution turns it into ms since admission).
     ttft_ms: int | None = None
+    # The pool that answered (its slug), when the call moved from the pool it
+    # was admitted on (gateway/worker/failover.py); '' otherwise.
+    pool: str = ""
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict: that deep-copies the body
@@ -275,6 +292,7 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
         tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
         model=record.model, lane=record.lane, status=status, borrowed=record.borrowed,
+        overflow=record.overflow, failed_over=record.failed_over,
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, ttft_ms=ttft_ms, attempts=attempts,
