@@ -12,7 +12,11 @@ whole (its spend caps) is final at once, since every pool would give it.
 A pool whose circuit is not closed admits by holding the request until the
 provider recovers (gateway/core/protection/held.py): with a pool after it in
 the route, its lease is given back and the next pool is asked instead, so a
-pool that is failing is skipped while another can serve. The caller hears a
+pool that is failing is skipped while another can serve; except the one
+request the circuit takes as its half-open trial (circuit.lua's gate), which
+goes to that pool's lane at once: its success closes the circuit and brings
+the route back to its primary, its failure moves it on to the next pool
+(gateway/worker/failover.py). The caller hears a
 429 only when every pool refused: the smallest Retry-After among them, the
 reason of the pool that will have room first, and every pool's reason in
 the message.
@@ -34,6 +38,7 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.redis.clients import REDIS_UNAVAILABLE
 from budgets.redis.composition import Plan, RoundTrip, Step, plan_run, plan_run_async
 from gateway.core.errors import budget_unavailable, no_reservation
+from gateway.core.protection.circuit import circuit_gate_call
 from gateway.core.request.admission import admission_plan
 from gateway.core.request.context import CallerContext
 
@@ -88,23 +93,30 @@ def routed_admission_plan(route: tuple[CallerContext, ...], *, request_id: str, 
             admission = yield from admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
                                                   lease_ms=lease_ms, body_digest=body_digest)
         except Rejected as rejected:
+            rejected.headers = {**rejected.headers, "x-sluice-pool": ctx.pool_slug}
             if rejected.reason in WHOLE_WORKLOAD_REASONS or (last and not refusals):
                 yield from _spend_forget(route[0], request_id, spend_month)
                 raise
-            rejected.headers = {**rejected.headers, "x-sluice-pool": ctx.pool_slug}
             refusals.append((ctx, rejected))
             if last:
                 yield from _spend_forget(route[0], request_id, spend_month)
                 raise route_refused(refusals) from rejected
             continue
         if admission.held and not last:
-            # Its circuit is not closed: another pool of the route may serve now.
-            spend_month = admission.spend_month or spend_month
-            yield from _held_skip(ctx, request_id)
-            refusals.append((ctx, Rejected(reason="pool_circuit_open", status=503, retry_after_ms=1000,
-                                           message=f"The pool {ctx.pool_slug} is failing.",
-                                           error_type="service_unavailable")))
-            continue
+            gate = yield circuit_gate_call(pool_id=ctx.pool_id, holder=request_id)
+            if gate.go and gate.state == "half-open":
+                # The circuit's trial: straight to the lane, not held.
+                admission = replace(admission, held=False)
+            elif gate.go:
+                pass  # closed: held for the body's earlier hold (held.py), as on any route
+            else:
+                # Its circuit is open: another pool of the route may serve now.
+                spend_month = admission.spend_month or spend_month
+                yield from _held_skip(ctx, request_id)
+                refusals.append((ctx, Rejected(reason="pool_circuit_open", status=503, retry_after_ms=1000,
+                                               message=f"The pool {ctx.pool_slug} is failing.",
+                                               error_type="service_unavailable")))
+                continue
         if not admission.spend_month and spend_month:
             admission = replace(admission, spend_month=spend_month)
         return Routed(ctx=ctx, admission=admission, estimate=estimate,
