@@ -25,6 +25,9 @@ class DailyUsage(models.Model):
     actual_input_tokens = models.BigIntegerField(default=0)
     actual_output_tokens = models.BigIntegerField(default=0)
     cost = models.DecimalField(max_digits=22, decimal_places=8, default=Decimal("0"))
+    # Of which on overflow slices (UsageRecord.overflow): finance shows it apart.
+    overflow_requests = models.PositiveIntegerField(default=0)
+    overflow_cost = models.DecimalField(max_digits=22, decimal_places=8, default=Decimal("0"))
 
     class Meta:
         ordering = ["day"]

@@ -136,6 +136,8 @@ class LogEntry:
     borrowed: bool
     timings: dict[str, int | None]
     retry_after_ms: int | None = None
+    pool_slug: str = ""  # the pool that served it ('' for a rejection)
+    route: str = ""  # "spilled over", "failed over" or "" (routing across pools)
 
     @property
     def is_rejection(self) -> bool:
@@ -181,7 +183,16 @@ def ledger_entry_of(row: UsageRecord) -> LogEntry:
         currency=price.currency if price is not None else "", key_prefix=row.api_key.prefix if row.api_key else "",
         lane=row.lane, model=row.model, borrowed=row.borrowed,
         timings={name: getattr(row, name, None) for name in TIMINGS},
+        pool_slug=row.pool.slug, route=route_label(row),
     )
+
+
+def route_label(row: UsageRecord) -> str:
+    """How the request came to its pool: moved after a failed call, spilled
+    over to an overflow slice, or '' (its route's first choice)."""
+    if row.failed_over:
+        return "failed over"
+    return "spilled over" if row.overflow else ""
 
 
 def _rejection_entry(*, at: datetime, sample_id: str, tenant_id: int, workload_id: int, workload_slug: str,

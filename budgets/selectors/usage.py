@@ -34,7 +34,7 @@ def usage_day_problem(day: date | None) -> str | None:
         return f"Choose a day between {FIRST_DAY:%Y-%m-%d} and {LAST_DAY:%Y-%m-%d}."
     return None
 SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
-        "actual_output_tokens", "cost")
+        "actual_output_tokens", "cost", "overflow_requests", "overflow_cost")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ class UsageRow:
     actual_input_tokens: int = 0
     actual_output_tokens: int = 0
     cost: Decimal = field(default_factory=lambda: Decimal(0))
+    # Of which served by overflow slices (routing across pools).
+    overflow_requests: int = 0
+    overflow_cost: Decimal = field(default_factory=lambda: Decimal(0))
     label: str = ""
 
     @property
@@ -155,7 +158,9 @@ def _sum_expressions(*, ledger: bool) -> dict:
         return {
             "requests": Count("id"),
             "ok_requests": Count("id", filter=Q(status=UsageRecord.Status.OK)),
-            **{name: Sum(name) for name in SUMS[2:]},
+            **{name: Sum(name) for name in SUMS[2:7]},
+            "overflow_requests": Count("id", filter=Q(overflow=True)),
+            "overflow_cost": Sum("cost", filter=Q(overflow=True)),
         }
     return {name: Sum(name) for name in SUMS}
 

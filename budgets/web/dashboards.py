@@ -17,7 +17,7 @@ from budgets.models import InferencePool, Reservation, ReservationVersion
 from budgets.models import BudgetRequest
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notifications_of_tenant
-from budgets.selectors.pools import PoolHeadroom, pool_headroom
+from budgets.selectors.pools import ModelShare, PoolHeadroom, model_shares_of_pool, pool_headroom
 from budgets.selectors.rejections import RejectionExample, rejection_examples, rejection_totals, rejections_by_minute
 from budgets.selectors.requests import budget_requests_of_tenant
 from budgets.selectors.reservations import ReservationAt, reservation_lines
@@ -171,6 +171,7 @@ class PoolOverview:
     rejection_minutes: list[datetime]
     rejections_per_minute: dict[str, list[int]]
     pending_requests: int
+    model_shares: list[ModelShare] = field(default_factory=list)  # last hour
 
     @property
     def effective_tpm(self) -> float:
@@ -199,6 +200,7 @@ def pool_overview(*, pool: InferencePool, now: datetime) -> PoolOverview:
         rejection_minutes=minutes,
         rejections_per_minute={r: [by_minute.get(m, {}).get(r, 0) for m in minutes] for r in reasons},
         pending_requests=BudgetRequest.objects.filter(pool=pool, status=BudgetRequest.Status.PENDING).count(),
+        model_shares=model_shares_of_pool(pool=pool, since=minutes[0]),
     )
 
 

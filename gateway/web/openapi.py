@@ -25,9 +25,9 @@ ERROR_CODES = {
     409: ["idempotency_key_reused"],
     413: ["body_too_large", "request_too_large"],
     429: ["workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
-          "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "deadline_unreachable",
-          "too_many_invalid_api_keys"],
-    503: ["budget_unavailable", "queue_timeout", "pool_unavailable", "worker_lost"],
+          "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "overflow_spend_budget",
+          "deadline_unreachable", "too_many_invalid_api_keys", "provider_tpm", "provider_rpm"],
+    503: ["budget_unavailable", "queue_timeout", "pool_unavailable", "pool_circuit_open", "worker_lost"],
 }
 
 RATE_HEADERS = {

@@ -223,3 +223,32 @@ def test_bad_slices_are_refused_with_a_clear_error_and_nothing_half_written(plat
     with pytest.raises(ValidationError, match="serves no model"):
         add_slice(caller.workload, empty, rank=1)
     assert list(Reservation.objects.filter(workload=caller.workload).values_list("pool_id", flat=True)) == [pool.id]
+
+
+def test_an_overflow_spend_cap_stops_spill_over_but_not_the_primary(platform, make_caller):
+    # given an overflow priced at 1,000 per million tokens and a workload that may spend 0.50 a month there
+    primary_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    overflow_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=primary_pool, reserved_tpm=4_000, ceiling_tpm=4_000, prompt_tokens_cap=100,
+                         max_tokens_cap=400)
+    add_slice(caller.workload, overflow_pool, rank=1)
+    price("sim-small", None, "1", "1")
+    price("sim-small", overflow_pool, "1000", "1000")
+    caller.workload.overflow_monthly_cap = Decimal("0.50")
+    caller.workload.save()
+    client = sdk(platform, caller.api_key)
+
+    def call():
+        return client.chat.completions.with_raw_response.create(
+            model="sim-small", messages=HELLO, max_tokens=400, extra_body={"sim": {"output_tokens": 400}})
+
+    # when three ~410-token requests come at once: two fit the primary, one spills over (about 0.41 there)
+    with ThreadPoolExecutor(3) as callers:
+        served = sorted(raw.headers["x-sluice-pool"] for raw in callers.map(lambda _: call(), range(3)))
+    assert served == sorted([primary_pool.slug] * 2 + [overflow_pool.slug])
+    # then a fourth, which the primary has no room for and would pass the overflow cap, is refused
+    with pytest.raises(openai.RateLimitError) as refused:
+        call()
+    assert refused.value.response.headers["x-sluice-route-refusals"] == (
+        f"{primary_pool.slug}: workload_tpm; {overflow_pool.slug}: overflow_spend_budget")
+    assert refused.value.code == "workload_tpm"  # the primary has room first, not next month

@@ -52,7 +52,7 @@ def spend_hold_for(ctx: CallerContext, *, model: str, estimate: Estimate) -> Spe
         return None
     month, month_end_ms = spend_month(at_ms=time.time() * 1000)
     return SpendHold(tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, cost_micro=cost_micro, month=month,
-                     month_end_ms=month_end_ms)
+                     month_end_ms=month_end_ms, overflow=ctx.overflow)
 
 
 def pool_config_rebuild(pool_id: int) -> None:

@@ -128,8 +128,7 @@ def _spend_forget(ctx: CallerContext, request_id: str, spend_month: str) -> Plan
     """A spend hold taken on a pool that was then skipped (held), when no
     other pool admitted: the request does not exist, nor does its hold."""
     if spend_month:
-        yield spend_settle_call(tenant_id=ctx.tenant_id, month=spend_month, request_id=request_id,
-                                actual_cost_micro=0)
+        yield spend_settle_call(tenant_id=ctx.tenant_id, month=spend_month, request_id=request_id, forget=True)
 
 
 # --- equal ranks by headroom ----------------------------------------------------------
