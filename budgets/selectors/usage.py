@@ -158,9 +158,10 @@ def _sum_expressions(*, ledger: bool) -> dict:
         return {
             "requests": Count("id"),
             "ok_requests": Count("id", filter=Q(status=UsageRecord.Status.OK)),
-            **{name: Sum(name) for name in SUMS[2:7]},
+            # Before "cost": once annotated, that name is the aggregate, not the field.
             "overflow_requests": Count("id", filter=Q(overflow=True)),
             "overflow_cost": Sum("cost", filter=Q(overflow=True)),
+            **{name: Sum(name) for name in SUMS[2:7]},
         }
     return {name: Sum(name) for name in SUMS}
 
