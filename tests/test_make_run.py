@@ -97,22 +97,24 @@ class MakeRun:
         return found
 
     def close(self) -> None:
-        """Whatever a failed test left running: Ctrl-C twice (no grace), then SIGKILL."""
+        """Whatever a failed test left running: Ctrl-C, a second one (no
+        grace) if that is not enough, then SIGKILL to run.py and its children."""
         if self.popen is None or self.popen.poll() is not None:
             return
         children = list(self.children().values())
-        self.popen.send_signal(signal.SIGINT)
-        time.sleep(0.2)  # the first Ctrl-C's handler has run before the second arrives
-        self.popen.send_signal(signal.SIGINT)
-        try:
-            self.popen.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            for pid in children:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for timeout in (60, 30):
+            self.popen.send_signal(signal.SIGINT)
+            try:
+                self.popen.wait(timeout=timeout)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        self.popen.kill()
+        for pid in children:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     # -- the run's own database and Redis ------------------------------------
 
