@@ -310,6 +310,12 @@ SLUICE_WORKER_SHUTDOWN_GRACE_S = env_float("SLUICE_WORKER_SHUTDOWN_GRACE_S", 3.0
 # The web server lets requests in flight finish for this long, then closes them
 # (their admitted work still runs, settles and reaches the ledger).
 SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
+# `make run` (llm_platform/supervisor.py) starts a process that died again after
+# this backoff, doubled for each death in a row within a minute of its start,
+# up to the maximum, and at most this many times a minute: a crash loop waits.
+SLUICE_RUN_RESTART_BACKOFF_S = env_float("SLUICE_RUN_RESTART_BACKOFF_S", 1.0)
+SLUICE_RUN_RESTART_BACKOFF_MAX_S = env_float("SLUICE_RUN_RESTART_BACKOFF_MAX_S", 30.0)
+SLUICE_RUN_RESTARTS_PER_MINUTE = env_int("SLUICE_RUN_RESTARTS_PER_MINUTE", 5)
 
 # Worker threads per lane, set by hand: SLUICE_WORKERS_INTERACTIVE,
 # SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
