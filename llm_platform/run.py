@@ -34,6 +34,7 @@ from llm_platform.supervisor import Supervisor
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PORT = 8000
 DEFAULT_SIM_PORT = 8100
+DEFAULT_OVERFLOW_SIM_PORT = 8101  # the demo's overflow pool (sim-overflow), its own simulator
 # The stop's order (llm_platform/supervisor.py says why).
 STAGE_WEB, STAGE_WORKERS, STAGE_BEAT, STAGE_PACER, STAGE_SIM, STAGE_REDIS = range(6)
 
@@ -119,6 +120,18 @@ def _sim_port(env: dict[str, str], port: int) -> int:
     return processes.free_port()
 
 
+def _overflow_sim_port(port: int, sim_port: int) -> int:
+    """The overflow pool's simulator: 8101 beside the default PORT when free,
+    otherwise a port the OS picks (never the first simulator's)."""
+    if port == DEFAULT_PORT and sim_port != DEFAULT_OVERFLOW_SIM_PORT and _port_free("127.0.0.1",
+                                                                                    DEFAULT_OVERFLOW_SIM_PORT):
+        return DEFAULT_OVERFLOW_SIM_PORT
+    while True:
+        chosen = processes.free_port()
+        if chosen != sim_port:
+            return chosen
+
+
 def _claim_var_dir(var_dir: Path, port: int) -> TextIO:
     """Hold var_dir/run.lock for this run's lifetime; refuse a var dir another
     run holds. The kernel drops the lock when this process dies, however it
@@ -138,7 +151,7 @@ def _claim_var_dir(var_dir: Path, port: int) -> TextIO:
     return lock
 
 
-def _seed_demo_hint(*, var_dir: Path, base_url: str, pool_url: str) -> str:
+def _seed_demo_hint(*, var_dir: Path, base_url: str, pool_url: str, overflow_url: str) -> str:
     """The command that prints this run's workloads and demo keys: its var dir
     (its database and Redis), its base URL, and its pool URL (seed_demo points
     the demo pool at --pool-url, SLUICE_SIM_URL by default)."""
@@ -146,7 +159,8 @@ def _seed_demo_hint(*, var_dir: Path, base_url: str, pool_url: str) -> str:
     if var_dir != ROOT / "var":
         shown = var_dir.relative_to(ROOT) if var_dir.is_relative_to(ROOT) else var_dir
         prefix = f"SLUICE_VAR_DIR={shown} "
-    return f"{prefix}.venv/bin/python manage.py seed_demo --json --base-url {base_url} --pool-url {pool_url}"
+    return (f"{prefix}.venv/bin/python manage.py seed_demo --json --base-url {base_url} --pool-url {pool_url} "
+            f"--overflow-url {overflow_url}")
 
 
 def main() -> None:
@@ -167,6 +181,8 @@ def main() -> None:
     log_dir.mkdir(exist_ok=True)
     sim_port = _sim_port(env, port)
     env.setdefault("SLUICE_SIM_URL", f"http://127.0.0.1:{sim_port}/v1")
+    overflow_sim_port = _overflow_sim_port(port, sim_port)
+    env.setdefault("SLUICE_SIM_OVERFLOW_URL", f"http://127.0.0.1:{overflow_sim_port}/v1")
     # Every process writes its metrics here and /metrics adds them up; emptied
     # first, since files of the last run would count again.
     env["PROMETHEUS_MULTIPROC_DIR"] = env.get("PROMETHEUS_MULTIPROC_DIR") or str(var_dir / "metrics")
@@ -233,6 +249,8 @@ def main() -> None:
         # Each stage gets its grace and 10 s more before SIGKILL (every
         # process normally exits within 5 s: docs/RELIABILITY.md).
         supervisor.spawn("sim", processes.sim_command(port=sim_port), stage=STAGE_SIM, stop_timeout_s=10)
+        supervisor.spawn("sim-overflow", processes.sim_command(port=overflow_sim_port), stage=STAGE_SIM,
+                         stop_timeout_s=10)
         for lane in LANE_NAMES:
             for node, command in processes.lane_worker_commands(lane):
                 supervisor.spawn(f"worker-{node}", command, stage=STAGE_WORKERS,
@@ -266,7 +284,7 @@ Sluice is up.
   API docs       : http://127.0.0.1:{port}/api/docs/
   OpenAI API     : {demo['base_url']}
   Health         : http://127.0.0.1:{port}/healthz (live), /readyz (ready)
-  Simulated pool : http://127.0.0.1:{sim_port}/v1
+  Simulated pool : http://127.0.0.1:{sim_port}/v1 (sim-pool), http://127.0.0.1:{overflow_sim_port}/v1 (sim-overflow)
   Metrics        : http://127.0.0.1:{port}/metrics   (Prometheus; docs/grafana-sluice.json is a dashboard)
   Logs           : {log_dir}/
 
@@ -282,7 +300,8 @@ Try it (acme-chat, an interactive workload):
   print(reply.choices[0].message.content, reply.usage)
 
 Every demo workload and its key:
-  {_seed_demo_hint(var_dir=var_dir, base_url=demo['base_url'], pool_url=env['SLUICE_SIM_URL'])}
+  {_seed_demo_hint(var_dir=var_dir, base_url=demo['base_url'], pool_url=env['SLUICE_SIM_URL'],
+                   overflow_url=env['SLUICE_SIM_OVERFLOW_URL'])}
 A process that dies is started again. Ctrl-C stops every process started here, in order
 (a second Ctrl-C skips the workers' grace); Redis keeps what it holds for the next run.
 """, flush=True)
