@@ -22,6 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -286,3 +288,32 @@ def test_a_lane_worker_killed_while_serving_is_started_again_and_the_platform_ke
     assert [getattr(a, "status_code", a) for a in answers] == [200] * 4
     wait_until(lambda: run.sql("SELECT COUNT(*) FROM budgets_usagerecord")[0][0] == 6, "six ledger rows")
     assert run.admitted("acme-chat") == 6
+
+
+def test_a_burst_of_acme_chat_past_its_slice_is_answered_by_both_demo_pools(make_run):
+    # given the demo as `make run` seeds it: acme-chat's slice of sim-pool (ceiling 80,000 TPM: a burst of
+    # 20,000 tokens) and its overflow slice of sim-overflow, a second simulator process
+    run = make_run()
+    key = run.api_key("acme-chat")
+    assert "(sim-overflow)" in run.output()
+
+    def call(n: int) -> httpx.Response:
+        return httpx.post(f"{run.base_url}/v1/chat/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": "sim-small", "messages": [{"role": "user", "content": f"burst {n}"}],
+                                "max_tokens": 1000, "sim": {"output_tokens": 1000}})
+
+    # when 26 calls of about 1,010 tokens each, all of them used, come at once (more than the primary's burst holds)
+    with ThreadPoolExecutor(26) as callers:
+        answers = list(callers.map(call, range(26)))
+    # then every one is answered, by both pools, and the ledger bills each at its own pool's price
+    assert [a.status_code for a in answers] == [200] * 26
+    served = Counter(a.headers["x-sluice-pool"] for a in answers)
+    assert set(served) == {"sim-pool", "sim-overflow"} and served["sim-pool"] >= 15
+    ids = [a.headers["x-request-id"] for a in answers]
+    wait_until(lambda: run.sql("SELECT COUNT(*) FROM budgets_usagerecord")[0][0] >= 26, "26 ledger rows")
+    rows = run.sql("SELECT r.request_id, p.slug, r.overflow FROM budgets_usagerecord r "
+                   "JOIN budgets_inferencepool p ON p.id = r.pool_id")
+    assert sorted((rid, slug, bool(overflow)) for rid, slug, overflow in rows if rid in ids) == sorted(
+        (a.headers["x-request-id"], a.headers["x-sluice-pool"], a.headers["x-sluice-pool"] == "sim-overflow")
+        for a in answers)
