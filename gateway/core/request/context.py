@@ -46,31 +46,74 @@ class CallerContext:
     max_tokens_cap: int
     max_tokens_default: int
     queue_timeout_s: float
-    pool_id: int | None
-    pool_base_url: str
-    pool_api_key_env: str
+    # Every model some slice of its route serves that it may call.
     served_models: tuple[str, ...]
-    tokenizer: str
-    safety_factor: float
-    ceiling_tpm: int
-    rpm: int
-    reserved_tpm: int = 0
-    prices: dict[str, TokenPrice] = field(default_factory=dict)  # model -> price in force
-    # May the body carry the pool's test switches ("sim")? Only for a pool
-    # marked is_simulator, and only where SLUICE_SIM_CONTROLS is on.
-    sim_controls: bool = False
+    # The route: every slice on an active pool, by rank.
+    slices: tuple[PoolSlice, ...] = ()
+    # The slice being admitted on: the primary until routing moves it
+    # (``on_slice``); None without any slice.
+    pool: PoolSlice | None = None
     # The API key the request came with (None: a cron firing, a paced job's
     # release); the ledger row records it for the request log and key usage.
     api_key_id: int | None = None
-    # The route: every slice on an active pool, by rank. The pool fields
-    # above are the slice being admitted on (the primary until routing
-    # moves it: ``on_slice``).
-    slices: tuple[PoolSlice, ...] = ()
-    pool_slug: str = ""
-    slice_rank: int = 0  # the rank of the slice above in the route
-    overflow: bool = False  # the pool above is an overflow slice (a rank above the primary)
     allowed_models: tuple[str, ...] = ()  # empty: any model its pools serve
     allow_overflow: bool = True
+
+    @property
+    def pool_id(self) -> int | None:
+        return self.pool.pool_id if self.pool else None
+
+    @property
+    def pool_slug(self) -> str:
+        return self.pool.pool_slug if self.pool else ""
+
+    @property
+    def pool_base_url(self) -> str:
+        return self.pool.pool_base_url if self.pool else ""
+
+    @property
+    def pool_api_key_env(self) -> str:
+        return self.pool.pool_api_key_env if self.pool else ""
+
+    @property
+    def tokenizer(self) -> str:
+        return self.pool.tokenizer if self.pool else "cl100k_base"
+
+    @property
+    def safety_factor(self) -> float:
+        return self.pool.safety_factor if self.pool else 1.0
+
+    @property
+    def ceiling_tpm(self) -> int:
+        return self.pool.ceiling_tpm if self.pool else 0
+
+    @property
+    def rpm(self) -> int:
+        return self.pool.rpm if self.pool else 0
+
+    @property
+    def reserved_tpm(self) -> int:
+        return self.pool.reserved_tpm if self.pool else 0
+
+    @property
+    def prices(self) -> dict[str, TokenPrice]:
+        """Model -> price in force on the pool being admitted on."""
+        return self.pool.prices if self.pool else {}
+
+    @property
+    def sim_controls(self) -> bool:
+        """May the body carry the pool's test switches ("sim")? Only for a
+        pool marked is_simulator, and only where SLUICE_SIM_CONTROLS is on."""
+        return self.pool.sim_controls if self.pool else False
+
+    @property
+    def slice_rank(self) -> int:
+        return self.pool.rank if self.pool else 0
+
+    @property
+    def overflow(self) -> bool:
+        """The pool being admitted on is an overflow slice (a rank above the primary)."""
+        return bool(self.pool and self.slices and self.pool.rank > self.slices[0].rank)
 
     @property
     def limits(self) -> dict[str, int]:
@@ -91,11 +134,7 @@ class CallerContext:
 
     def on_slice(self, s: PoolSlice) -> CallerContext:
         """This context admitted on slice ``s``."""
-        return replace(
-            self, pool_id=s.pool_id, pool_slug=s.pool_slug, pool_base_url=s.pool_base_url,
-            pool_api_key_env=s.pool_api_key_env, tokenizer=s.tokenizer, safety_factor=s.safety_factor,
-            ceiling_tpm=s.ceiling_tpm, rpm=s.rpm, reserved_tpm=s.reserved_tpm, prices=s.prices,
-            sim_controls=s.sim_controls, slice_rank=s.rank, overflow=s.rank > self.slices[0].rank)
+        return replace(self, pool=s)
 
 
 def _slice(reservation, *, at) -> PoolSlice:
@@ -119,7 +158,7 @@ def context_for_workload(workload: Workload) -> CallerContext:
     primary_rank = slices[0].rank if slices else 0
     callable_models = {m for s in slices if workload.allow_overflow or s.rank == primary_rank
                        for m in s.served_models if not allowed or m in allowed}
-    ctx = CallerContext(
+    return CallerContext(
         tenant_id=workload.tenant_id,
         tenant_slug=workload.tenant.slug,
         workload_id=workload.id,
@@ -129,10 +168,7 @@ def context_for_workload(workload: Workload) -> CallerContext:
         max_tokens_cap=workload.max_tokens_cap,
         max_tokens_default=workload.max_tokens_default,
         queue_timeout_s=workload.queue_timeout_s,
-        pool_id=None, pool_base_url="", pool_api_key_env="",
-        # Every model some slice of the route serves (and the workload may call).
         served_models=tuple(sorted(callable_models)),
-        tokenizer="cl100k_base", safety_factor=1.0, ceiling_tpm=0, rpm=0, reserved_tpm=0,
-        slices=slices, allowed_models=allowed, allow_overflow=workload.allow_overflow,
+        slices=slices, pool=slices[0] if slices else None,
+        allowed_models=allowed, allow_overflow=workload.allow_overflow,
     )
-    return ctx.on_slice(slices[0]) if slices else ctx
