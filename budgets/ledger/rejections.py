@@ -438,17 +438,21 @@ def rejection_by_request_id(*, request_id: str, pool_ids: list[int], now_s: floa
     """A refusal's details (the sample JSON: id, at, wid, tid, pid, kid,
     reason, tokens, retry_after_ms, message) still in Redis, found by its
     request id in the last 25 hours of every pool: one round trip of
-    HGETs. None when none of them holds it (older, never refused, or past
-    the per-hour cap)."""
+    HGETs. None when none of them holds it (older, never refused, past
+    the per-hour cap, or Redis is away)."""
     now_s = time.time() if now_s is None else now_s
     newest = _hour_epoch(now_s)
     hours = [newest - 3600 * back for back in range(BY_ID_KEPT_S // 3600 + 1)]
-    client = get_redis()
-    pipe = client.pipeline(transaction=False)
-    for pool_id in pool_ids:
-        for hour in hours:
-            pipe.hget(keys.rejection_hour_refusals(pool_id, hour), request_id)
-    for raw in pipe.execute():
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for pool_id in pool_ids:
+            for hour in hours:
+                pipe.hget(keys.rejection_hour_refusals(pool_id, hour), request_id)
+        replies = pipe.execute()
+    except Exception:  # noqa: BLE001 - a lookup answers "not found" when Redis is away, never a 500
+        unavailable_note("refusals by request id")
+        return None
+    for raw in replies:
         if raw:
             found = _parsed_samples([raw])
             if found:
