@@ -438,7 +438,7 @@ SLUICE_REJECTION_SAMPLE_RETENTION_DAYS = env_int("SLUICE_REJECTION_SAMPLE_RETENT
 # least 24 hours (one hash per pool and hour), at most this many per pool and
 # hour: the cap bounds Redis's memory under a refusal storm (docs/architecture.md,
 # "Finding a request"); counts stay exact past it.
-SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR = env_int("SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR", 200_000)
+SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR = env_int("SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR", 50_000)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
