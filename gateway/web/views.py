@@ -255,8 +255,12 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)
     if job.status == Job.Status.REJECTED:
         error = (job.result or {}).get("error", {})
-        return openai_error(status=429, message=error.get("message", "Rejected."), error_type="rate_limit_error",
-                            code=job.reason or "rejected", param="deadline_seconds")
+        refused = Rejected(reason=job.reason or "rejected", message=error.get("message", "Rejected."), status=429,
+                           error_type="rate_limit_error", param="deadline_seconds",
+                           estimated_tokens=job.estimated_input_tokens + job.estimated_output_tokens)
+        if submitted.created:  # a replay was counted when it was refused
+            return await _rejection(request, ctx, refused)
+        return rejected_response(refused)
     response = JsonResponse(view, status=202 if submitted.created else 200)
     response["Location"] = view["status_url"]
     if not submitted.created:

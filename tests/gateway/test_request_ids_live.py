@@ -75,6 +75,14 @@ def test_the_chatcmpl_id_and_a_429s_request_id_find_their_requests(platform, mak
     found = wait_for(lambda: request_find(tenant_ids=scope, query=completion.id), timeout=15, what="the ledger row")
     assert found.request_id == raw.headers["x-request-id"]
     assert UsageRecord.objects.get(request_id=found.request_id).completion_id == completion.id
+    # and a stream's chunk id finds its row too
+    stream = sdk(platform, caller.api_key).chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=5, stream=True, extra_body={"sim": {"output_tokens": 3}})
+    chunk_ids = {chunk.id for chunk in stream}
+    assert len(chunk_ids) == 1 and next(iter(chunk_ids)).startswith("chatcmpl-")
+    streamed = wait_for(lambda: request_find(tenant_ids=scope, query=next(iter(chunk_ids))), timeout=15,
+                        what="the stream's row")
+    assert UsageRecord.objects.get(request_id=streamed.request_id).lane == "interactive"
     # and each 429's x-request-id opens that refusal's page, with its key
     key = ApiKey.objects.get(workload=caller.workload)
     client.force_login(member_of(caller.tenant))
@@ -153,3 +161,17 @@ def test_cron_firings_carry_their_schedules_key_and_count_their_pacing(platform,
     # and the two that waited for the pacer count it, with its reason
     assert sorted(j.delays for j in jobs) == [0, 1, 1]
     assert sorted(d["reason"] for j in jobs for d in j.delay_history) == ["paced", "paced"]
+
+
+def test_a_job_refused_at_submission_is_found_by_its_429s_request_id(platform, make_caller):
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, workload_class="batch", reserved_tpm=8_000, ceiling_tpm=8_000,
+                         prompt_tokens_cap=100, max_tokens_cap=1_900)
+    big = {"model": "sim-small", "messages": HELLO, "max_tokens": 1_900, "sim": {"output_tokens": 1, "latency_ms": 10_000}}
+    assert post_job(platform, caller.api_key, big).status_code == 202  # holds the whole bucket for ~2 s
+    refused = post_job(platform, caller.api_key, {**big, "deadline_seconds": 2})
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "deadline_unreachable")
+    request_id = refused.headers["x-request-id"]
+    scope = frozenset({caller.tenant.id})
+    found = wait_for(lambda: request_find(tenant_ids=scope, query=request_id), timeout=15, what="the refusal")
+    assert found.request_id == request_id
