@@ -443,6 +443,11 @@ SLUICE_REJECTION_SAMPLES_PER_MINUTE = env_int("SLUICE_REJECTION_SAMPLES_PER_MINU
 # (the first one after a quiet tick at once; budgets/ledger/rejections.py).
 SLUICE_REJECTION_PUSH_S = env_float("SLUICE_REJECTION_PUSH_S", 1.0)
 SLUICE_REJECTION_SAMPLE_RETENTION_DAYS = env_int("SLUICE_REJECTION_SAMPLE_RETENTION_DAYS", 30)
+# Every refusal's details stay in Redis, findable by its request id, for at
+# least 24 hours (one hash per pool and hour), at most this many per pool and
+# hour: the cap bounds Redis's memory under a refusal storm (docs/architecture.md,
+# "Finding a request"); counts stay exact past it.
+SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR = env_int("SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR", 50_000)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -51,6 +51,7 @@ class LedgerEntry:
     # Where the actual tokens come from (UsageRecord.UsageSource): the pool's
     # usage, counted by the gateway (a stream cut short), or the estimate.
     usage_source: str = ""
+    completion_id: str = ""  # the pool's id for the answer (chatcmpl-...), "" when none came back
     # The price the gateway resolved at admission (the price in force when the
     # request arrived), so settlement needs no lookup: (id, input, output per
     # million), or None when the model had no price. Unset: look it up.
@@ -64,6 +65,7 @@ def usage_record_write(*, entry: LedgerEntry) -> None:
     row = dict(entry.__dict__)
     known = row.pop("price")
     row["error"] = row["error"][:500]
+    row["completion_id"] = row["completion_id"][:128]
     if known is False:
         price = price_in_force(model=entry.model, at=entry.created_at, pool_id=entry.pool_id)
         known = (price.pk, price.input_per_million, price.output_per_million) if price is not None else None

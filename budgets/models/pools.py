@@ -269,6 +269,9 @@ class UsageRecord(models.Model):
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT, related_name="usage_records",
                                 db_index=False)  # ledger_key_at_id leads with it
     usage_source = models.CharField(max_length=16, choices=UsageSource.choices, blank=True, default="")
+    # The pool's own id for the answer (``chatcmpl-...``, what the SDK
+    # returns), so a caller's report finds the row; "" when none came back.
+    completion_id = models.CharField(max_length=128, blank=True, default="")
 
     objects = UsageRecordQuerySet.as_manager()
 
@@ -285,6 +288,7 @@ class UsageRecord(models.Model):
             models.Index(fields=["tenant", "status", "created_at", "id"], name="ledger_tenant_status_at_id"),
             models.Index(fields=["pool", "created_at", "id"], name="ledger_pool_at_id"),
             models.Index(fields=["created_at", "id"], name="ledger_at_id"),
+            models.Index(fields=["completion_id"], condition=~models.Q(completion_id=""), name="ledger_completion_id"),
         ]
 
     def __str__(self) -> str:

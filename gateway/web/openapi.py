@@ -98,6 +98,10 @@ JOB = {"type": "object", "properties": {
     "released_at": {"type": "string", "format": "date-time", "nullable": True},
     "finished_at": {"type": "string", "format": "date-time", "nullable": True},
     "reason": {"type": "string", "nullable": True}, "delays": {"type": "integer"},
+    "delay_history": {"type": "array", "description": "Each wait: when, why (the refusal's reason, or paced) and "
+                      "the release time planned.", "items": {"type": "object", "properties": {
+                          "at": {"type": "string", "format": "date-time"}, "reason": {"type": "string"},
+                          "release_at": {"type": "string", "format": "date-time"}}}},
     "status_url": {"type": "string"}, "result": {"type": "object", "nullable": True},
     "usage": {"type": "object", "nullable": True}, "cost": {"type": "string", "nullable": True},
 }}

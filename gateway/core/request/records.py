@@ -185,6 +185,18 @@ class Outcome:
     # The pool that answered (its slug), when the call moved from the pool it
     # was admitted on (gateway/worker/failover.py); '' otherwise.
     pool: str = ""
+    # Streams: the pool's id for the answer, read from its chunks (an
+    # answer in one piece carries it in ``body``).
+    completion_id: str = ""
+
+    @property
+    def answer_id(self) -> str:
+        """The pool's id for the answer (``chatcmpl-...``: what the SDK
+        returns to the caller), "" when none came back."""
+        if self.completion_id:
+            return self.completion_id
+        found = (self.body or {}).get("id") if self.status == "ok" and not self.streamed else None
+        return found if isinstance(found, str) else ""
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict: that deep-copies the body
@@ -285,7 +297,8 @@ def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
 
 def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int = 0, actual_output_tokens: int = 0,
                  queue_wait_ms: int = 0, upstream_ms: int = 0, total_ms: int = 0, attempts: int = 0,
-                 error: str = "", usage_source: str = "", ttft_ms: int | None = None) -> LedgerEntry:
+                 error: str = "", usage_source: str = "", ttft_ms: int | None = None,
+                 completion_id: str = "") -> LedgerEntry:
     """The request's one ledger row, priced at the price in force when it was admitted."""
     return LedgerEntry(
         request_id=record.request_id,
@@ -297,4 +310,5 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, ttft_ms=ttft_ms, attempts=attempts,
         error=error, usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
+        completion_id=completion_id,
     )

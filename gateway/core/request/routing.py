@@ -13,7 +13,7 @@ A pool whose circuit is not closed admits by holding the request until the
 provider recovers (gateway/core/protection/held.py): with a pool after it in
 the route, its lease is given back and the next pool is asked instead, so a
 pool that is failing is skipped while another can serve; except the one
-request the circuit takes as its half-open trial (circuit.lua's gate), which
+request the circuit takes as its half-open trial (gateway/core/protection/circuit.lua, its gate), which
 goes to that pool's lane at once: its success closes the circuit and brings
 the route back to its primary, its failure moves it on to the next pool
 (gateway/worker/failover.py). The caller hears a
