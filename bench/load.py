@@ -36,7 +36,8 @@ class Call:
 
 
 KEEP_HEADERS = ("x-sluice-lane", "x-sluice-borrowed", "x-sluice-queue-ms", "x-sluice-total-ms", "retry-after",
-                "retry-after-ms", "x-sim-queue-ms", "x-sim-prefill-ms", "x-sim-decode-ms", "x-request-id")
+                "retry-after-ms", "x-sim-queue-ms", "x-sim-prefill-ms", "x-sim-decode-ms", "x-request-id",
+                "x-sluice-pool", "x-sluice-route-refusals")
 
 
 async def timed_post(client: HttpClient, path: str, body: dict, headers: dict[str, str], kind: str, t0: float,

@@ -208,6 +208,17 @@ class Platform:
         sim = self._start("sim", processes.sim_command(port=self.sim_port, extra=args))
         processes.wait_http(f"{self.sim_url}/healthz", sim, timeout=30)
 
+    def start_named_sim(self, name: str, args: list[str]) -> str:
+        """A further simulated pool in its own process (another pool of a
+        route); returns its base URL."""
+        from llm_platform import processes
+
+        port = processes.free_port()
+        sim = self._start(f"sim-{name}", processes.sim_command(port=port, extra=args))
+        url = f"http://127.0.0.1:{port}"
+        processes.wait_http(f"{url}/healthz", sim, timeout=30)
+        return url
+
     def start_sluice(self, *, lanes: dict[str, int] | None = None, web_workers: int = 1, beat: bool = True,
                      extra_env: dict[str, str] | None = None) -> None:
         """Web (uvicorn, ``web_workers`` processes), one worker pool per lane

@@ -23,7 +23,7 @@ import time
 import traceback
 
 from . import (accuracy, admission_scale, brownout, burst, calibration, cost, mixed, overhead, request_log,
-               retry_storm, runaway, streaming)
+               retry_storm, routing, runaway, streaming)
 from .common import (OUT_DIR, fmt, git_revision, log, machine_speed, read_result, report_paths, speed_line,
                      speed_scaled, write_result)
 from .platform import Services
@@ -40,11 +40,12 @@ SCENARIOS = [
     ("runaway", runaway, "2. Runaway batch (bulkhead)"),
     ("brownout", brownout, "3. Brownout"),
     ("retry_storm", retry_storm, "4. Retry storm"),
+    ("routing", routing, "12. Routing across pools: spill-over, fail-over, replicas"),
     ("accuracy", accuracy, "6. Budget accuracy"),
     ("request_log", request_log, "8. Request log at scale"),
 ]
 REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log",
-                "cost", "admission_scale", "burst", "calibration"]
+                "cost", "admission_scale", "burst", "routing", "calibration"]
 
 
 def _machine(speed: dict[str, float] | None) -> str:
@@ -224,6 +225,18 @@ row is the one the target names; its bound includes the 1 s burst capacity (1,00
 about 8 requests), part of the configured budget. `budget_unavailable` answers are admission
 calls that hit the 0.5 s Redis timeout (`SLUICE_REDIS_TIMEOUT_S`) while 4 web processes, the
 workers and the client saturate 2 cores: refused safely (503), never admitted.""",
+    "routing": """**Reading it.** Each pool's admission is its own atomic step; a request the primary refuses
+for its own bucket (the slice is the whole primary budget) is asked of the overflow in the same
+admission, so callers see no 429 while the overflow has room, and the primary's bucket stays
+spent (the excess, not a share, spills). In the outage the first calls fail on the primary before
+any token and move once to the overflow (`gateway/worker/failover.py`); after
+`SLUICE_CIRCUIT_FAILURES` failures in a row the primary's circuit opens and admission skips it.
+Each open period (`SLUICE_CIRCUIT_OPEN_S`, 1 s) lets one request through as the half-open trial:
+while the outage lasts the trial fails and moves, one extra pool attempt per second, which is why
+the attempts per operation are higher within the outage than over the run; the first trial after
+the recovery succeeds, closes the circuit and brings the route back to the primary. Replicas are
+ordered by headroom (`budgets/admission/headroom.lua`: the least used of bucket, in-flight and
+provider room) at each admission.""",
     "calibration": """**Reading it.** Three engine parameters (`decode_base_ms`, `decode_per_seq_ms`,
 `prefill_ms_per_token`) plus the KV-cache size reproduce the published throughput curve (linear
 gain, knee, plateau when the KV cache is full) and the inter-token latency rise up to the knee.
@@ -319,6 +332,13 @@ def _summary_table() -> str:
         rows.append([f"11 burst ({' and '.join(map(str, d['sizes']))} streams at once)",
                      "; ".join(t["what"] for t in checks), "; ".join(f"**{t['value']}**" for t in checks),
                      "; ".join(t["target"] for t in checks),
+                     "met" if all(t["met"] for t in checks) else
+                     f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])
+    d = get("routing")
+    if d and "spill" in d:
+        checks = routing.targets(d)
+        rows.append(["12 routing (spill-over, fail-over, replicas)", "; ".join(t["what"] for t in checks),
+                     "; ".join(f"**{t['value']}**" for t in checks), "; ".join(t["target"] for t in checks),
                      "met" if all(t["met"] for t in checks) else
                      f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])
     d = get("accuracy")

@@ -31,9 +31,38 @@ def pool_create(*, slug: str, base_url: str, provider_tpm: int, provider_rpm: in
     pool.save()
     for model, price_in, price_out in (("sim-small", "0.15", "0.60"), ("sim-large", "2.50", "10.00")):
         ModelPrice.objects.get_or_create(
-            model=model, effective_from=timezone.make_aware(timezone.datetime(2026, 1, 1)),
+            model=model, pool=None, effective_from=timezone.make_aware(timezone.datetime(2026, 1, 1)),
             defaults={"input_per_million": Decimal(price_in), "output_per_million": Decimal(price_out)})
     return pool
+
+
+def pool_price_set(*, pool, model: str, input_per_million: str, output_per_million: str):
+    """The model's price on this pool only (it overrides the model's general
+    price there: an overflow provider costs more than the reserved pool)."""
+    from budgets.models import ModelPrice
+    from django.utils import timezone
+
+    return ModelPrice.objects.create(model=model, pool=pool, input_per_million=Decimal(input_per_million),
+                                     output_per_million=Decimal(output_per_million),
+                                     effective_from=timezone.make_aware(timezone.datetime(2026, 1, 1)))
+
+
+def slice_add(*, workload_id: int, pool, rank: int, reserved_tpm: int, ceiling_tpm: int, rpm: int,
+              lend_fraction: float = 0.0) -> None:
+    """A further slice of a seeded workload on another pool (``rank``: equal
+    to the primary's 0 for a replica, above it for overflow)."""
+    from budgets.models import Reservation
+    from budgets.services.reservations import reservation_save
+
+    reservation_save(reservation=Reservation(workload_id=workload_id, pool=pool, rank=rank, reserved_tpm=reserved_tpm,
+                                             ceiling_tpm=ceiling_tpm, lend_fraction=lend_fraction, rpm=rpm))
+
+
+def scaled_slice_add(*, scale, workload_id: int, pool, rank: int, reserved_tpm: int, ceiling_tpm: int,
+                     rpm: int) -> None:
+    """``slice_add`` with TPM/RPM per simulated minute (see scaled_pool)."""
+    slice_add(workload_id=workload_id, pool=pool, rank=rank, reserved_tpm=round(scale.real_rate(reserved_tpm)),
+              ceiling_tpm=round(scale.real_rate(ceiling_tpm)), rpm=round(scale.real_rate(rpm)))
 
 
 def workload_create(*, pool, slug: str, workload_class: str, reserved_tpm: int, ceiling_tpm: int, rpm: int,

@@ -57,7 +57,7 @@ class ReservationAdminForm(forms.ModelForm):
 @admin.register(Reservation)
 class ReservationAdmin(admin.ModelAdmin):
     form = ReservationAdminForm
-    list_display = ("workload", "pool", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency")
+    list_display = ("workload", "pool", "rank", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency")
     list_filter = ("pool",)
 
     def save_model(self, request, obj, form, change):
@@ -72,16 +72,17 @@ class ReservationAdmin(admin.ModelAdmin):
 
 @admin.register(ModelPrice)
 class ModelPriceAdmin(admin.ModelAdmin):
-    list_display = ("model", "input_per_million", "output_per_million", "currency", "effective_from")
+    list_display = ("model", "pool", "input_per_million", "output_per_million", "currency", "effective_from")
 
 
 @admin.register(UsageRecord)
 class UsageRecordAdmin(admin.ModelAdmin):
     """Read-only: the ledger is append-only."""
 
-    list_display = ("request_id", "created_at", "tenant", "workload", "model", "lane", "status", "borrowed",
+    list_display = ("request_id", "created_at", "tenant", "workload", "pool", "model", "lane", "status", "borrowed",
+                    "overflow", "failed_over",
                     "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "cost")
-    list_filter = ("status", "lane", "borrowed", "tenant")
+    list_filter = ("status", "lane", "borrowed", "overflow", "failed_over", "pool", "tenant")
     date_hierarchy = "created_at"
 
     def has_add_permission(self, request):

@@ -1,13 +1,29 @@
+from django import forms
 from django.contrib import admin
 
 from gateway.models import Job, JobCallbackDelivery, JobSchedule
 from gateway.core.jobs.schedules import schedule_delete, schedule_sync
 
 
+class JobScheduleForm(forms.ModelForm):
+    """A new schedule names the key its firings are made with, so their
+    ledger rows count under it (JobSchedule.clean checks it is the workload's)."""
+
+    class Meta:
+        model = JobSchedule
+        fields = "__all__"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["api_key"].required = self.instance.pk is None
+
+
 @admin.register(JobSchedule)
 class JobScheduleAdmin(admin.ModelAdmin):
-    list_display = ("name", "workload", "crontab", "jobs_per_run", "enabled")
+    form = JobScheduleForm
+    list_display = ("name", "workload", "api_key", "crontab", "jobs_per_run", "enabled")
     list_filter = ("enabled",)
+    raw_id_fields = ("api_key",)
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)

@@ -51,6 +51,11 @@ class Job(models.Model):
     result = models.JSONField(null=True, blank=True)
     callback_status = models.IntegerField(null=True, blank=True)
     schedule = models.ForeignKey("JobSchedule", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    # The key that submitted the job (its schedule's key for a cron firing),
+    # carried to the ledger row when the pacer releases it later.
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Each time it was sent back to wait: {"at", "reason", "release_at"} (ISO times).
+    delay_history = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -108,6 +113,10 @@ class JobSchedule(models.Model):
     deadline_seconds = models.PositiveIntegerField(default=3600, validators=[MinValueValidator(1)])
     callback_url = models.URLField(max_length=1000, blank=True)
     enabled = models.BooleanField(default=True)
+    api_key = models.ForeignKey(
+        "tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+        help_text="The workload key its firings are made with: their ledger rows carry it.",
+    )
     periodic_task = models.OneToOneField(PeriodicTask, null=True, blank=True, editable=False, on_delete=models.SET_NULL)
 
     def __str__(self) -> str:
@@ -116,6 +125,8 @@ class JobSchedule(models.Model):
     def clean(self) -> None:
         if self.workload_id and self.workload.workload_class != Workload.WorkloadClass.SCHEDULED:
             raise ValidationError({"workload": "Schedules produce jobs for scheduled workloads only."})
+        if self.api_key_id and self.workload_id and self.api_key.workload_id != self.workload_id:
+            raise ValidationError({"api_key": "The key must belong to the schedule's workload."})
         try:
             validate_chat_request(self.body if isinstance(self.body, dict) else {})
         except Exception as exc:  # Rejected carries the OpenAI-style message

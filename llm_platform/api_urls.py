@@ -1,10 +1,11 @@
 """The management API (/api/*): DRF views of tenants and budgets, token
 authentication, the OpenAPI schema and its browsable docs."""
 
-from django.urls import path
+from django.urls import path, re_path
 from drf_spectacular.views import SpectacularSwaggerSplitView
 
 from budgets.api import views as budgets_api
+from gateway.web import api as gateway_api
 from llm_platform.login import ThrottledObtainAuthToken
 from llm_platform.schema_view import SchemaView
 from tenants import api as tenants_api
@@ -30,6 +31,8 @@ urlpatterns = [
          name="api-budget-request-approve"),
     path("budget-requests/<int:request_id>/reject/", budgets_api.BudgetRequestDecision.as_view(decision="reject"),
          name="api-budget-request-reject"),
+    # Any id a caller holds: request id, chatcmpl- id or job id (with or without the trailing slash).
+    re_path(r"^requests/(?P<request_id>[^/]{1,200})/?$", gateway_api.RequestLookup.as_view(), name="api-request-detail"),
     path("spend-budgets/", budgets_api.SpendBudgetList.as_view(), name="api-spend-budget-list"),
     path("usage/summary/", budgets_api.UsageSummaryView.as_view(), name="api-usage-summary"),
     path("ledger/export/", budgets_api.LedgerExportView.as_view(), name="api-ledger-export"),

@@ -285,6 +285,9 @@ SLUICE_KEY_LAST_USED_FLUSH_S = env_float("SLUICE_KEY_LAST_USED_FLUSH_S", 30.0)
 PORT = env_int("PORT", 8000)
 # The simulated pool used by `make run` and the tests.
 SLUICE_SIM_URL = os.environ.get("SLUICE_SIM_URL", "http://127.0.0.1:8100/v1")
+# The demo's second simulated pool (sim-overflow: pay-as-you-go overflow
+# behind sim-pool), its own simulator process under `make run`.
+SLUICE_SIM_OVERFLOW_URL = os.environ.get("SLUICE_SIM_OVERFLOW_URL", "http://127.0.0.1:8101/v1")
 
 # --- health (gateway/web/health.py) and pool probes (gateway/worker/prober.py) ------
 # /healthz (the process answers) and /readyz (database and Redis answer) tell
@@ -307,6 +310,12 @@ SLUICE_WORKER_SHUTDOWN_GRACE_S = env_float("SLUICE_WORKER_SHUTDOWN_GRACE_S", 3.0
 # The web server lets requests in flight finish for this long, then closes them
 # (their admitted work still runs, settles and reaches the ledger).
 SLUICE_WEB_SHUTDOWN_GRACE_S = env_float("SLUICE_WEB_SHUTDOWN_GRACE_S", 3.0)
+# `make run` (llm_platform/supervisor.py) starts a process that died again after
+# this backoff, doubled for each death in a row within a minute of its start,
+# up to the maximum, and at most this many times a minute: a crash loop waits.
+SLUICE_RUN_RESTART_BACKOFF_S = env_float("SLUICE_RUN_RESTART_BACKOFF_S", 1.0)
+SLUICE_RUN_RESTART_BACKOFF_MAX_S = env_float("SLUICE_RUN_RESTART_BACKOFF_MAX_S", 30.0)
+SLUICE_RUN_RESTARTS_PER_MINUTE = env_int("SLUICE_RUN_RESTARTS_PER_MINUTE", 5)
 
 # Worker threads per lane, set by hand: SLUICE_WORKERS_INTERACTIVE,
 # SLUICE_WORKERS_INTERACTIVE_LONG, SLUICE_WORKERS_BATCH, SLUICE_WORKERS_SCHEDULED.
@@ -434,6 +443,11 @@ SLUICE_REJECTION_SAMPLES_PER_MINUTE = env_int("SLUICE_REJECTION_SAMPLES_PER_MINU
 # (the first one after a quiet tick at once; budgets/ledger/rejections.py).
 SLUICE_REJECTION_PUSH_S = env_float("SLUICE_REJECTION_PUSH_S", 1.0)
 SLUICE_REJECTION_SAMPLE_RETENTION_DAYS = env_int("SLUICE_REJECTION_SAMPLE_RETENTION_DAYS", 30)
+# Every refusal's details stay in Redis, findable by its request id, for at
+# least 24 hours (one hash per pool and hour), at most this many per pool and
+# hour: the cap bounds Redis's memory under a refusal storm (docs/architecture.md,
+# "Finding a request"); counts stay exact past it.
+SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR = env_int("SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR", 50_000)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -78,7 +78,7 @@ def workload_of_tenant(*, tenant: Tenant, workload_id: int) -> Workload:
 def workloads_of_tenant(*, tenant: Tenant) -> QuerySet[Workload]:
     return (
         Workload.objects.filter(tenant=tenant)
-        .select_related("tenant", "reservation", "reservation__pool")
+        .select_related("tenant")
         .order_by("slug")
     )
 

@@ -79,6 +79,14 @@ class Workload(models.Model):
         validators=[MinValueValidator(0.05)],
         help_text="A request still queued after this long is dropped without reaching the pool.",
     )
+    allowed_models = models.JSONField(
+        default=list, blank=True,
+        help_text='Models this workload may call, e.g. ["sim-small"]; empty: any model its slices\' pools serve.')
+    allow_overflow = models.BooleanField(
+        default=True, help_text="May requests spill over to overflow slices (a rank above the primary)?")
+    overflow_monthly_cap = models.DecimalField(
+        max_digits=14, decimal_places=2, null=True, blank=True,
+        help_text="Most this workload may spend on overflow slices in a month (blank: no cap of its own).")
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -200,10 +200,11 @@ def make_caller(transactional_db):
 
     def make_pool(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 1_000_000, provider_rpm: int = 10_000,
                   headroom: float = 0.8, burst_seconds: float = 15.0, max_concurrency: int = 256,
-                  is_simulator: bool = True, **extra):
+                  is_simulator: bool = True, served_models: list[str] | None = None, **extra):
         counter["n"] += 1
         pool = InferencePool(name=f"pool {counter['n']}", slug=f"pool-{counter['n']}-{os.getpid()}", base_url=base_url,
-                             served_models=["sim-small", "sim-large"], provider_tpm=provider_tpm,
+                             served_models=["sim-small", "sim-large"] if served_models is None else served_models,
+                             provider_tpm=provider_tpm,
                              provider_rpm=provider_rpm, headroom=headroom, burst_seconds=burst_seconds,
                              max_concurrency=max_concurrency, is_simulator=is_simulator, **extra)
         pool.full_clean()

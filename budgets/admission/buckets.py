@@ -34,6 +34,8 @@ REASON_MESSAGES = {
     "provider_rpm": "The provider reported its requests-per-minute limit used up; retry after its reset.",
     "workload_concurrency": "This workload is at its in-flight request limit.",
     "spend_budget": "This month's spend budget is used up; it renews at the start of next month.",
+    "overflow_spend_budget": "This month's overflow spend cap is used up; the workload's own slices still serve "
+                             "it, and the cap renews at the start of next month.",
     "pool_backoff": "The pool asked us to back off; sheddable and borrowed work waits until it recovers.",
     "pool_unavailable": "The inference pool of this workload is not answering; retry after its next health probe.",
     "request_too_large": "This request is larger than the workload's budget can ever admit at once; lower max_tokens or the prompt.",

@@ -95,6 +95,12 @@ def rejection_minute_samples(pool_id: int, minute_epoch: int) -> str:
     return f"{pool_tag(pool_id)}:rej:{minute_epoch}:samples"
 
 
+def rejection_hour_refusals(pool_id: int, hour_epoch: int) -> str:
+    """Hash: every refusal of one hour, request id -> its JSON details, kept
+    25 hours (a refusal is findable by its id for at least 24)."""
+    return f"{pool_tag(pool_id)}:rej:{hour_epoch}:by-id"
+
+
 def rejection_pending_minutes(pool_id: int) -> str:
     """Sorted set: minutes (epoch seconds) with counts not yet flushed to the database."""
     return f"{pool_tag(pool_id)}:rej:pending"

@@ -1,5 +1,6 @@
 -- Spend hold: check a request's estimated cost against its tenant's and its
--- workload's hard monthly caps, and add it to their month-to-date, atomically.
+-- workload's hard monthly caps (and, for a request on an overflow slice, the
+-- workload's overflow cap), and add it to their month-to-date, atomically.
 -- Runs before the pool's admission (admit.lua), on the tenant's keys only (a
 -- tenant spends on several pools; Redis Cluster forbids one script on both);
 -- when the pool then refuses, spend_settle.lua forgets the hold.
@@ -13,10 +14,16 @@
 --       tenant_spend_holds; all tagged {tenant:<id>})
 -- ARGV: 1 tenant id, 2 workload id, 3 request id, 4 estimated cost (micro-units, > 0),
 --       5 month (YYYY-MM, the month of KEYS[2]), 6 hold ttl (ms: the lease's and a margin),
---       7 end of the month (ms)
+--       7 end of the month (ms), 8 '1' when the request is admitted on an overflow slice
+--       (routing across pools: its cost also counts against field O<workload id>)
+-- Fields of KEYS[1] and KEYS[2]: "T<tenant id>", "<workload id>", "O<workload id>".
+-- A hold is kept as "<fields>|<amount>|<month>|<expires ms>|<e or s>", <fields> the
+-- workload's fields it counts in, comma-separated ("12" or "12,O12");
+-- spend_settle.lua and spend_reconcile.lua read the same.
 -- Returns {1, now_ms}                    held
 --         {2, now_ms}                    already held (a replay of the same request id)
 --         {0, 'spend_budget', wait_ms}   refused: a cap would be passed
+--         {0, 'overflow_spend_budget', wait_ms}  refused: the overflow cap would be
 --         {-1, 'unconfigured'}           caps or month-to-date missing (new month, Redis
 --                                        flushed): the caller restores them and calls again
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -33,12 +40,14 @@ if redis.call('HEXISTS', KEYS[3], rid) == 1 then return {2, tostring(now)} end
 
 local cost = tonumber(ARGV[4])
 local fields = {'T' .. ARGV[1], ARGV[2]}
+if ARGV[8] == '1' then fields[3] = 'O' .. ARGV[2] end
 for _, field in ipairs(fields) do
   local cap = tonumber(redis.call('HGET', KEYS[1], field))
   if cap ~= nil then
     local spent = tonumber(redis.call('HGET', KEYS[2], field)) or 0
     if spent + cost > cap then
-      return {0, 'spend_budget', tostring(math.max(1, tonumber(ARGV[7]) - now))}
+      local reason = string.sub(field, 1, 1) == 'O' and 'overflow_spend_budget' or 'spend_budget'
+      return {0, reason, tostring(math.max(1, tonumber(ARGV[7]) - now))}
     end
   end
 end
@@ -47,7 +56,7 @@ end
 local amount = string.format('%d', cost)
 for _, field in ipairs(fields) do redis.call('HINCRBY', KEYS[2], field, amount) end
 redis.call('HSET', KEYS[3], rid,
-           ARGV[2] .. '|' .. amount .. '|' .. ARGV[5] .. '|' .. string.format('%d', now + tonumber(ARGV[6])) .. '|e')
+           table.concat(fields, ',', 2) .. '|' .. amount .. '|' .. ARGV[5] .. '|' .. string.format('%d', now + tonumber(ARGV[6])) .. '|e')
 -- A month's hash outlives its month long enough for late settlements and pages.
 redis.call('PEXPIRE', KEYS[2], 70 * 86400 * 1000)
 redis.call('PEXPIRE', KEYS[3], 70 * 86400 * 1000)

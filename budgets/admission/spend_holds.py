@@ -52,6 +52,9 @@ class SpendHold:
     cost_micro: int  # > 0: a request without a price is not held
     month: str  # YYYY-MM (UTC) of the month-to-date it is held against
     month_end_ms: float
+    # Admitted on an overflow slice: it also counts against the workload's
+    # overflow cap (field O<workload id>).
+    overflow: bool = False
 
 
 def spend_hold_call(hold: SpendHold, *, request_id: str, lease_ttl_ms: int, estimated_tokens: int = 0) -> ScriptCall[bool]:
@@ -74,7 +77,7 @@ def spend_hold_call(hold: SpendHold, *, request_id: str, lease_ttl_ms: int, esti
         keys=[keys.tenant_spend_caps(hold.tenant_id), keys.tenant_spend_month(hold.tenant_id, hold.month),
               keys.tenant_spend_holds(hold.tenant_id)],
         args=[hold.tenant_id, hold.workload_id, request_id, hold.cost_micro, hold.month,
-              lease_ttl_ms + HOLD_GRACE_MS, int(hold.month_end_ms)],
+              lease_ttl_ms + HOLD_GRACE_MS, int(hold.month_end_ms), 1 if hold.overflow else 0],
         parse=parse,
     )
 

@@ -18,7 +18,8 @@
 -- ARGV: 1 tenant id, 2 month (YYYY-MM), 3 c = number of caps, 4 n = number of ledger
 --       fields, then c pairs (field, cap in micro-units), then n pairs (field, the
 --       ledger's cost in micro-units), then the request ids with a ledger row (any month)
---       Fields: "T<tenant id>" (the tenant) and "<workload id>".
+--       Fields: "T<tenant id>" (the tenant), "<workload id>" and "O<workload id>" (its
+--       spend on overflow slices); a hold's first part lists its workload fields.
 -- Returns {month-to-date fields written, holds counted, holds dropped}
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
@@ -49,7 +50,7 @@ for i = 1, #holds, 2 do
     dropped[#dropped + 1] = rid
   elseif hold_month == month then
     totals[tenant_field] = totals[tenant_field] + tonumber(amount)
-    totals[wid] = (totals[wid] or 0) + tonumber(amount)
+    for field in string.gmatch(wid, '[^,]+') do totals[field] = (totals[field] or 0) + tonumber(amount) end
     counted = counted + 1
   end
 end

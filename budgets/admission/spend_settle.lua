@@ -10,6 +10,7 @@
 --       4 '1' to forget the hold instead (the pool refused the request: it never
 --       existed, nothing will be written to the ledger), 5 month (YYYY-MM) of KEYS[2],
 --       6 how long a settled hold is kept (ms) when no reconciliation confirms it
+-- A hold's first part names the workload's fields it counts in (spend_hold.lua).
 -- Returns {1, estimated micro} settled (or forgotten) now, {0} nothing (left) to settle.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
@@ -20,10 +21,10 @@ if state ~= 'e' then return {0} end
 if month ~= ARGV[5] then return redis.error_reply('spend hold of ' .. month .. ' settled against ' .. ARGV[5]) end
 
 local estimated = tonumber(amount)
-local tenant_field = 'T' .. ARGV[1]
+local fields = {'T' .. ARGV[1]}
+for field in string.gmatch(wid, '[^,]+') do fields[#fields + 1] = field end
 if ARGV[4] == '1' then
-  redis.call('HINCRBY', KEYS[2], tenant_field, string.format('%d', 0 - estimated))
-  redis.call('HINCRBY', KEYS[2], wid, string.format('%d', 0 - estimated))
+  for _, field in ipairs(fields) do redis.call('HINCRBY', KEYS[2], field, string.format('%d', 0 - estimated)) end
   redis.call('HDEL', KEYS[1], ARGV[2])
   return {1, estimated}
 end
@@ -32,8 +33,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local actual = tonumber(ARGV[3])
 local correction = string.format('%d', actual - estimated)
-redis.call('HINCRBY', KEYS[2], tenant_field, correction)
-redis.call('HINCRBY', KEYS[2], wid, correction)
+for _, field in ipairs(fields) do redis.call('HINCRBY', KEYS[2], field, correction) end
 redis.call('HSET', KEYS[1], ARGV[2], wid .. '|' .. string.format('%d', actual) .. '|' .. month .. '|'
            .. string.format('%d', now + tonumber(ARGV[6])) .. '|s')
 return {1, estimated}

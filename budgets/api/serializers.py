@@ -26,21 +26,33 @@ class ReservationSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Reservation
-        fields = ["pool", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency", "updated_at"]
+        fields = ["pool", "rank", "reserved_tpm", "ceiling_tpm", "lend_fraction", "rpm", "max_concurrency",
+                  "updated_at"]
 
 
 class WorkloadSerializer(serializers.ModelSerializer):
+    """``reservation``: its primary slice (as before slices); ``slices``: its
+    whole route, primary first."""
+
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     reservation = serializers.SerializerMethodField()
+    slices = serializers.SerializerMethodField()
 
     class Meta:
         model = Workload
         fields = ["id", "tenant", "slug", "name", "workload_class", "prompt_tokens_cap", "max_tokens_cap",
-                  "max_tokens_default", "queue_timeout_s", "is_active", "reservation"]
+                  "max_tokens_default", "queue_timeout_s", "is_active", "allowed_models", "allow_overflow",
+                  "overflow_monthly_cap", "reservation", "slices"]
+
+    def _slices(self, workload) -> list:
+        return sorted(workload.slices.all(), key=lambda s: (s.rank, s.id))
 
     def get_reservation(self, workload) -> dict | None:
-        reservation = getattr(workload, "reservation", None)
-        return ReservationSerializer(reservation).data if reservation else None
+        slices = self._slices(workload)
+        return ReservationSerializer(slices[0]).data if slices else None
+
+    def get_slices(self, workload) -> list[dict]:
+        return ReservationSerializer(self._slices(workload), many=True).data
 
 
 class HeadroomSerializer(serializers.Serializer):

@@ -54,7 +54,8 @@ class WorkloadList(APIView):
     @extend_schema(responses=WorkloadSerializer(many=True), summary="The tenant's workloads and their reservations")
     def get(self, request, slug: str):
         tenant = tenant_for_user_or_404(user=request.user, slug=slug)
-        return Response(WorkloadSerializer(workloads_of_tenant(tenant=tenant), many=True).data)
+        return Response(WorkloadSerializer(workloads_of_tenant(tenant=tenant).prefetch_related("slices__pool"),
+                                           many=True).data)
 
 
 class WorkloadDetail(APIView):

@@ -20,12 +20,14 @@ LEDGER_COLUMNS = [
     "request_id", "created_at", "tenant", "cost_center", "workload", "pool", "model", "lane", "status", "borrowed",
     "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "cost",
     "currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error", "usage_source",
+    # Routing across pools (added last: scripts that read columns by position keep working).
+    "overflow", "failed_over",
 ]
 _FIELDS = [
     "request_id", "created_at", "tenant__slug", "tenant__cost_center", "workload__slug", "pool__slug", "model", "lane",
     "status", "borrowed", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
     "actual_output_tokens", "cost", "price__currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error",
-    "usage_source",
+    "usage_source", "overflow", "failed_over",
 ]
 
 
@@ -36,6 +38,8 @@ def ledger_csv_rows(queryset: QuerySet) -> Iterator[list]:
         row[9] = "true" if row[9] else "false"
         row[14] = format(row[14], "f")
         row[15] = row[15] or ""
+        row[22] = "true" if row[22] else "false"
+        row[23] = "true" if row[23] else "false"
         yield row
 
 

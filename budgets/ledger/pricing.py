@@ -23,10 +23,11 @@ class TokenPrice:
         return int(amount.to_integral_value(rounding=ROUND_HALF_UP))
 
 
-def prices_in_force(*, models, at: datetime) -> dict[str, TokenPrice]:
+def prices_in_force(*, models, at: datetime, pool_id: int | None = None) -> dict[str, TokenPrice]:
+    """Each model's price in force on the pool (its own, else the model's)."""
     prices = {}
     for model in models:
-        price = price_in_force(model=model, at=at)
+        price = price_in_force(model=model, at=at, pool_id=pool_id)
         if price is not None:
             prices[model] = TokenPrice(price.input_per_million, price.output_per_million, price.pk)
     return prices

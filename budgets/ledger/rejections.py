@@ -2,8 +2,11 @@
 
 A storm of 429s must not become a storm of database writes (docs/architecture.md,
 "Ledger"). One Lua call (``rejection_count.lua``) increments a minute's
-counters by workload and reason and keeps the first few rejections of each
-as detailed samples. The /v1 views note each refusal in the web process's
+counters by workload and reason, keeps the first few rejections of each
+as detailed samples, and files every refusal's details under its request id
+in an hourly hash kept 25 hours (``rejection_by_request_id`` finds it), so
+the id a caller's 429 carried opens its refusal whether or not it was
+sampled. The /v1 views note each refusal in the web process's
 memory (``rejection_note``) and send the tally once per tick
 (SLUICE_REJECTION_PUSH_S, and at exit): one call per pool minute for a
 whole storm, instead of a round trip per refusal. Other callers count one at a time
@@ -36,7 +39,7 @@ from budgets.admission import keys
 from budgets.redis.clients import get_redis, unavailable_note
 from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.models import InferencePool, RejectionSample, RejectionStat
-from tenants.models import Workload
+from tenants.models import ApiKey, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +55,26 @@ FLUSH_GRACE_S = 5
 NO_POOL = 0
 # A sample keeps the refusal's message (its numbers) up to this length.
 SAMPLE_MESSAGE_CHARS = 300
+# A refusal's details stay findable by its request id this long after the
+# start of its hour: at least 24 hours for every refusal of the hour.
+BY_ID_KEPT_S = 25 * 3600
+# Refusals' details a process keeps per minute and field while Redis is away.
+PUT_BACK_REFUSALS = 1000
 
 
 def _minute_epoch(now_s: float) -> int:
     return int(now_s // 60) * 60
 
 
+def _hour_epoch(now_s: float) -> int:
+    return int(now_s // 3600) * 3600
+
+
 def _sample_json(*, at_s: float, workload_id: int, tenant_id: int, pool: int, reason: str, estimated_tokens: int,
-                 retry_after_ms: int | None, message: str) -> str:
+                 retry_after_ms: int | None, message: str, request_id: str = "", api_key_id: int | None = None) -> str:
     return json.dumps({
-        "id": uuid.uuid4().hex, "at": round(at_s, 3), "wid": workload_id, "tid": tenant_id, "pid": pool,
-        "reason": reason, "tokens": max(0, int(estimated_tokens or 0)),
+        "id": request_id or uuid.uuid4().hex, "at": round(at_s, 3), "wid": workload_id, "tid": tenant_id, "pid": pool,
+        "kid": api_key_id or None, "reason": reason, "tokens": max(0, int(estimated_tokens or 0)),
         "retry_after_ms": None if retry_after_ms is None else max(0, int(retry_after_ms)),
         "message": (message or "")[:SAMPLE_MESSAGE_CHARS],
     }, separators=(",", ":"))
@@ -72,18 +84,23 @@ def _field(workload_id: int, tenant_id: int, reason: str) -> str:
     return f"{workload_id}|{tenant_id}|{reason}"
 
 
-def _minute_call(pool: int, minute: int, fields: dict[str, tuple[int, list[str]]]) -> ScriptCall[int]:
+def _minute_call(pool: int, minute: int, fields: dict[str, tuple[int, list[tuple[str, str]]]]) -> ScriptCall[int]:
     """One script call for one pool's minute: ``fields`` maps a field to
-    (count, samples in the order they happened)."""
-    args: list = [minute, settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE, MINUTE_TTL_S]
-    for field, (n, samples) in fields.items():
-        args += [field, n, len(samples), *samples]
+    (count, refusals as (request id or "", JSON) in the order they happened)."""
+    hour = _hour_epoch(minute)
+    args: list = [minute, settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE, MINUTE_TTL_S, hour + BY_ID_KEPT_S,
+                  settings.SLUICE_REFUSAL_LOOKUP_PER_POOL_HOUR]
+    for field, (n, refusals) in fields.items():
+        args += [field, n, len(refusals)]
+        for request_id, details in refusals:
+            args += [request_id, details]
     return ScriptCall(
         script=COUNT,
         keys=[
             keys.rejection_minute_counts(pool, minute),
             keys.rejection_minute_samples(pool, minute),
             keys.rejection_pending_minutes(pool),
+            keys.rejection_hour_refusals(pool, hour),
         ],
         args=args,
         parse=int,
@@ -92,15 +109,18 @@ def _minute_call(pool: int, minute: int, fields: dict[str, tuple[int, list[str]]
 
 def rejection_count_call(*, pool_id: int | None, workload_id: int, tenant_id: int, reason: str,
                          estimated_tokens: int, retry_after_ms: int | None, message: str = "",
+                         request_id: str = "", api_key_id: int | None = None,
                          now_s: float | None = None) -> ScriptCall[int]:
-    """Count one rejection (one Redis round trip) and keep it as a sample
-    while the minute has room. Callers never let a failure here fail the
-    rejected caller's response: losing a counter is the lesser harm."""
+    """Count one rejection (one Redis round trip), keep it as a sample
+    while the minute has room, and file it under its request id. Callers
+    never let a failure here fail the rejected caller's response: losing a
+    counter is the lesser harm."""
     now_s = time.time() if now_s is None else now_s
     pool = pool_id or NO_POOL
     sample = _sample_json(at_s=now_s, workload_id=workload_id, tenant_id=tenant_id, pool=pool, reason=reason,
-                          estimated_tokens=estimated_tokens, retry_after_ms=retry_after_ms, message=message)
-    return _minute_call(pool, _minute_epoch(now_s), {_field(workload_id, tenant_id, reason): (1, [sample])})
+                          estimated_tokens=estimated_tokens, retry_after_ms=retry_after_ms, message=message,
+                          request_id=request_id, api_key_id=api_key_id)
+    return _minute_call(pool, _minute_epoch(now_s), {_field(workload_id, tenant_id, reason): (1, [(request_id, sample)])})
 
 
 def rejection_count(**kwargs) -> None:
@@ -117,10 +137,10 @@ def rejection_count(**kwargs) -> None:
 
 class RejectionTally:
     """Rejections noted in this process and not yet sent to Redis, by pool
-    and minute, then by field: a count and the first samples (at most the
-    per-minute limit: the script would keep no more). A sample's JSON (its
-    uuid, its message) is built only while there is room for it, so a
-    refusal past the first few of its minute costs a dict update."""
+    and minute, then by field: a count and the refusals' details (request id,
+    JSON). A refusal with a request id always keeps its details (it must be
+    findable by that id); one without keeps them only while the minute has
+    sample places left (the script would keep no more)."""
 
     def __init__(self) -> None:
         self.minutes: dict[tuple[int, int], dict[str, list]] = {}
@@ -129,7 +149,8 @@ class RejectionTally:
         return bool(self.minutes)
 
     def note(self, *, pool_id: int | None, workload_id: int, tenant_id: int, reason: str, estimated_tokens: int,
-             retry_after_ms: int | None, message: str = "", now_s: float | None = None) -> None:
+             retry_after_ms: int | None, message: str = "", request_id: str = "", api_key_id: int | None = None,
+             now_s: float | None = None) -> None:
         now_s = time.time() if now_s is None else now_s
         pool = pool_id or NO_POOL
         fields = self.minutes.setdefault((pool, _minute_epoch(now_s)), {})
@@ -138,10 +159,11 @@ class RejectionTally:
         if entry is None:
             entry = fields[field] = [0, []]
         entry[0] += 1
-        if len(entry[1]) < settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE:
-            entry[1].append(_sample_json(at_s=now_s, workload_id=workload_id, tenant_id=tenant_id, pool=pool,
-                                         reason=reason, estimated_tokens=estimated_tokens,
-                                         retry_after_ms=retry_after_ms, message=message))
+        if request_id or len(entry[1]) < settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE:
+            entry[1].append((request_id, _sample_json(
+                at_s=now_s, workload_id=workload_id, tenant_id=tenant_id, pool=pool, reason=reason,
+                estimated_tokens=estimated_tokens, retry_after_ms=retry_after_ms, message=message,
+                request_id=request_id, api_key_id=api_key_id)))
 
     def take(self) -> dict[tuple[int, int], dict[str, list]]:
         taken, self.minutes = self.minutes, {}
@@ -149,18 +171,18 @@ class RejectionTally:
 
     def put_back(self, taken: dict[tuple[int, int], dict[str, list]], *, now_s: float | None = None) -> None:
         """A send that failed: its counts join what was noted meanwhile
-        (minutes older than Redis would keep are dropped: memory stays bounded
-        while Redis is away)."""
+        (minutes older than Redis would keep are dropped, and each field keeps
+        at most PUT_BACK_REFUSALS details: memory stays bounded while Redis
+        is away; the counts stay exact)."""
         oldest = _minute_epoch((time.time() if now_s is None else now_s) - MINUTE_TTL_S)
-        limit = settings.SLUICE_REJECTION_SAMPLES_PER_MINUTE
         for (pool, minute), fields in taken.items():
             if minute < oldest:
                 continue
             mine = self.minutes.setdefault((pool, minute), {})
-            for field, (n, samples) in fields.items():
+            for field, (n, refusals) in fields.items():
                 entry = mine.setdefault(field, [0, []])
                 entry[0] += n
-                entry[1] = (samples + entry[1])[:limit]
+                entry[1] = (refusals + entry[1])[:PUT_BACK_REFUSALS]
 
 
 _tally = RejectionTally()
@@ -196,7 +218,7 @@ async def _tally_send_after_tick() -> None:
 
 def _tally_calls() -> list[tuple[tuple[int, int], dict[str, list], ScriptCall[int]]]:
     """The tally taken out, as one script call per pool minute."""
-    return [(minute_key, fields, _minute_call(*minute_key, {f: (n, samples) for f, (n, samples) in fields.items()}))
+    return [(minute_key, fields, _minute_call(*minute_key, {f: (n, refusals) for f, (n, refusals) in fields.items()}))
             for minute_key, fields in _tally.take().items()]
 
 
@@ -258,6 +280,18 @@ def _minutes_read(client, pool_id: int, minutes: list[int]) -> list[tuple[dict, 
     return [(replies[2 * i], replies[2 * i + 1]) for i in range(len(minutes))]
 
 
+def _parsed_samples(raws: list[str]) -> list[dict]:
+    parsed = []
+    for raw in raws:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("id"):
+            parsed.append(data)
+    return parsed
+
+
 def _parse_field(field: str) -> tuple[int, int, str] | None:
     try:
         wid, tid, reason = field.split("|", 2)
@@ -289,6 +323,9 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
                     workload_ids.add(parsed[0])
         # Rejections of workloads deleted since are dropped (nothing to show them on).
         existing = set(Workload.objects.filter(pk__in=workload_ids).values_list("id", flat=True))
+        sampled = [data for raws in samples_by_minute.values() for data in _parsed_samples(raws)]
+        key_ids = set(ApiKey.objects.filter(pk__in={d.get("kid") for d in sampled if d.get("kid")})
+                      .values_list("id", flat=True))
         db_pool_id = pool_id or None
         stats: list[RejectionStat] = []
         samples: list[RejectionSample] = []
@@ -301,19 +338,16 @@ def rejections_flush(*, now_s: float | None = None, max_minutes: int = 500) -> F
                 wid, tid, reason = parsed
                 stats.append(RejectionStat(minute=at, tenant_id=tid, workload_id=wid, pool_id=db_pool_id,
                                            reason=reason, count=int(count)))
-            for raw in samples_by_minute[minute]:
-                try:
-                    data = json.loads(raw)
-                except ValueError:
-                    continue
-                if data.get("wid") not in existing:
-                    continue
-                samples.append(RejectionSample(
-                    sample_id=data["id"], at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
-                    tenant_id=data["tid"], workload_id=data["wid"], pool_id=db_pool_id, reason=data["reason"][:64],
-                    estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
-                    message=str(data.get("message") or "")[:SAMPLE_MESSAGE_CHARS],
-                ))
+        for data in sampled:
+            if data.get("wid") not in existing:
+                continue
+            samples.append(RejectionSample(
+                sample_id=str(data["id"])[:64], at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
+                tenant_id=data["tid"], workload_id=data["wid"], pool_id=db_pool_id, reason=data["reason"][:64],
+                estimated_tokens=int(data.get("tokens") or 0), retry_after_ms=data.get("retry_after_ms"),
+                message=str(data.get("message") or "")[:SAMPLE_MESSAGE_CHARS],
+                api_key_id=data.get("kid") if data.get("kid") in key_ids else None,
+            ))
         with transaction.atomic():
             if stats:
                 _stats_upsert(stats)
@@ -395,3 +429,32 @@ def rejections_pending(*, pool_ids: list[int], since: datetime, workload_ids: se
     except Exception:  # noqa: BLE001 - a page shows flushed data when Redis is away
         unavailable_note("the last minutes' rejections")
     return PendingRejections(counts=dict(counts), samples=samples)
+
+
+# --- one refusal by its request id ------------------------------------------------------
+
+
+def rejection_by_request_id(*, request_id: str, pool_ids: list[int], now_s: float | None = None) -> dict | None:
+    """A refusal's details (the sample JSON: id, at, wid, tid, pid, kid,
+    reason, tokens, retry_after_ms, message) still in Redis, found by its
+    request id in the last 25 hours of every pool: one round trip of
+    HGETs. None when none of them holds it (older, never refused, past
+    the per-hour cap, or Redis is away)."""
+    now_s = time.time() if now_s is None else now_s
+    newest = _hour_epoch(now_s)
+    hours = [newest - 3600 * back for back in range(BY_ID_KEPT_S // 3600 + 1)]
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        for pool_id in pool_ids:
+            for hour in hours:
+                pipe.hget(keys.rejection_hour_refusals(pool_id, hour), request_id)
+        replies = pipe.execute()
+    except Exception:  # noqa: BLE001 - a lookup answers "not found" when Redis is away, never a 500
+        unavailable_note("refusals by request id")
+        return None
+    for raw in replies:
+        if raw:
+            found = _parsed_samples([raw])
+            if found:
+                return found[0]
+    return None

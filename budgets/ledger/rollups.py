@@ -55,6 +55,8 @@ def ledger_aggregates(queryset, *, by_day: bool = True, group_fields: tuple[str,
             requests=Count("id"),
             ok_requests=Count("id", filter=Q(status=UsageRecord.Status.OK)),
             borrowed_requests=Count("id", filter=Q(borrowed=True)),
+            overflow_requests=Count("id", filter=Q(overflow=True)),
+            overflow_cost_sum=Sum("cost", filter=Q(overflow=True)),
             **{f"{name}_sum": Sum(name) for name in SUM_FIELDS},
         )
     )
@@ -67,7 +69,8 @@ def _day_rows(day: date) -> list[DailyUsage]:
         rows.append(DailyUsage(
             day=day, tenant_id=agg["tenant_id"], workload_id=agg["workload_id"], pool_id=agg["pool_id"],
             model=agg["model"], requests=agg["requests"], ok_requests=agg["ok_requests"],
-            borrowed_requests=agg["borrowed_requests"],
+            borrowed_requests=agg["borrowed_requests"], overflow_requests=agg["overflow_requests"],
+            overflow_cost=agg["overflow_cost_sum"] or 0,
             **{name: agg[f"{name}_sum"] or 0 for name in SUM_FIELDS},
         ))
     return rows
@@ -82,7 +85,8 @@ def daily_usage_rebuild_day(*, day: date) -> int:
             DailyUsage.objects.bulk_create(
                 rows, batch_size=1000, update_conflicts=True,
                 unique_fields=["day", "tenant", "workload", "pool", "model"],
-                update_fields=["requests", "ok_requests", "borrowed_requests", *SUM_FIELDS],
+                update_fields=["requests", "ok_requests", "borrowed_requests", "overflow_requests", "overflow_cost",
+                               *SUM_FIELDS],
             )
             keep = {(r.tenant_id, r.workload_id, r.pool_id, r.model) for r in rows}
         # The ledger is append-only, so groups never vanish; this only matters

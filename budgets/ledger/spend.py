@@ -115,6 +115,11 @@ def workload_field(workload_id: int) -> str:
     return str(workload_id)
 
 
+def overflow_field(workload_id: int) -> str:
+    """The workload's spend on overflow slices (routing across pools)."""
+    return f"O{workload_id}"
+
+
 def spend_caps_of_tenants(*, tenant_ids: list[int]) -> dict[int, dict[str, int]]:
     """Hard caps in micro-units by tenant: ``T<tenant id>`` for the tenant's
     own budget and ``<workload id>`` for each of its workloads' budgets."""
@@ -127,6 +132,10 @@ def spend_caps_of_tenants(*, tenant_ids: list[int]) -> dict[int, dict[str, int]]
             caps[tenant_id][tenant_field(tenant_id)] = to_micro(amount)
         else:
             caps[workload_tenant_id][workload_field(workload_id)] = to_micro(amount)
+    overflow_caps = (Workload.objects.filter(tenant_id__in=tenant_ids, overflow_monthly_cap__isnull=False)
+                     .values_list("tenant_id", "id", "overflow_monthly_cap"))
+    for tenant_id, workload_id, amount in overflow_caps:
+        caps[tenant_id][overflow_field(workload_id)] = to_micro(amount)
     return caps
 
 
@@ -306,6 +315,8 @@ def spend_tenants_sync(*, tenant_ids: list[int] | None = None, at: datetime | No
             ledger[row["tenant_id"]][workload_field(row["workload_id"])] = to_micro(row["c"] or 0)
         for row in rows.values("tenant_id").annotate(c=Sum("cost")):
             ledger[row["tenant_id"]][tenant_field(row["tenant_id"])] = to_micro(row["c"] or 0)
+        for row in rows.filter(overflow=True).values("tenant_id", "workload_id").annotate(c=Sum("cost")):
+            ledger[row["tenant_id"]][overflow_field(row["workload_id"])] = to_micro(row["c"] or 0)
         if tenant_ids is None:
             tenants = sorted(set(Tenant.objects.values_list("id", flat=True)) | set(ledger))
         else:

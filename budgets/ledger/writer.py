@@ -8,14 +8,19 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import connections, router
+from django.db.models import F, Q
 
 from budgets.models import ModelPrice, UsageRecord
 
 MILLION = Decimal(1_000_000)
 
 
-def price_in_force(*, model: str, at: datetime) -> ModelPrice | None:
-    return ModelPrice.objects.filter(model=model, effective_from__lte=at).order_by("-effective_from").first()
+def price_in_force(*, model: str, at: datetime, pool_id: int | None = None) -> ModelPrice | None:
+    """The model's price in force at ``at`` on the pool: the pool's own
+    price if it has one, else the model's price on every pool."""
+    prices = ModelPrice.objects.filter(model=model, effective_from__lte=at)
+    prices = prices.filter(Q(pool_id=pool_id) | Q(pool__isnull=True)) if pool_id else prices.filter(pool__isnull=True)
+    return prices.order_by(F("pool").asc(nulls_last=True), "-effective_from").first()
 
 
 
@@ -32,6 +37,8 @@ class LedgerEntry:
     borrowed: bool
     estimated_input_tokens: int
     estimated_output_tokens: int
+    overflow: bool = False  # served by an overflow slice (UsageRecord.overflow)
+    failed_over: bool = False  # moved here after a failed call on another pool
     actual_input_tokens: int = 0
     actual_output_tokens: int = 0
     queue_wait_ms: int = 0
@@ -44,6 +51,7 @@ class LedgerEntry:
     # Where the actual tokens come from (UsageRecord.UsageSource): the pool's
     # usage, counted by the gateway (a stream cut short), or the estimate.
     usage_source: str = ""
+    completion_id: str = ""  # the pool's id for the answer (chatcmpl-...), "" when none came back
     # The price the gateway resolved at admission (the price in force when the
     # request arrived), so settlement needs no lookup: (id, input, output per
     # million), or None when the model had no price. Unset: look it up.
@@ -57,8 +65,9 @@ def usage_record_write(*, entry: LedgerEntry) -> None:
     row = dict(entry.__dict__)
     known = row.pop("price")
     row["error"] = row["error"][:500]
+    row["completion_id"] = row["completion_id"][:128]
     if known is False:
-        price = price_in_force(model=entry.model, at=entry.created_at)
+        price = price_in_force(model=entry.model, at=entry.created_at, pool_id=entry.pool_id)
         known = (price.pk, price.input_per_million, price.output_per_million) if price is not None else None
     price_id, cost = None, Decimal("0")
     if known is not None:

@@ -1,5 +1,5 @@
-"""How much: pools, reservations (a workload's slice of a pool), prices and
-the append-only ledger."""
+"""How much: pools, reservations (a workload's slices, one per pool it may be
+routed to), prices and the append-only ledger."""
 
 from __future__ import annotations
 
@@ -91,12 +91,21 @@ class InferencePool(models.Model):
 
 
 class Reservation(models.Model):
-    """A workload's slice of a pool. ``reserved_tpm`` is guaranteed (minus the
-    lent part), ``ceiling_tpm`` is the most it may reach by borrowing idle
-    capacity, ``lend_fraction`` of its idle reservation others may borrow."""
+    """A workload's slice of one pool. ``reserved_tpm`` is guaranteed (minus
+    the lent part), ``ceiling_tpm`` is the most it may reach by borrowing idle
+    capacity, ``lend_fraction`` of its idle reservation others may borrow.
 
-    workload = models.OneToOneField(Workload, on_delete=models.CASCADE, related_name="reservation")
+    A workload holds at most one slice per pool and may hold slices on
+    several pools: its route (docs/architecture.md, "Routing across pools").
+    ``rank`` orders the route: the lowest rank is the primary; slices of
+    equal rank share the traffic by headroom (replicas); a higher rank is
+    overflow, tried only when every lower one refuses."""
+
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="slices")
     pool = models.ForeignKey(InferencePool, on_delete=models.PROTECT, related_name="reservations")
+    rank = models.PositiveSmallIntegerField(
+        default=0, validators=[MaxValueValidator(100)],
+        help_text="Route order: the lowest is the primary, equal ranks share by headroom, higher ranks are overflow.")
     reserved_tpm = models.PositiveIntegerField()
     ceiling_tpm = models.PositiveIntegerField()
     lend_fraction = models.FloatField(default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
@@ -105,6 +114,11 @@ class Reservation(models.Model):
         default=0, help_text="In-flight requests this workload may hold (0 = only the pool's limit)."
     )
     updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["workload", "rank", "id"]
+        constraints = [models.UniqueConstraint(fields=["workload", "pool"], name="uniq_slice_per_pool",
+                                               violation_error_message="This workload already holds a slice of this pool.")]
 
     def __str__(self) -> str:
         return f"{self.workload} on {self.pool}: {self.reserved_tpm}/{self.ceiling_tpm} TPM"
@@ -135,6 +149,15 @@ class Reservation(models.Model):
                     f"the ceiling's burst capacity ({ceiling_burst:.0f} tokens = ceiling x {pool.burst_seconds:g}s); "
                     "raise the ceiling or lower the workload's caps."
                 )
+            served = set(pool.served_models or ())
+            wanted = set(self.workload.allowed_models or ()) if self.workload_id else set()
+            if not served:
+                errors["pool"] = f"{pool} serves no model; a slice of it could never be used."
+            elif wanted and not served & wanted:
+                errors["pool"] = (f"{pool} serves {', '.join(sorted(served))}, none of the models this workload may "
+                                  f"call ({', '.join(sorted(wanted))}).")
+            if not pool.is_active and "pool" not in errors:
+                errors["pool"] = f"{pool} is not active."
             if self.ceiling_tpm and self.ceiling_tpm > pool.admission_tpm + 1e-9:
                 errors["ceiling_tpm"] = f"The ceiling cannot exceed the pool's admission budget ({pool.admission_tpm:.0f} TPM)."
         if errors:
@@ -142,9 +165,13 @@ class Reservation(models.Model):
 
 
 class ModelPrice(models.Model):
-    """Price of a model per million tokens, from ``effective_from`` on."""
+    """Price of a model per million tokens, from ``effective_from`` on; on one
+    pool (an overflow provider costs more than the reserved pool), or, without
+    a pool, on every pool that has no price of its own for the model."""
 
     model = models.CharField(max_length=200)
+    pool = models.ForeignKey(InferencePool, null=True, blank=True, on_delete=models.PROTECT, related_name="prices",
+                             help_text="Blank: the model's price on every pool without one of its own.")
     input_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     output_per_million = models.DecimalField(max_digits=12, decimal_places=6)
     currency = models.CharField(max_length=3, default="USD")
@@ -152,10 +179,16 @@ class ModelPrice(models.Model):
 
     class Meta:
         ordering = ["model", "-effective_from"]
-        constraints = [models.UniqueConstraint(fields=["model", "effective_from"], name="uniq_price_version")]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "effective_from"], condition=models.Q(pool__isnull=True),
+                                    name="uniq_price_version"),
+            models.UniqueConstraint(fields=["model", "pool", "effective_from"], condition=models.Q(pool__isnull=False),
+                                    name="uniq_pool_price_version"),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.model} from {self.effective_from:%Y-%m-%d}"
+        on = f" on {self.pool.slug}" if self.pool_id else ""
+        return f"{self.model}{on} from {self.effective_from:%Y-%m-%d}"
 
     def cost(self, *, input_tokens: int, output_tokens: int) -> Decimal:
         million = Decimal(1_000_000)
@@ -213,6 +246,11 @@ class UsageRecord(models.Model):
     lane = models.CharField(max_length=32)
     status = models.CharField(max_length=32, choices=Status.choices)
     borrowed = models.BooleanField(default=False)
+    # Served by an overflow slice (a rank above its route's primary): it
+    # spilled over because the lower ones refused, or failed over to it.
+    overflow = models.BooleanField(default=False)
+    # Moved to this pool after its call failed on another before any token.
+    failed_over = models.BooleanField(default=False)
     estimated_input_tokens = models.PositiveIntegerField()
     estimated_output_tokens = models.PositiveIntegerField()
     actual_input_tokens = models.PositiveIntegerField(default=0)
@@ -231,6 +269,9 @@ class UsageRecord(models.Model):
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT, related_name="usage_records",
                                 db_index=False)  # ledger_key_at_id leads with it
     usage_source = models.CharField(max_length=16, choices=UsageSource.choices, blank=True, default="")
+    # The pool's own id for the answer (``chatcmpl-...``, what the SDK
+    # returns), so a caller's report finds the row; "" when none came back.
+    completion_id = models.CharField(max_length=128, blank=True, default="")
 
     objects = UsageRecordQuerySet.as_manager()
 
@@ -247,6 +288,7 @@ class UsageRecord(models.Model):
             models.Index(fields=["tenant", "status", "created_at", "id"], name="ledger_tenant_status_at_id"),
             models.Index(fields=["pool", "created_at", "id"], name="ledger_pool_at_id"),
             models.Index(fields=["created_at", "id"], name="ledger_at_id"),
+            models.Index(fields=["completion_id"], condition=~models.Q(completion_id=""), name="ledger_completion_id"),
         ]
 
     def __str__(self) -> str:

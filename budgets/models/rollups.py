@@ -25,6 +25,9 @@ class DailyUsage(models.Model):
     actual_input_tokens = models.BigIntegerField(default=0)
     actual_output_tokens = models.BigIntegerField(default=0)
     cost = models.DecimalField(max_digits=22, decimal_places=8, default=Decimal("0"))
+    # Of which on overflow slices (UsageRecord.overflow): finance shows it apart.
+    overflow_requests = models.PositiveIntegerField(default=0)
+    overflow_cost = models.DecimalField(max_digits=22, decimal_places=8, default=Decimal("0"))
 
     class Meta:
         ordering = ["day"]
@@ -84,9 +87,11 @@ class RejectionStat(models.Model):
 
 class RejectionSample(models.Model):
     """A detailed example of a rejection (the first few per minute per
-    workload and reason), so members can see what was refused and why."""
+    workload and reason), so members can see what was refused and why.
+    ``sample_id`` is the refused request's id (its ``x-request-id``) when it
+    had one, so a caller's report finds the sample."""
 
-    sample_id = models.CharField(max_length=32, unique=True)
+    sample_id = models.CharField(max_length=64, unique=True)
     at = models.DateTimeField()
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
     workload = models.ForeignKey("tenants.Workload", on_delete=models.CASCADE, related_name="+")
@@ -99,6 +104,9 @@ class RejectionSample(models.Model):
     # The refusal as the caller read it, with its numbers ("at most 2000
     # tokens; your prompt ... resulted in 9008 tokens").
     message = models.CharField(max_length=300, blank=True)
+    # The key that made the refused request (None: a job's or cron firing's
+    # refusal without one, or a sample from before keys were recorded).
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
 
     class Meta:
         ordering = ["-at"]

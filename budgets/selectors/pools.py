@@ -10,7 +10,7 @@ from django.db.models import QuerySet, Sum
 
 from tenants.roles import user_is_platform_admin
 
-from budgets.models import InferencePool, Reservation
+from budgets.models import InferencePool, Reservation, UsageRecord
 from budgets.models import BudgetRequest
 
 
@@ -65,7 +65,7 @@ def budget_request_candidate(*, request: BudgetRequest, reserved_tpm: int | None
     """The reservation approval would save (not saved); ``reserved_tpm``: a
     smaller figure the reviewer grants instead of the one asked."""
     workload = request.workload if request.workload_id else None
-    reservation = Reservation.objects.filter(workload=workload).first() if workload else None
+    reservation = Reservation.objects.filter(workload=workload, pool=request.pool).first() if workload else None
     if reservation is None:
         reservation = Reservation(workload=workload) if workload else Reservation()
     reservation.pool = request.pool
@@ -148,3 +148,35 @@ def pool_for_user(*, user, slug: str) -> InferencePool:
     """A pool the user may see; an inactive one raises DoesNotExist for
     anyone but a platform admin, exactly like a missing one."""
     return pools_for_user(user=user).get(slug=slug)
+
+
+@dataclass(frozen=True)
+class ModelShare:
+    """How much of one model's traffic a pool served (routing across pools)."""
+
+    model: str
+    pool_tokens: int  # actual tokens this pool served
+    all_tokens: int  # actual tokens every pool served for the model
+
+    @property
+    def share(self) -> float:
+        return self.pool_tokens / self.all_tokens if self.all_tokens else 0.0
+
+
+def model_shares_of_pool(*, pool: InferencePool, since) -> list[ModelShare]:
+    """For each model the pool serves, its share of that model's tokens since
+    ``since`` across every pool (platform admins only; views check the role)."""
+    models = list(pool.served_models or ())
+    if not models:
+        return []
+    tokens = Sum("actual_input_tokens") + Sum("actual_output_tokens")
+    rows = (UsageRecord.objects.filter(created_at__gte=since, model__in=models).order_by()
+            .values("model", "pool_id").annotate(tokens=tokens))
+    mine: dict[str, int] = {}
+    every: dict[str, int] = {}
+    for row in rows:
+        every[row["model"]] = every.get(row["model"], 0) + (row["tokens"] or 0)
+        if row["pool_id"] == pool.id:
+            mine[row["model"]] = row["tokens"] or 0
+    return [ModelShare(model=m, pool_tokens=mine.get(m, 0), all_tokens=every.get(m, 0)) for m in models]
+

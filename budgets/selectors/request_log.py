@@ -24,7 +24,7 @@ from django.db.models import Q
 
 from tenants.models import ApiKey, Workload
 
-from budgets.ledger.rejections import NO_POOL, rejections_pending
+from budgets.ledger.rejections import NO_POOL, rejection_by_request_id, rejections_pending
 from budgets.models import InferencePool, RejectionSample, UsageRecord
 
 PAGE_SIZE = 50
@@ -55,9 +55,8 @@ class LogFilters:
 
     @property
     def wants_rejections(self) -> bool:
-        # Rejections have no key, lane or model (refused before any was chosen).
-        return (self.status in (None, "", REJECTED) and self.api_key_id is None and not self.lane
-                and not self.model)
+        # Rejections have no lane or model (refused before any was chosen).
+        return self.status in (None, "", REJECTED) and not self.lane and not self.model
 
     def ledger_q(self) -> Q:
         q = Q(created_at__gte=self.start, created_at__lt=self.end)
@@ -83,6 +82,8 @@ class LogFilters:
             q &= Q(workload_id=self.workload_id)
         if self.reason:
             q &= Q(reason=self.reason)
+        if self.api_key_id is not None:
+            q &= Q(api_key_id=self.api_key_id)
         return q
 
 
@@ -136,6 +137,8 @@ class LogEntry:
     borrowed: bool
     timings: dict[str, int | None]
     retry_after_ms: int | None = None
+    pool_slug: str = ""  # the pool that served it ('' for a rejection)
+    route: str = ""  # "spilled over", "failed over" or "" (routing across pools)
 
     @property
     def is_rejection(self) -> bool:
@@ -181,15 +184,24 @@ def ledger_entry_of(row: UsageRecord) -> LogEntry:
         currency=price.currency if price is not None else "", key_prefix=row.api_key.prefix if row.api_key else "",
         lane=row.lane, model=row.model, borrowed=row.borrowed,
         timings={name: getattr(row, name, None) for name in TIMINGS},
+        pool_slug=row.pool.slug, route=route_label(row),
     )
 
 
+def route_label(row: UsageRecord) -> str:
+    """How the request came to its pool: moved after a failed call, spilled
+    over to an overflow slice, or '' (its route's first choice)."""
+    if row.failed_over:
+        return "failed over"
+    return "spilled over" if row.overflow else ""
+
+
 def _rejection_entry(*, at: datetime, sample_id: str, tenant_id: int, workload_id: int, workload_slug: str,
-                     reason: str, estimated_tokens: int, retry_after_ms: int | None) -> LogEntry:
+                     reason: str, estimated_tokens: int, retry_after_ms: int | None, key_prefix: str = "") -> LogEntry:
     return LogEntry(
         kind=REJECTION, at=at, tiebreak=sample_id, request_id=sample_id, tenant_id=tenant_id,
         workload_id=workload_id, workload_slug=workload_slug, status=REJECTED, reason=reason,
-        estimated_tokens=estimated_tokens, actual_tokens=None, cost=None, currency="", key_prefix="", lane="",
+        estimated_tokens=estimated_tokens, actual_tokens=None, cost=None, currency="", key_prefix=key_prefix, lane="",
         model="", borrowed=False, timings={name: None for name in TIMINGS}, retry_after_ms=retry_after_ms,
     )
 
@@ -206,6 +218,8 @@ def _pending_rejections(filters: LogFilters, cursor: Cursor | None) -> list[LogE
     pool_ids = [NO_POOL, *InferencePool.objects.values_list("id", flat=True)]
     pending = rejections_pending(pool_ids=pool_ids, since=filters.start, workload_ids=workload_ids)
     slugs = dict(Workload.objects.filter(pk__in={d["wid"] for d in pending.samples}).values_list("id", "slug"))
+    prefixes = dict(ApiKey.objects.filter(pk__in={d.get("kid") for d in pending.samples if d.get("kid")})
+                    .values_list("id", "prefix"))
     out = []
     for data in pending.samples:
         at = datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc)
@@ -213,10 +227,12 @@ def _pending_rejections(filters: LogFilters, cursor: Cursor | None) -> list[LogE
             continue
         if filters.tenant_ids is not None and data.get("tid") not in filters.tenant_ids:
             continue
+        if filters.api_key_id is not None and data.get("kid") != filters.api_key_id:
+            continue
         entry = _rejection_entry(at=at, sample_id=data["id"], tenant_id=data["tid"], workload_id=data["wid"],
                                  workload_slug=slugs.get(data["wid"], str(data["wid"])), reason=data["reason"],
                                  estimated_tokens=int(data.get("tokens") or 0),
-                                 retry_after_ms=data.get("retry_after_ms"))
+                                 retry_after_ms=data.get("retry_after_ms"), key_prefix=prefixes.get(data.get("kid"), ""))
         if cursor is None or entry.sort_key < cursor_sort_key(cursor):
             out.append(entry)
     return out
@@ -241,12 +257,12 @@ def request_log_page(*, filters: LogFilters, cursor: Cursor | None = None, size:
         if cursor is not None:
             samples = samples.filter(_after_rejection(cursor))
         seen = set()
-        for sample in samples.select_related("workload").order_by("-at", "-sample_id")[: size + 1]:
+        for sample in samples.select_related("workload", "api_key").order_by("-at", "-sample_id")[: size + 1]:
             seen.add(sample.sample_id)
             candidates.append(_rejection_entry(
                 at=sample.at, sample_id=sample.sample_id, tenant_id=sample.tenant_id, workload_id=sample.workload_id,
                 workload_slug=sample.workload.slug, reason=sample.reason, estimated_tokens=sample.estimated_tokens,
-                retry_after_ms=sample.retry_after_ms))
+                retry_after_ms=sample.retry_after_ms, key_prefix=sample.api_key.prefix if sample.api_key else ""))
         candidates.extend(e for e in _pending_rejections(filters, cursor) if e.tiebreak not in seen)
     candidates.sort(key=lambda e: e.sort_key, reverse=True)
     page = candidates[:size]
@@ -292,3 +308,85 @@ def key_choices(*, tenant_ids: frozenset[int] | None) -> list[ApiKey]:
     if tenant_ids is not None:
         keys = keys.filter(workload__tenant_id__in=tenant_ids)
     return list(keys[:500])
+
+
+@dataclass(frozen=True)
+class RefusalDetail:
+    """One refusal, from its flushed sample or, for one that was not
+    sampled (or not flushed yet), from the details Redis keeps by request id
+    for 24 hours."""
+
+    request_id: str
+    at: datetime
+    tenant_id: int
+    workload_id: int
+    workload_slug: str
+    pool_id: int | None
+    reason: str
+    message: str
+    retry_after_ms: int | None
+    estimated_tokens: int
+    key_prefix: str
+    source: str  # "sample" (the database) or "redis"
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """The Retry-After header's value the caller got (whole seconds, rounded up)."""
+        return None if self.retry_after_ms is None else max(1, -(-self.retry_after_ms // 1000))
+
+
+def refusal_of_tenants(*, tenant_ids: frozenset[int] | None, request_id: str) -> RefusalDetail:
+    """A refusal in the caller's scope by the request id its answer carried
+    (``x-request-id``). Raises RejectionSample.DoesNotExist outside the scope
+    or when nothing holds it (the view answers 404)."""
+    samples = RejectionSample.objects.select_related("workload", "api_key").filter(sample_id=request_id)
+    if tenant_ids is not None:
+        samples = samples.filter(tenant_id__in=tenant_ids)
+    sample = samples.first()
+    if sample is not None:
+        return RefusalDetail(
+            request_id=sample.sample_id, at=sample.at, tenant_id=sample.tenant_id, workload_id=sample.workload_id,
+            workload_slug=sample.workload.slug, pool_id=sample.pool_id, reason=sample.reason, message=sample.message,
+            retry_after_ms=sample.retry_after_ms, estimated_tokens=sample.estimated_tokens,
+            key_prefix=sample.api_key.prefix if sample.api_key else "", source="sample")
+    if not request_id or len(request_id) > 64:
+        raise RejectionSample.DoesNotExist(request_id)
+    data = rejection_by_request_id(request_id=request_id,
+                                   pool_ids=[NO_POOL, *InferencePool.objects.values_list("id", flat=True)])
+    if data is None or (tenant_ids is not None and data.get("tid") not in tenant_ids):
+        raise RejectionSample.DoesNotExist(request_id)
+    workload = Workload.objects.filter(pk=data.get("wid"), tenant_id=data.get("tid")).first()
+    if workload is None:
+        raise RejectionSample.DoesNotExist(request_id)
+    key = ApiKey.objects.filter(pk=data.get("kid"), workload=workload).first() if data.get("kid") else None
+    return RefusalDetail(
+        request_id=request_id, at=datetime.fromtimestamp(float(data["at"]), tz=dt_timezone.utc),
+        tenant_id=workload.tenant_id, workload_id=workload.id, workload_slug=workload.slug,
+        pool_id=data.get("pid") or None, reason=str(data.get("reason") or ""), message=str(data.get("message") or ""),
+        retry_after_ms=data.get("retry_after_ms"), estimated_tokens=int(data.get("tokens") or 0),
+        key_prefix=key.prefix if key else "", source="redis")
+
+
+def request_id_of_completion(*, tenant_ids: frozenset[int] | None, completion_id: str) -> str | None:
+    """The request id of the ledger row whose answer had this id (the
+    ``chatcmpl-...`` the SDK returned), in the caller's scope."""
+    if not completion_id or len(completion_id) > 128:
+        return None
+    rows = UsageRecord.objects.filter(completion_id=completion_id)
+    if tenant_ids is not None:
+        rows = rows.filter(tenant_id__in=tenant_ids)
+    return rows.order_by("-created_at").values_list("request_id", flat=True).first()
+
+
+def request_exists_for_tenants(*, tenant_ids: frozenset[int] | None, request_id: str) -> bool:
+    """Whether a ledger row or a refusal with this request id is in the caller's scope."""
+    rows = UsageRecord.objects.filter(request_id=request_id)
+    if tenant_ids is not None:
+        rows = rows.filter(tenant_id__in=tenant_ids)
+    if rows.exists():
+        return True
+    try:
+        refusal_of_tenants(tenant_ids=tenant_ids, request_id=request_id)
+    except RejectionSample.DoesNotExist:
+        return False
+    return True

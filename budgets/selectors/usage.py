@@ -48,7 +48,7 @@ def cost_exact(value) -> Decimal:
 
 
 SUMS = ("requests", "ok_requests", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
-        "actual_output_tokens", "cost")
+        "actual_output_tokens", "cost", "overflow_requests", "overflow_cost")
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,9 @@ class UsageRow:
     actual_input_tokens: int = 0
     actual_output_tokens: int = 0
     cost: Decimal = field(default_factory=lambda: Decimal(0))
+    # Of which served by overflow slices (routing across pools).
+    overflow_requests: int = 0
+    overflow_cost: Decimal = field(default_factory=lambda: Decimal(0))
     label: str = ""
 
     @property
@@ -128,8 +131,8 @@ class UsageRow:
 
     def add(self, values: dict) -> None:
         for name in SUMS:
-            if name == "cost":
-                self.cost += cost_exact(values.get("cost"))
+            if name in ("cost", "overflow_cost"):
+                setattr(self, name, getattr(self, name) + cost_exact(values.get(name)))
             else:
                 setattr(self, name, getattr(self, name) + (values.get(name) or 0))
 
@@ -172,7 +175,10 @@ def _sum_expressions(*, ledger: bool) -> dict:
         return {
             "requests": Count("id"),
             "ok_requests": Count("id", filter=Q(status=UsageRecord.Status.OK)),
-            **{name: Sum(name) for name in SUMS[2:]},
+            # Before "cost": once annotated, that name is the aggregate, not the field.
+            "overflow_requests": Count("id", filter=Q(overflow=True)),
+            "overflow_cost": Sum("cost", filter=Q(overflow=True)),
+            **{name: Sum(name) for name in SUMS[2:7]},
         }
     return {name: Sum(name) for name in SUMS}
 

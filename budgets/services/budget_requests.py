@@ -19,6 +19,7 @@ from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -148,10 +149,14 @@ def budget_request_approve(*, request_id: int, approver, comment: str = "",
         if not preview.fits:
             raise ValidationError(preview.problems)
         workload = request.workload if request.workload_id else _new_workload_for(request, pool)
-        reservation = Reservation.objects.select_for_update().filter(workload=workload).first()
+        # The workload's slice of this pool: changed if it holds one, else a
+        # new one, last in its route (an overflow behind its other slices;
+        # an admin may rank it as a replica instead).
+        reservation = Reservation.objects.select_for_update().filter(workload=workload, pool=pool).first()
         previous = _reservation_snapshot(reservation)
         if reservation is None:
-            reservation = Reservation(workload=workload)
+            last_rank = Reservation.objects.filter(workload=workload).aggregate(last=Max("rank"))["last"]
+            reservation = Reservation(workload=workload, rank=0 if last_rank is None else last_rank + 1)
         reservation.pool = pool
         reservation.reserved_tpm = granted_tpm
         reservation.ceiling_tpm = request.ceiling_tpm
@@ -254,7 +259,8 @@ def budget_requests_expire(*, today: date | None = None) -> int:
                 continue
             approval = request.events.filter(action=BudgetRequestEvent.Action.APPROVED).last()
             previous = (approval.details or {}).get("previous_reservation") if approval else None
-            reservation = Reservation.objects.select_for_update().filter(workload=request.workload).first()
+            reservation = Reservation.objects.select_for_update().filter(workload=request.workload,
+                                                                          pool_id=request.pool_id).first()
             unchanged = reservation is not None and (
                 reservation.pool_id, reservation.reserved_tpm, reservation.ceiling_tpm, reservation.rpm
             ) == (request.pool_id, request.reserved_tpm, request.ceiling_tpm, request.rpm)

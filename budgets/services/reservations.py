@@ -35,7 +35,8 @@ def _version_baseline(*, reservation_id: int | None) -> None:
     if reservation_id is None:
         return
     stored = Reservation.objects.filter(pk=reservation_id).first()
-    if stored is None or ReservationVersion.objects.filter(workload_id=stored.workload_id).exists():
+    if stored is None or ReservationVersion.objects.filter(workload_id=stored.workload_id,
+                                                           pool_id=stored.pool_id).exists():
         return
     _version_write(reservation=stored, valid_from=HISTORY_START)
 

@@ -17,7 +17,7 @@ from budgets.models import InferencePool, Reservation, ReservationVersion
 from budgets.models import BudgetRequest
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notifications_of_tenant
-from budgets.selectors.pools import PoolHeadroom, pool_headroom
+from budgets.selectors.pools import ModelShare, PoolHeadroom, model_shares_of_pool, pool_headroom
 from budgets.selectors.rejections import RejectionExample, rejection_examples, rejection_totals, rejections_by_minute
 from budgets.selectors.requests import budget_requests_of_tenant
 from budgets.selectors.reservations import ReservationAt, reservation_lines
@@ -56,7 +56,7 @@ def reservation_times(time_range: TimeRange, buckets: list[datetime]) -> list[da
 @dataclass
 class WorkloadPanel:
     workload: Workload
-    reservation: Reservation | None
+    slices: list[Reservation]  # its route, primary first
     minutes: list[datetime]
     tokens_per_minute: list[int]
     rejections_by_reason: dict[str, int]
@@ -69,6 +69,14 @@ class WorkloadPanel:
     used_last_minute: int = 0
     range_spend: WorkloadSpend | None = None
     spend: SpendStatus | None = None
+
+    @property
+    def reserved_tpm(self) -> int:
+        return sum(s.reserved_tpm for s in self.slices)
+
+    @property
+    def ceiling_tpm(self) -> int:
+        return sum(s.ceiling_tpm for s in self.slices)
 
 
 @dataclass
@@ -98,7 +106,9 @@ class TenantDashboard:
 def tenant_dashboard(*, tenant: Tenant, now: datetime, time_range: TimeRange) -> TenantDashboard:
     workloads = list(workloads_of_tenant(tenant=tenant))
     wids = [w.id for w in workloads]
-    reservations = {r.workload_id: r for r in Reservation.objects.filter(workload_id__in=wids).select_related("pool")}
+    reservations: dict[int, list[Reservation]] = {}
+    for r in Reservation.objects.filter(workload_id__in=wids).select_related("pool").order_by("rank", "id"):
+        reservations.setdefault(r.workload_id, []).append(r)
     minutes = minutes_back(now, HOUR_MINUTES)
     per_minute = minute_tokens_by_workload(workload_ids=wids, since=minutes[0])
     buckets = time_range.buckets()
@@ -120,7 +130,7 @@ def tenant_dashboard(*, tenant: Tenant, now: datetime, time_range: TimeRange) ->
             if wid == workload.id:
                 reasons[reason] = count
         panels.append(WorkloadPanel(
-            workload=workload, reservation=reservations.get(workload.id), minutes=minutes,
+            workload=workload, slices=reservations.get(workload.id, []), minutes=minutes,
             tokens_per_minute=[per_minute.get(workload.id, {}).get(m, 0) for m in minutes],
             rejections_by_reason=dict(sorted(reasons.items())), spend=by_workload.get(workload.id),
             buckets=buckets, tokens_per_bucket=[per_bucket.get(workload.id, {}).get(b, 0) for b in buckets],
@@ -161,6 +171,7 @@ class PoolOverview:
     rejection_minutes: list[datetime]
     rejections_per_minute: dict[str, list[int]]
     pending_requests: int
+    model_shares: list[ModelShare] = field(default_factory=list)  # last hour
 
     @property
     def effective_tpm(self) -> float:
@@ -189,6 +200,7 @@ def pool_overview(*, pool: InferencePool, now: datetime) -> PoolOverview:
         rejection_minutes=minutes,
         rejections_per_minute={r: [by_minute.get(m, {}).get(r, 0) for m in minutes] for r in reasons},
         pending_requests=BudgetRequest.objects.filter(pool=pool, status=BudgetRequest.Status.PENDING).count(),
+        model_shares=model_shares_of_pool(pool=pool, since=minutes[0]),
     )
 
 
@@ -219,7 +231,8 @@ def pool_range(*, pool: InferencePool, time_range: TimeRange) -> PoolRange:
     buckets = time_range.buckets()
     per_workload = tokens_by_workload_bucket(workload_ids=wids, start=time_range.start, end=time_range.end,
                                              bucket=time_range.bucket)
-    lines = reservation_lines(workload_ids=wids, times=reservation_times(time_range, buckets), current=reservations)
+    lines = reservation_lines(workload_ids=wids, times=reservation_times(time_range, buckets), current=reservations,
+                              pool_id=pool.id)
     reserved: list[int | None] = []
     for i in range(len(buckets)):
         present = [lines[w][i] for w in wids if lines[w][i] is not None]

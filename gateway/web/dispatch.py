@@ -21,7 +21,8 @@ from budgets.redis.composition import Commands
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.request.admission import lease_ttl_ms, request_admit_async
+from gateway.core.request.admission import lease_ttl_ms
+from gateway.core.request.routing import request_route_admit_async
 from gateway.core.request.chat import ChatRequest, chat_estimate, pool_payload
 from gateway.core.request.context import CallerContext
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue_async
@@ -52,6 +53,13 @@ class Dispatched:
     # A stream's entries the wait for its first chunk already read (id,
     # fields): the relay starts from them, not with a second read of the same.
     stream_head: tuple = ()
+    # The caller on the pool that admitted it (its route's choice).
+    ctx: CallerContext | None = None
+
+    @property
+    def pool_slug(self) -> str:
+        """The pool that served it: the one it moved to, else the one that admitted it."""
+        return self.outcome.pool or (self.record.pool_slug if self.record else "")
 
 
 def _record_timeout(record: RequestRecord, queue_wait_ms: int) -> None:
@@ -91,9 +99,11 @@ class _StreamFirstWait:
     unstreamed request's."""
 
     def __init__(self, record: RequestRecord) -> None:
+        self.record = record
         self.stream_key = keys.request_stream(record.request_id)
         self.result_key = keys.request_result(record.request_id)
         self.head: tuple = ()
+        self.pool_slug = record.pool_slug
 
     async def __call__(self, timeout_s: float) -> Outcome | None:
         blocking = get_async_redis(blocking=True)
@@ -104,7 +114,14 @@ class _StreamFirstWait:
             raise _result_unavailable(exc) from exc
         if reply and CHUNK_FIELD in reply[0][1][0][1]:
             self.head = tuple(reply[0][1])
-            return Outcome(status=STREAMING, streamed=True)
+            if self.record.fallback_pools:
+                # It may have moved to another pool before this first chunk.
+                try:
+                    served = await blocking.hget(keys.request_record(self.record.request_id), "pool_slug")
+                except REDIS_UNAVAILABLE:
+                    served = None
+                self.pool_slug = served or self.pool_slug
+            return Outcome(status=STREAMING, streamed=True, pool=self.pool_slug)
         if reply:  # the end marker: the outcome was published before it
             return await _wait_outcome(self.result_key, timeout_s)
         try:
@@ -205,22 +222,34 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     ``request_id``: the id the API gave the call (its logs, its ledger row);
     ``body_digest``: its body's (gateway/core/request/chat.py), which tells a client's
     retry of a request held through an outage (gateway/core/protection/held.py)."""
-    estimate = chat_estimate(ctx, chat)
+    estimates: dict[tuple[str, float], Estimate] = {}
+
+    def estimate_for(on_pool: CallerContext) -> Estimate:
+        # Each pool counts with its own tokenizer; the same one counts once.
+        counted = (on_pool.tokenizer, on_pool.safety_factor)
+        if counted not in estimates:
+            estimates[counted] = chat_estimate(on_pool, chat)
+        return estimates[counted]
+
+    route = ctx.route(chat.model)
+    first_estimate = estimate_for(route[0] if route else ctx)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
     try:
-        admission = await request_admit_async(ctx, request_id=request_id, model=chat.model, estimate=estimate,
-                                              lease_ms=lease_ms, body_digest=body_digest)
+        routed = await request_route_admit_async(route, request_id=request_id, model=chat.model,
+                                                 estimate_for=estimate_for, lease_ms=lease_ms, body_digest=body_digest)
     except Rejected as rejected:
-        rejected.estimated_tokens = rejected.estimated_tokens or estimate.total_tokens  # for rejection stats
+        rejected.estimated_tokens = rejected.estimated_tokens or first_estimate.total_tokens  # for rejection stats
         raise
+    ctx, admission, estimate = routed.ctx, routed.admission, routed.estimate
     record = replace(record_build(
         ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
         admission=admission, deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
         # Retries must end while the caller still waits for them.
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
+        fallback_pool_ids=routed.fallback_pool_ids,
     ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
-    log_annotate(lane=record.lane)
+    log_annotate(lane=record.lane, pool_id=ctx.pool_id)
     await record_enqueue_async(record, lease_ms=lease_ms)
 
     try:
@@ -239,4 +268,4 @@ async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: 
     if outcome.status == "worker_lost":
         raise worker_lost()
     return Dispatched(request_id=request_id, estimate=estimate, admission=admission, lane=record.lane, outcome=outcome,
-                      record=record, stream_head=first_wait.head if first_wait is not None else ())
+                      record=record, stream_head=first_wait.head if first_wait is not None else (), ctx=ctx)

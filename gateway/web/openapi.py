@@ -25,9 +25,9 @@ ERROR_CODES = {
     409: ["idempotency_key_reused"],
     413: ["body_too_large", "request_too_large"],
     429: ["workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
-          "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "deadline_unreachable",
-          "too_many_invalid_api_keys"],
-    503: ["budget_unavailable", "queue_timeout", "pool_unavailable", "worker_lost"],
+          "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "overflow_spend_budget",
+          "deadline_unreachable", "too_many_invalid_api_keys", "provider_tpm", "provider_rpm"],
+    503: ["budget_unavailable", "queue_timeout", "pool_unavailable", "pool_circuit_open", "worker_lost"],
 }
 
 RATE_HEADERS = {
@@ -98,6 +98,10 @@ JOB = {"type": "object", "properties": {
     "released_at": {"type": "string", "format": "date-time", "nullable": True},
     "finished_at": {"type": "string", "format": "date-time", "nullable": True},
     "reason": {"type": "string", "nullable": True}, "delays": {"type": "integer"},
+    "delay_history": {"type": "array", "description": "Each wait: when, why (the refusal's reason, or paced) and "
+                      "the release time planned.", "items": {"type": "object", "properties": {
+                          "at": {"type": "string", "format": "date-time"}, "reason": {"type": "string"},
+                          "release_at": {"type": "string", "format": "date-time"}}}},
     "status_url": {"type": "string"}, "result": {"type": "object", "nullable": True},
     "usage": {"type": "object", "nullable": True}, "cost": {"type": "string", "nullable": True},
 }}

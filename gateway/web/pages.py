@@ -13,6 +13,8 @@ from django.urls import reverse
 from django.views.decorators.http import require_http_methods
 
 from budgets.errors import Rejected
+from budgets.ledger.pricing import price_table_currency
+from budgets.models import UsageRecord
 from gateway.core.jobs.lifecycle import job_list_params, jobs_of_workload, jobs_running
 from gateway.core.key_usage import key_last_used_at
 from gateway.models import Job
@@ -39,9 +41,13 @@ def workload_jobs(request, slug: str, workload_slug: str):
     except Rejected as rejected:
         return render(request, "gateway/jobs.html", {"tenant": tenant, "workload": workload, "error": rejected.message,
                                                       "statuses": Job.Status.choices}, status=400)
+    # Each job's ledger row (one query for the page): its tokens, cost and a link to its request's page.
+    request_ids = [job.request_id for job in page.jobs if job.request_id]
+    rows = {row.request_id: row for row in UsageRecord.objects.filter(tenant=tenant, request_id__in=request_ids)}
     return render(request, "gateway/jobs.html", {
-        "tenant": tenant, "workload": workload, "jobs": page.jobs, "running": jobs_running(jobs=page.jobs), "has_more": page.has_more, "status": status,
-        "statuses": Job.Status.choices, "next_after": page.jobs[-1].id if page.has_more else None,
+        "tenant": tenant, "workload": workload, "running": jobs_running(jobs=page.jobs), "has_more": page.has_more,
+        "status": status, "statuses": Job.Status.choices, "next_after": page.jobs[-1].id if page.has_more else None,
+        "jobs": [(job, rows.get(job.request_id)) for job in page.jobs], "currency": price_table_currency(),
     })
 
 

@@ -89,13 +89,16 @@ async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
     return ctx
 
 
-async def _rejection(ctx: CallerContext, rejected: Rejected) -> JsonResponse:
+async def _rejection(request: HttpRequest, ctx: CallerContext, rejected: Rejected) -> JsonResponse:
     if rejected.reason not in UNCOUNTED_REASONS:
         try:
-            # Counted in this process, sent to Redis once per tick (no round trip here).
+            # Counted in this process, sent to Redis once per tick (no round
+            # trip here), and filed under the answer's x-request-id, so the
+            # id the caller reports finds this refusal.
             rejection_note(pool_id=ctx.pool_id, workload_id=ctx.workload_id, tenant_id=ctx.tenant_id,
                            reason=rejected.reason, retry_after_ms=rejected.retry_after_ms,
-                           estimated_tokens=rejected.estimated_tokens, message=rejected.message)
+                           estimated_tokens=rejected.estimated_tokens, message=rejected.message,
+                           request_id=getattr(request, "request_id", "") or "", api_key_id=ctx.api_key_id)
         except Exception:  # noqa: BLE001 - losing a counter beats failing the caller's answer
             logger.warning("could not count a %s rejection of workload %s", rejected.reason, ctx.workload_id,
                            exc_info=True)
@@ -147,7 +150,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
             raise bad_request("Idempotency-Key is not supported with stream=true.", param="stream",
                               code="idempotency_stream_unsupported")
     except Rejected as rejected:
-        return await _rejection(ctx, rejected)
+        return await _rejection(request, ctx, rejected)
 
     digest = body_digest(body)
     if idem_key:
@@ -173,7 +176,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     except Rejected as rejected:
         if idem_key:
             await idempotency_release(workload_id=ctx.workload_id, key=idem_key)
-        return await _rejection(ctx, rejected)
+        return await _rejection(request, ctx, rejected)
 
     outcome = dispatched.outcome
     admission = dispatched.admission
@@ -185,7 +188,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
         "x-sluice-estimated-prompt-tokens": str(dispatched.estimate.input_tokens),
         "x-sluice-queue-ms": str(outcome.queue_wait_ms),
         "x-sluice-attempts": str(outcome.attempts),
-        **ratelimit_headers(ctx.limits, admission.rate_limits),
+        "x-sluice-pool": dispatched.pool_slug,
+        **ratelimit_headers(dispatched.ctx.limits, admission.rate_limits),
     }
     if outcome.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-outcome.retry_after_ms // 1000)))
@@ -246,14 +250,18 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     except IdempotencyConflict:
         return _idempotency_conflict()
     except Rejected as rejected:
-        return await _rejection(ctx, rejected)
+        return await _rejection(request, ctx, rejected)
     job = submitted.job
     log_annotate(job_id=str(job.id), job_request_id=job.request_id or "")
     view = await sync_to_async(job_view, thread_sensitive=False)(job, base_url=base_url)
     if job.status == Job.Status.REJECTED:
         error = (job.result or {}).get("error", {})
-        return openai_error(status=429, message=error.get("message", "Rejected."), error_type="rate_limit_error",
-                            code=job.reason or "rejected", param="deadline_seconds")
+        refused = Rejected(reason=job.reason or "rejected", message=error.get("message", "Rejected."), status=429,
+                           error_type="rate_limit_error", param="deadline_seconds",
+                           estimated_tokens=job.estimated_input_tokens + job.estimated_output_tokens)
+        if submitted.created:  # a replay was counted when it was refused
+            return await _rejection(request, ctx, refused)
+        return rejected_response(refused)
     response = JsonResponse(view, status=202 if submitted.created else 200)
     response["Location"] = view["status_url"]
     if not submitted.created:

@@ -45,6 +45,7 @@ from gateway.core.request.records import (EXPIRED, LOST, REAP, REDELIVERED, REQU
                                   worker_lost_outcome)
 from gateway.core.request.settlement import SETTLED, request_settle, settlement_steps
 from gateway.core.request.takeover import request_take_over
+from gateway.worker.failover import request_fail_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
@@ -177,9 +178,12 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
 
 def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: random.Random | None = None,
               deferred: list[Step] | None = None, taken: SentMark | None = None,
-              asked: GateAsked | None = None) -> Outcome:
+              asked: GateAsked | None = None) -> tuple[Outcome, RequestRecord]:
     """Call the pool, retrying only as the policy and the budgets allow, and
-    feed every answer to the pool's adaptive capacity. ``deferred``: a list
+    feed every answer to the pool's adaptive capacity. A call that failed
+    before its first token moves once to the next pool of its route, within
+    the retry budget (gateway/worker/failover.py): returns the outcome and
+    the record as it ends (naming the pool that served). ``deferred``: a list
     the caller runs after (``_answer_keep_settled``'s ``signals``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
     no attempt is left) puts its signals there instead of sending them.
@@ -216,6 +220,11 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
+        if retryable and record.fallback_pools and not record.failed_over:
+            moved = _fail_over(record, policy=policy)
+            if moved is not None:
+                record = moved
+                continue  # another pool: no backoff owed to this one
         if not retryable or attempts >= policy.max_attempts:
             break
         delay_ms = policy.delay_ms(attempts, upstream_retry_after_ms=outcome.retry_after_ms, rng=rng)
@@ -228,7 +237,23 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
             break
         if not pause(delay_ms / 1000):
             break  # the worker is stopping: the last attempt's outcome stands
-    return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled)
+    if record.failed_over:
+        outcome = replace(outcome, pool=record.pool_slug)
+    return replace(outcome, attempts=attempts, upstream_ms=upstream_ms, upstream_429s=throttled), record
+
+
+def _fail_over(record: RequestRecord, *, policy: RetryPolicy) -> RequestRecord | None:
+    """The record moved to the next pool of its route, if the session's
+    retry budget allows another attempt and a pool admits it."""
+    verdict = retry_budget_spend(pool_id=record.pool_id, workload_id=record.workload_id,
+                                 session_id=record.session_id, policy=policy, move=True)
+    if verdict != "ok":
+        logger.info("request %s: no fail-over (%s)", record.request_id, verdict)
+        return None
+    moved = request_fail_over(record)
+    if moved is not None:
+        log_annotate(pool_id=moved.pool_id, failed_over=True)
+    return moved
 
 
 def request_fail(*, record: RequestRecord, pool_reached: bool, answer: Outcome | None) -> Outcome:
@@ -396,6 +421,9 @@ def request_execute(*, request_id: str, generation: int = 0, answered: dict[str,
         raise
     except Exception:  # noqa: BLE001 - whatever it is, the request must not be left holding its slot
         logger.exception("request %s failed in the worker; settling it as %s", request_id, WORKER_ERROR)
+        if record.fallback_pools:
+            # It may have moved to another pool (gateway/worker/failover.py): settle it there.
+            record = RequestRecord.from_redis(client.hgetall(keys.request_record(request_id)) or record.to_redis())
         request_fail(record=record, pool_reached=pool_requests_sent() > sent_before, answer=answered.get(request_id))
         return WORKER_ERROR
 
@@ -455,8 +483,8 @@ def _request_run(record: RequestRecord, *, generation: int, client, answered: di
             try:
                 calling = time.monotonic()
                 signals: list[Step] = []
-                outcome = replace(pool_call(record, deferred=signals, taken=taken, asked=asked),
-                                  queue_wait_ms=queue_wait_ms)
+                outcome, record = pool_call(record, deferred=signals, taken=taken, asked=asked)
+                outcome = replace(outcome, queue_wait_ms=queue_wait_ms)
                 if outcome.ttft_ms is not None:
                     # Earlier attempts and the wait between them count: the
                     # call's time less what followed the last attempt's first chunk.

@@ -70,7 +70,11 @@ def retry_budget_earn_call(*, pool_id: int, policy: RetryPolicy) -> ScriptCall[s
     return _budget_call(op="earn", pool_id=pool_id, session_key="", policy=policy)
 
 
-def retry_budget_spend(*, pool_id: int, workload_id: int, session_id: str | None, policy: RetryPolicy) -> str:
-    """'ok' when a retry may go; otherwise which budget refused it."""
+def retry_budget_spend(*, pool_id: int, workload_id: int, session_id: str | None, policy: RetryPolicy,
+                       move: bool = False) -> str:
+    """'ok' when a retry may go; otherwise which budget refused it.
+    ``move``: the retry goes to another pool (a fail-over): only the
+    session's budget can refuse it (retry_budget.lua)."""
     session_key = keys.retry_session(pool_id, workload_id, session_id) if session_id else ""
-    return _budget_call(op="spend", pool_id=pool_id, session_key=session_key, policy=policy).run()
+    return _budget_call(op="move" if move else "spend", pool_id=pool_id, session_key=session_key,
+                        policy=policy).run()

@@ -68,6 +68,7 @@ class _Relay:
         self.error: dict[str, Any] | None = None  # an error event from the pool
         self.first_chunk_ms: int | None = None  # since the call started, when the first chunks were relayed
         self.next_check = 0.0  # when the cancel flag is next read (time.monotonic())
+        self.completion_id = ""  # the pool's id for the answer, from its first chunk that has one
 
     def tokens(self) -> tuple[int, int, str]:
         """(input, output, usage_source) to settle on."""
@@ -90,6 +91,8 @@ def _read_chunk(relay: _Relay, data: str) -> bool:
     if isinstance(chunk.get("error"), dict):
         relay.error = chunk["error"]
         return False
+    if not relay.completion_id and isinstance(chunk.get("id"), str):
+        relay.completion_id = chunk["id"][:128]
     if isinstance(chunk.get("usage"), dict):
         relay.usage = chunk["usage"]
     choices = chunk.get("choices")
@@ -194,7 +197,7 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     input_tokens, output_tokens, source = relay.tokens()
     outcome = Outcome(status="ok", input_tokens=input_tokens, output_tokens=output_tokens, upstream_ms=upstream_ms,
                       attempts=1, upstream_status=200, usage_source=source, streamed=relay.relayed > 0,
-                      ttft_ms=first_chunk_ms)
+                      ttft_ms=first_chunk_ms, completion_id=relay.completion_id)
     if cancelled:
         return replace(outcome, status=CANCELLED, http_status=CLIENT_CLOSED,
                        body=error_body(message="The caller closed the stream.", error_type="invalid_request_error",

@@ -71,7 +71,7 @@ def test_a_workload_the_pool_just_refused_is_asked_admission_alone(make_caller, 
     assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] == 2
     assert admission.spend_month and "after" in holds(redis_client, caller.tenant)
     # and once the second has passed, together again
-    admission_module._refused_at[caller.workload.id] -= admission_module.REFUSED_RECENTLY_S
+    admission_module._refused_at[(caller.workload.id, caller.pool.id)] -= admission_module.REFUSED_RECENTLY_S
     redis_client.delete(keys.lease(caller.pool.id, "after"),
                         keys.pool_leases(caller.pool.id), keys.workload_leases(caller.pool.id, caller.workload.id))
     redis_client.config_resetstat()

@@ -107,12 +107,8 @@ def test_late_rejection_for_a_flushed_minute_is_counted_exactly(world, redis_cli
     flush()
     minute = int(RejectionStat.objects.get().minute.timestamp())
     # when a late rejection for that same minute arrives (e.g. a slow web process)
-    call_keys = [keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
-                 keys.rejection_pending_minutes(world.pool.id)]
-    from budgets.redis.scripts import lua_script
-
-    lua_script(redis_client, rejections.COUNT.source)(
-        keys=call_keys, args=[minute, 5, 3600, f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", 1, 1, "{}"])
+    rejection_count_call(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                         reason="workload_tpm", estimated_tokens=1, retry_after_ms=None, now_s=minute + 30).run()
     flush()
     # then the database holds the minute's full count, not the late part alone
     assert RejectionStat.objects.get().count == 4
@@ -126,12 +122,8 @@ def test_a_rejection_during_the_flush_keeps_the_minute_pending(world, redis_clie
     def bulk_create_then_a_rejection_arrives(*args, **kwargs):
         created = real_bulk_create(*args, **kwargs)
         minute = int(args[0][0].minute.timestamp())
-        from budgets.redis.scripts import lua_script
-
-        lua_script(redis_client, rejections.COUNT.source)(
-            keys=[keys.rejection_minute_counts(world.pool.id, minute), keys.rejection_minute_samples(world.pool.id, minute),
-                  keys.rejection_pending_minutes(world.pool.id)],
-            args=[minute, 5, 3600, f"{world.wl_a.id}|{world.tenant_a.id}|workload_tpm", 1, 1, "{}"])
+        rejection_count_call(pool_id=world.pool.id, workload_id=world.wl_a.id, tenant_id=world.tenant_a.id,
+                             reason="workload_tpm", estimated_tokens=1, retry_after_ms=None, now_s=minute + 30).run()
         return created
 
     monkeypatch.setattr(RejectionStat.objects, "bulk_create", bulk_create_then_a_rejection_arrives)

@@ -45,10 +45,10 @@ def test_a_second_run_changes_nothing_and_mints_no_key(var_dir):
     assert ApiKey.objects.count() == 4
     assert stat.S_IMODE((var_dir / "demo-keys.json").stat().st_mode) == 0o600
     # and an admin's changes to a reservation, a price, the pool and a password
-    chat = Reservation.objects.get(workload__slug="acme-chat")
+    chat = Reservation.objects.get(workload__slug="acme-chat", rank=0)
     chat.reserved_tpm, chat.ceiling_tpm = 61_000, 81_000
     chat.save()
-    ModelPrice.objects.filter(model="sim-small").update(input_per_million="0.2")
+    ModelPrice.objects.filter(model="sim-small", pool=None).update(input_per_million="0.2")
     InferencePool.objects.filter(slug="sim-pool").update(provider_rpm=700)
     admin = get_user_model().objects.get(username="admin")
     admin.set_password("changed-by-a-human")
@@ -58,7 +58,7 @@ def test_a_second_run_changes_nothing_and_mints_no_key(var_dir):
     # then every change survives, no key was minted and the JSON shows the same keys and the real numbers
     chat.refresh_from_db()
     assert (chat.reserved_tpm, chat.ceiling_tpm) == (61_000, 81_000)
-    assert str(ModelPrice.objects.get(model="sim-small").input_per_million) == "0.200000"
+    assert str(ModelPrice.objects.get(model="sim-small", pool=None).input_per_million) == "0.200000"
     pool = InferencePool.objects.get(slug="sim-pool")
     assert (pool.provider_rpm, pool.base_url) == (700, "http://127.0.0.1:9/v1")
     assert get_user_model().objects.get(username="admin").check_password("changed-by-a-human")
@@ -66,16 +66,21 @@ def test_a_second_run_changes_nothing_and_mints_no_key(var_dir):
     assert {s: w["api_key"] for s, w in second["workloads"].items()} == \
         {s: w["api_key"] for s, w in first["workloads"].items()}
     assert second["workloads"]["acme-chat"]["reserved_tpm"] == 61_000
+    # and each workload names its route, primary first: acme-chat spills over to sim-overflow
+    assert second["workloads"]["acme-chat"]["pools"] == ["sim-pool", "sim-overflow"]
+    assert second["workloads"]["globex-assistant"]["pools"] == ["sim-pool"]
+    overflow_price = ModelPrice.objects.get(model="sim-small", pool__slug="sim-overflow")
+    assert overflow_price.input_per_million > ModelPrice.objects.get(model="sim-small", pool=None).input_per_million
     assert "created" not in notes and "minted" not in notes
 
 
 def test_reset_restores_the_demo_and_says_what_it_overwrote(var_dir):
     seed("--pool-url", "http://127.0.0.1:9/v1")
-    Reservation.objects.filter(workload__slug="acme-chat").update(reserved_tpm=61_000)
-    ModelPrice.objects.filter(model="sim-small").update(input_per_million="0.2")
+    Reservation.objects.filter(workload__slug="acme-chat", rank=0).update(reserved_tpm=61_000)
+    ModelPrice.objects.filter(model="sim-small", pool=None).update(input_per_million="0.2")
     _, notes = seed("--reset", "--pool-url", "http://127.0.0.1:9/v1")
-    assert Reservation.objects.get(workload__slug="acme-chat").reserved_tpm == 60_000
-    assert str(ModelPrice.objects.get(model="sim-small").input_per_million) == "0.150000"
+    assert Reservation.objects.get(workload__slug="acme-chat", rank=0).reserved_tpm == 60_000
+    assert str(ModelPrice.objects.get(model="sim-small", pool=None).input_per_million) == "0.150000"
     assert "overwrote reservation acme-chat: reserved_tpm 61000 -> 60000" in notes
     assert "overwrote price sim-small from 2026-01-01: input_per_million Decimal('0.200000') -> Decimal('0.150000')" in notes
     # and a reset of an untouched demo says so
@@ -138,7 +143,7 @@ def test_approved_numbers_survive_a_restart(platform, var_dir, redis_client):
     # then the database, Redis's bucket config and the response headers all say 90,000
     after = json.loads(seeded.stdout)["workloads"]["acme-chat"]
     assert (after["api_key"], after["reserved_tpm"], after["ceiling_tpm"], after["rpm"]) == (api_key, 70_000, 90_000, 250)
-    reservation = Reservation.objects.get(workload=workload)
+    reservation = Reservation.objects.get(workload=workload, pool__slug="sim-pool")
     assert (reservation.reserved_tpm, reservation.ceiling_tpm, reservation.rpm) == (70_000, 90_000, 250)
     config = redis_client.hgetall(admission_keys.pool_config(reservation.pool_id))
     assert float(config[f"{workload.id}.E.tok.rate"]) == pytest.approx(90_000 / 60_000)

@@ -285,7 +285,8 @@ def test_no_budget_no_limit_but_spend_is_still_tracked(make_caller, redis_client
 def test_a_request_without_a_price_holds_no_spend(make_caller, redis_client):
     caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
     SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("0.000001"), hard_cap=True)
-    ctx = replace(context_for_workload(caller.workload), prices={})
+    ctx = context_for_workload(caller.workload)
+    ctx = replace(ctx, pool=replace(ctx.pool, prices={}))
     admission = try_admit(ctx, "unpriced")
     assert admission.spend_month == ""
     assert holds(redis_client, caller.tenant) == {}

@@ -83,3 +83,24 @@ def test_beat_task_runs_on_a_worker_and_its_jobs_complete(platform, make_caller)
             break
         time.sleep(0.2)
     assert sorted(statuses) == ["succeeded"] * 3
+
+
+def test_a_schedules_key_must_be_its_workloads_and_new_ones_name_one(make_caller):
+    from gateway.admin import JobScheduleForm
+    from tenants.models import ApiKey
+
+    caller = make_caller(workload_class="scheduled", prompt_tokens_cap=100, max_tokens_cap=100)
+    other = make_caller(workload_class="scheduled", prompt_tokens_cap=100, max_tokens_cap=100)
+    crontab = CrontabSchedule.objects.create(minute="*")
+    # another workload's key is refused
+    with pytest.raises(ValidationError) as excinfo:
+        JobSchedule(name="k", workload=caller.workload, crontab=crontab, body=BODY,
+                    api_key=ApiKey.objects.get(workload=other.workload)).full_clean()
+    assert excinfo.value.message_dict == {"api_key": ["The key must belong to the schedule's workload."]}
+    # Django admin's form asks a new schedule for its key
+    data = {"name": "nightly", "workload": caller.workload.id, "crontab": crontab.id, "body": '{"model": "sim-small", '
+            '"messages": [{"role": "user", "content": "x"}]}', "jobs_per_run": 1, "deadline_seconds": 60, "enabled": "on"}
+    form = JobScheduleForm(data=data)
+    assert form.is_valid() is False and list(form.errors) == ["api_key"]
+    form = JobScheduleForm(data={**data, "api_key": ApiKey.objects.get(workload=caller.workload).id})
+    assert form.is_valid(), form.errors

@@ -87,7 +87,14 @@ def page_cases(world, request_a, key_a):
         "tenant-request-detail": [("get", f"/t/{a}/log/{ledger_a}/", {}), ("get", f"/t/{b}/log/{ledger_a}/", {})],
         "request-log": [("get", "/log/", {})],
         "request-detail": [("get", f"/log/{ledger_a}/", {})],
+        "tenant-request-find": [("get", f"/t/{a}/log/find?q={ledger_a}", {}), ("get", f"/t/{b}/log/find?q={ledger_a}", {}),
+                                ("get", f"/t/{b}/log/find?q={_job_a(world)}", {})],
+        "request-find": [("get", f"/log/find?q={ledger_a}", {})],
     }
+
+
+def _job_a(world) -> str:
+    return str(Job.objects.filter(workload=world.wl_a).values_list("id", flat=True).first() or "none")
 
 
 def api_cases(world, request_a, key_a):
@@ -111,6 +118,10 @@ def api_cases(world, request_a, key_a):
         "api-spend-budget-list": [("post", "/api/spend-budgets/", {"tenant": a, "monthly_amount": "1"})],
         "api-usage-summary": [("get", f"/api/usage/summary/?{window}&tenant={a}", {})],
         "api-ledger-export": [("get", f"/api/ledger/export/?{window}&tenant={a}", {})],
+        "api-request-detail": [
+            ("get", f"/api/requests/{UsageRecord.objects.filter(workload=world.wl_a).values_list('request_id', flat=True).first() or 'req_x'}", {}),
+            ("get", f"/api/requests/{_job_a(world)}/", {})],
+        # last: its session sign-in drops the token above
         "pool-metrics": [("get", f"/api/pools/{world.pool.id}/metrics", {})],
     }
 

@@ -50,7 +50,9 @@ def test_each_role_walks_the_request_log_and_the_numbers_match_the_ledger(platfo
     # given real traffic: three completed calls of tenant A, one of tenant B,
     # and one prompt over A's 2,000-token cap
     client_a, client_b = sdk(base, world.key_a), sdk(base, world.key_b)
-    a_ids = {call(client_a, output_tokens=20 + i).headers["x-request-id"] for i in range(3)}
+    a_calls = [call(client_a, output_tokens=20 + i) for i in range(3)]
+    a_ids = {raw.headers["x-request-id"] for raw in a_calls}
+    answer_ids = {raw.headers["x-request-id"]: raw.parse().id for raw in a_calls}
     b_id = call(client_b).headers["x-request-id"]
     with pytest.raises(openai.BadRequestError) as too_long:
         client_a.chat.completions.create(model="sim-small", max_tokens=10,
@@ -93,6 +95,22 @@ def test_each_role_walks_the_request_log_and_the_numbers_match_the_ledger(platfo
     assert rows[newest].request_id in member.inner_text("#ledger-row")
     shot(member, "14-request-detail")
 
+    # the search box: the chatcmpl- id the SDK returned opens that request's
+    # page, and the refusal's x-request-id its own page, with its key
+    member.goto(f"/t/{world.tenant_a.slug}/log/?range=1h")
+    member.fill("#find-q", answer_ids[newest])
+    member.press("#find-q", "Enter")
+    member.wait_for_selector("#timeline")
+    assert rows[newest].request_id in member.inner_text("#ledger-row")
+    member.goto(f"/t/{world.tenant_a.slug}/log/?range=1h")
+    member.fill("#find-q", too_long.value.response.headers["x-request-id"])
+    member.press("#find-q", "Enter")
+    member.wait_for_selector("#refusal-reason")
+    assert member.inner_text("#refusal-reason") == "context_length_exceeded"
+    assert member.inner_text("#refusal-key") == f"{key_a.prefix}…"
+    assert f"resulted in {told} tokens" in member.inner_text("#refusal-message")
+    shot(member, "14b-refusal-detail")
+
     # the tenant page over the last hour: spend per workload and per key equal the ledger's sums
     member.goto(f"/t/{world.tenant_a.slug}/?range=1h")
     sums = UsageRecord.objects.filter(tenant=world.tenant_a).aggregate(c=Sum("cost"))
@@ -111,6 +129,8 @@ def test_each_role_walks_the_request_log_and_the_numbers_match_the_ledger(platfo
                 f"/t/{world.tenant_b.slug}/log/{newest}/"):
         assert outsider.goto(url).status == 404, url
         assert newest not in outsider.content()
+    # and its own log's search box finds none of A's ids
+    assert outsider.goto(f"/t/{world.tenant_b.slug}/log/find?q={answer_ids[newest]}").status == 404
     assert outsider.goto("/log/").status == 403
 
     # finance reads every tenant's log, read-only

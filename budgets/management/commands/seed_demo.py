@@ -1,5 +1,6 @@
-"""Seed the demo platform: one simulated pool, two tenants, workloads of each
-class with reservations, prices, users.
+"""Seed the demo platform: a simulated pool and a pricier simulated overflow
+pool behind it, two tenants, workloads of each class with their slices,
+prices, users.
 
 What is there stays as it is. A run creates only what is missing and never
 changes an existing pool, reservation, price or user: an approval made in the
@@ -50,6 +51,25 @@ POOL = {
     "is_simulator": True,
 }
 
+# Pay-as-you-go capacity behind sim-pool: its own simulator process under
+# `make run`, serving sim-small only, at a higher price (OVERFLOW_PRICES).
+OVERFLOW_POOL = {
+    "slug": "sim-overflow",
+    "name": "Simulated overflow pool (pay as you go)",
+    "served_models": ["sim-small"],
+    "provider_tpm": 100_000,
+    "provider_rpm": 300,
+    "headroom": 0.8,
+    "burst_seconds": 15.0,
+    "max_concurrency": 32,
+    "is_simulator": True,
+}
+
+# Second slices (on the overflow pool), by workload: reserved, ceiling, lend, rpm.
+OVERFLOW_SLICES = {
+    "acme-chat": (20_000, 40_000, 0.0, 100),
+}
+
 # (tenant slug, tenant name, cost center, [workloads])
 TENANTS = [
     ("acme", "Acme Corp", "CC-1001", [
@@ -68,6 +88,10 @@ PRICES = [
     ("sim-large", Decimal("2.500000"), Decimal("10.000000")),
 ]
 PRICES_FROM = (2026, 1, 1)
+# The overflow pool's own prices (model, input, output per million).
+OVERFLOW_PRICES = [
+    ("sim-small", Decimal("0.600000"), Decimal("2.400000")),
+]
 
 # username, flags, group, tenant it is a member of
 PEOPLE = [
@@ -152,6 +176,8 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="Print machine-readable JSON only.")
         parser.add_argument("--base-url", default=None, help="The gateway's public base URL (default from PORT).")
         parser.add_argument("--pool-url", default=None, help="The pool's base URL (default SLUICE_SIM_URL).")
+        parser.add_argument("--overflow-url", default=None,
+                            help="The overflow pool's base URL (default SLUICE_SIM_OVERFLOW_URL).")
         parser.add_argument("--reset", action="store_true",
                             help="Put the demo values back on existing demo objects, printing what was overwritten.")
         parser.add_argument("--new-key", action="store_true",
@@ -159,43 +185,48 @@ class Command(BaseCommand):
         parser.add_argument("--if-empty", action="store_true",
                             help="Seed only a database with no tenant and no pool (make run); else change nothing.")
         parser.add_argument("--follow-sim", action="store_true",
-                            help="Point the demo simulator pool at --pool-url even when it exists (make run: the "
-                                 "simulator's port can change between runs). Only its base_url, only if is_simulator.")
+                            help="Point the demo simulator pools at --pool-url and --overflow-url even when they "
+                                 "exist (make run: the simulators' ports can change between runs). Only their "
+                                 "base_url, only if is_simulator.")
 
     # --- seeding --------------------------------------------------------------------------
 
-    def _seed_pool(self, *, pool_url: str, reset: bool, report: SeedReport) -> InferencePool:
-        values = {**POOL, "base_url": pool_url}
+    def _seed_pool(self, spec: dict, *, pool_url: str, reset: bool, report: SeedReport) -> InferencePool:
+        values = {**spec, "base_url": pool_url}
 
         def save(pool: InferencePool) -> None:
             pool.full_clean()
             pool.save()
 
-        return _ensure(InferencePool.objects.filter(slug=POOL["slug"]).first(),
+        return _ensure(InferencePool.objects.filter(slug=spec["slug"]).first(),
                        new=lambda: InferencePool(**values), values=values,
-                       label=f"pool {POOL['slug']}", reset=reset, report=report, save=save)
+                       label=f"pool {spec['slug']}", reset=reset, report=report, save=save)
 
-    def _follow_sim(self, *, pool_url: str, report: SeedReport) -> None:
-        """Where the local simulator listens is plumbing, not configuration:
-        the demo simulator pool follows it; nothing else of the pool changes."""
-        pool = InferencePool.objects.filter(slug=POOL["slug"], is_simulator=True).first()
-        if pool is not None and _apply(pool, {"base_url": pool_url}, label=f"pool {pool.slug}", report=report):
-            pool.save(update_fields=["base_url"])
+    def _follow_sim(self, *, urls: dict[str, str], report: SeedReport) -> None:
+        """Where the local simulators listen is plumbing, not configuration:
+        the demo simulator pools follow them; nothing else of a pool changes."""
+        for slug, url in urls.items():
+            pool = InferencePool.objects.filter(slug=slug, is_simulator=True).first()
+            if pool is not None and _apply(pool, {"base_url": url}, label=f"pool {pool.slug}", report=report):
+                pool.save(update_fields=["base_url"])
 
-    def _seed_prices(self, *, reset: bool, report: SeedReport) -> None:
+    def _seed_prices(self, *, overflow: InferencePool, reset: bool, report: SeedReport) -> None:
         effective_from = timezone.make_aware(timezone.datetime(*PRICES_FROM))
-        for model, input_price, output_price in PRICES:
+        table = [(None, *row) for row in PRICES] + [(overflow, *row) for row in OVERFLOW_PRICES]
+        for pool, model, input_price, output_price in table:
             price, created = ModelPrice.objects.get_or_create(
-                model=model, effective_from=effective_from,
+                model=model, pool=pool, effective_from=effective_from,
                 defaults={"input_per_million": input_price, "output_per_million": output_price},
             )
+            label = f"price {model}" + (f" on {pool.slug}" if pool else "")
             if created:
-                report.created.append(f"price {model}")
+                report.created.append(label)
             elif reset and _apply(price, {"input_per_million": input_price, "output_per_million": output_price},
-                                  label=f"price {model} from {effective_from:%Y-%m-%d}", report=report):
+                                  label=f"{label} from {effective_from:%Y-%m-%d}", report=report):
                 price.save()
 
-    def _seed_workloads(self, *, pool: InferencePool, reset: bool, report: SeedReport) -> list[Workload]:
+    def _seed_workloads(self, *, pool: InferencePool, overflow: InferencePool, reset: bool,
+                        report: SeedReport) -> list[Workload]:
         workloads = []
         for tenant_slug, tenant_name, cost_center, specs in TENANTS:
             tenant_values = {"name": tenant_name, "cost_center": cost_center}
@@ -213,10 +244,18 @@ class Command(BaseCommand):
                                    save=lambda workload: workload.save())
                 demo = {"pool": pool, "reserved_tpm": reserved, "ceiling_tpm": ceiling, "lend_fraction": lend,
                         "rpm": rpm}
-                _ensure(Reservation.objects.filter(workload=workload).first(),
-                        new=lambda: Reservation(workload=workload, **demo),
+                _ensure(Reservation.objects.filter(workload=workload, pool=pool).first(),
+                        new=lambda: Reservation(workload=workload, rank=0, **demo),
                         values=demo, label=f"reservation {slug}", reset=reset, report=report,
                         save=lambda reservation: reservation_save(reservation=reservation))
+                if slug in OVERFLOW_SLICES:
+                    reserved, ceiling, lend, rpm = OVERFLOW_SLICES[slug]
+                    second = {"pool": overflow, "rank": 1, "reserved_tpm": reserved, "ceiling_tpm": ceiling,
+                              "lend_fraction": lend, "rpm": rpm}
+                    _ensure(Reservation.objects.filter(workload=workload, pool=overflow).first(),
+                            new=lambda: Reservation(workload=workload, **second),
+                            values=second, label=f"overflow slice {slug}", reset=reset, report=report,
+                            save=lambda reservation: reservation_save(reservation=reservation))
                 workloads.append(workload)
         return workloads
 
@@ -274,28 +313,32 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         pool_url = options["pool_url"] or settings.SLUICE_SIM_URL
+        overflow_url = options["overflow_url"] or settings.SLUICE_SIM_OVERFLOW_URL
         report = SeedReport()
         empty = not Tenant.objects.exists() and not InferencePool.objects.exists()
         seed = empty or not options["if_empty"]
         with transaction.atomic():
             if seed:
-                pool = self._seed_pool(pool_url=pool_url, reset=options["reset"], report=report)
-                self._seed_prices(reset=options["reset"], report=report)
-                self._seed_workloads(pool=pool, reset=options["reset"], report=report)
+                pool = self._seed_pool(POOL, pool_url=pool_url, reset=options["reset"], report=report)
+                overflow = self._seed_pool(OVERFLOW_POOL, pool_url=overflow_url, reset=options["reset"], report=report)
+                self._seed_prices(overflow=overflow, reset=options["reset"], report=report)
+                self._seed_workloads(pool=pool, overflow=overflow, reset=options["reset"], report=report)
                 logins = self._seed_people(reset=options["reset"], report=report)
             else:
                 logins = _read_json(demo_logins_file())
             if options["follow_sim"] and not options["reset"]:
-                self._follow_sim(pool_url=pool_url, report=report)
+                self._follow_sim(urls={POOL["slug"]: pool_url, OVERFLOW_POOL["slug"]: overflow_url}, report=report)
             demo_slugs = [spec[0] for _, _, _, specs in TENANTS for spec in specs]
-            workloads = list(Workload.objects.filter(slug__in=demo_slugs).select_related("tenant", "reservation__pool"))
+            workloads = list(Workload.objects.filter(slug__in=demo_slugs).select_related("tenant")
+                             .prefetch_related("slices__pool"))
             workloads.sort(key=lambda w: demo_slugs.index(w.slug))
             keys = self._demo_keys(workloads=workloads, new_key=options["new_key"], mint=seed, report=report)
         for pool in InferencePool.objects.filter(reservations__workload__in=workloads).distinct():
             pool_config_push(pool=pool)
         info = {}
         for workload in workloads:
-            reservation = getattr(workload, "reservation", None)
+            slices = sorted(workload.slices.all(), key=lambda s: (s.rank, s.id))
+            reservation = slices[0] if slices else None  # the primary
             info[workload.slug] = {
                 "api_key": keys.get(workload.slug), "class": workload.workload_class, "tenant": workload.tenant.slug,
                 "reserved_tpm": reservation.reserved_tpm if reservation else 0,
@@ -304,6 +347,8 @@ class Command(BaseCommand):
                 "rpm": reservation.rpm if reservation else 0,
                 "prompt_tokens_cap": workload.prompt_tokens_cap, "max_tokens_cap": workload.max_tokens_cap,
                 "pool": reservation.pool.slug if reservation else None,
+                # Its route: every pool it holds a slice of, primary first.
+                "pools": [s.pool.slug for s in slices],
             }
         base_url = options["base_url"] or f"http://127.0.0.1:{settings.PORT}/v1"
         # With --json, stdout is the JSON alone; what changed goes to stderr.
@@ -321,7 +366,7 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps({"base_url": base_url, "workloads": info}, indent=2))
             return
-        self.stdout.write(f"Demo pool {POOL['slug']} and {len(info)} workloads.")
+        self.stdout.write(f"Demo pools {POOL['slug']} and {OVERFLOW_POOL['slug']} (overflow), {len(info)} workloads.")
         for slug, item in info.items():
             self.stdout.write(f"  {slug:18s} {item['class']:12s} key {item['api_key'] or '(none: --new-key mints one)'}")
         for username, password in logins.items():

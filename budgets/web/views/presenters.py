@@ -23,12 +23,13 @@ from budgets.ledger.spend import SpendStatus
 
 def workload_minute_chart(panel: WorkloadPanel) -> SafeString:
     series = [Series("tokens used / min", panel.tokens_per_minute, "#2563eb")]
-    if panel.reservation is not None:
-        # Reference lines that do not stretch the axis past a few times the
-        # usage (charts.DWARF_FACTOR): a quiet hour still shows its usage.
+    if panel.slices:
+        # Reference lines (the sums over its slices) that do not stretch the
+        # axis past a few times the usage (charts.DWARF_FACTOR): a quiet hour
+        # still shows its usage.
         count = len(panel.minutes)
-        series += [Series("reserved", [panel.reservation.reserved_tpm] * count, "#16a34a", dashed=True, scales=False),
-                   Series("ceiling", [panel.reservation.ceiling_tpm] * count, "#dc2626", dashed=True, scales=False)]
+        series += [Series("reserved", [panel.reserved_tpm] * count, "#16a34a", dashed=True, scales=False),
+                   Series("ceiling", [panel.ceiling_tpm] * count, "#dc2626", dashed=True, scales=False)]
     return line_chart(
         labels=[f"{m:%H:%M}" for m in panel.minutes], series=series,
         title=f"{panel.workload.slug}: tokens per minute, last hour (UTC)", height=200,

@@ -1,7 +1,8 @@
 """The request log: a tenant's (members, admins, finance) or every tenant's
 (admins, finance), filtered, paged by keyset; a request's own page with its
 timeline and ledger row; latency percentiles and outcome rates over the
-same filters. Read-only for everyone."""
+same filters. Read-only for everyone. A request's page is a ledger row's,
+or a refusal's (its reason, message, Retry-After, key, workload, time)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tenants.selectors import tenant_slugs_by_id
 from tenants.decorators import auditor_required
 
 from budgets.ledger.pricing import price_table_currency
-from budgets.models import UsageRecord
+from budgets.models import RejectionSample, UsageRecord
 from budgets.selectors.latency import PERCENTILES, latency_by_workload_lane
 from budgets.selectors.request_log import (
     TIMING_LABELS,
@@ -24,6 +25,7 @@ from budgets.selectors.request_log import (
     Cursor,
     LogFilters,
     log_entry_of_tenants,
+    refusal_of_tenants,
     request_log_page,
 )
 from budgets.web.forms import RequestLogForm
@@ -82,7 +84,12 @@ def _detail(request, *, tenant, tenant_ids: frozenset[int] | None, request_id: s
     try:
         detail = log_entry_of_tenants(tenant_ids=tenant_ids, request_id=request_id)
     except UsageRecord.DoesNotExist:
-        raise Http404("No such request.")
+        # Not in the ledger: a refusal (sampled, or kept by id for 24 hours).
+        try:
+            refusal = refusal_of_tenants(tenant_ids=tenant_ids, request_id=request_id)
+        except RejectionSample.DoesNotExist:
+            raise Http404("No such request.")
+        return render(request, "budgets/refusal_detail.html", {"tenant": tenant, "refusal": refusal})
     fields = [(f.name, getattr(detail.row, f.attname)) for f in UsageRecord._meta.concrete_fields]
     return render(request, "budgets/request_detail.html", {
         "tenant": tenant, "detail": detail, "entry": detail.entry, "fields": fields,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
@@ -25,7 +25,8 @@ from budgets.errors import BudgetUnavailable, Rejected
 from budgets.models import UsageRecord
 from gateway.core import keys
 from gateway.core.pacer_wake import pacer_wake_commands
-from gateway.core.request.admission import lease_ttl_ms, request_admit
+from gateway.core.request.admission import lease_ttl_ms
+from gateway.core.request.routing import request_route_admit
 from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
 from gateway.core.request.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.request.context import CallerContext, context_for_workload
@@ -42,7 +43,7 @@ PACE = LuaScript(__package__, "pace.lua")
 # not answer comes back: its jobs wait for it like for budget.
 DELAYABLE = {"workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
              "pool_saturated", "workload_concurrency", "pool_backoff", "pool_unavailable", "provider_tpm",
-             "provider_rpm"}
+             "provider_rpm", "pool_circuit_open"}
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
         body_sha256=digest, idempotency_key=idempotency_key, callback_url=callback_url, session_id=session_id,
         estimated_input_tokens=estimate.input_tokens, estimated_output_tokens=estimate.output_tokens,
         deadline=timezone.now() + timedelta(seconds=deadline_s), schedule_id=schedule_id,
+        api_key_id=ctx.api_key_id or None,
     )
     try:
         with transaction.atomic():
@@ -122,10 +124,14 @@ def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None
         if not at_submit:  # at submission the caller hears it in the answer
             _callback(job)
         return
+    # Every wait counts, the leaky bucket's pacing included, with its reason.
     job.status = Job.Status.DELAYED
     job.release_at = _ms_to_datetime(release_ms)
     job.reason = reason
-    job.save(update_fields=["status", "release_at", "reason", "delays"])
+    job.delays += 1
+    job.delay_history = [*(job.delay_history or []), {
+        "at": timezone.now().isoformat(), "reason": reason, "release_at": job.release_at.isoformat()}]
+    job.save(update_fields=["status", "release_at", "reason", "delays", "delay_history"])
     parked = Commands().zadd(keys.DELAYED_JOBS, {str(job.id): release_ms})
     pacer_wake_commands(parked)  # it may be due before the pacer's next look
     parked.run()
@@ -151,16 +157,19 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Esti
     request_id = new_request_id()
     lease_ms = lease_ttl_ms(queue_s=max(0.0, (deadline_ms - now_ms) / 1000))
     try:
-        admission = request_admit(ctx, request_id=request_id, model=chat.model, estimate=estimate, lease_ms=lease_ms)
+        # Routed as a chat call is (gateway/core/request/routing.py), on the
+        # estimate taken at submit.
+        routed = request_route_admit(ctx.route(chat.model), request_id=request_id, model=chat.model,
+                                     estimate_for=lambda _on_pool: estimate, lease_ms=lease_ms)
     except Rejected as rejected:
         if rejected.reason in DELAYABLE and rejected.retry_after_ms is not None:
-            job.delays += 1
             _delay(job, release_ms=now_ms + rejected.retry_after_ms, reason=rejected.reason, at_submit=at_submit)
             return
         raise
-    record = record_build(ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
-                          admission=admission, deadline_ms=deadline_ms, retry_deadline_ms=deadline_ms,
-                          session_id=job.session_id, job_id=str(job.id))
+    record = record_build(routed.ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate),
+                          estimate=estimate, admission=routed.admission, deadline_ms=deadline_ms,
+                          retry_deadline_ms=deadline_ms, session_id=job.session_id, job_id=str(job.id),
+                          fallback_pool_ids=routed.fallback_pool_ids)
     job.request_id = request_id
     job.status = Job.Status.QUEUED
     job.released_at = timezone.now()
@@ -181,7 +190,8 @@ def job_release(*, job_id: str) -> str:
         job.save(update_fields=["status", "reason", "finished_at"])
         _callback(job)
         return "expired"
-    ctx = context_for_workload(job.workload)
+    # The key that submitted it (or its schedule's): the ledger row carries it.
+    ctx = replace(context_for_workload(job.workload), api_key_id=job.api_key_id)
     try:
         # Again at release: the pool or its settings may have changed since.
         chat = validate_chat_request(job.body)
@@ -251,6 +261,7 @@ def job_view(job: Job, *, base_url: str = "", with_callback: bool = True, usage_
         "finished_at": job.finished_at.isoformat() if job.finished_at else None,
         "reason": job.reason or None,
         "delays": job.delays,
+        "delay_history": job.delay_history or [],
         "status_url": f"{base_url}/v1/jobs/{job.id}",
         "result": job.result if job.status in Job.FINAL else None,
         "usage": None,

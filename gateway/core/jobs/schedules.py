@@ -5,6 +5,7 @@ edit it in Django admin."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from django.db import transaction
 from django.utils import timezone
@@ -51,7 +52,8 @@ def schedule_run(*, schedule_id: int, fired_at=None) -> list[str]:
     if schedule is None or not schedule.enabled:
         return []
     fired_at = fired_at or timezone.now()
-    ctx = context_for_workload(schedule.workload)
+    # Its firings are made with the schedule's key: their ledger rows carry it.
+    ctx = replace(context_for_workload(schedule.workload), api_key_id=schedule.api_key_id)
     chat = validate_chat_request(dict(schedule.body))
     job_ids = []
     for index in range(schedule.jobs_per_run):

@@ -52,7 +52,7 @@ def spend_hold_for(ctx: CallerContext, *, model: str, estimate: Estimate) -> Spe
         return None
     month, month_end_ms = spend_month(at_ms=time.time() * 1000)
     return SpendHold(tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, cost_micro=cost_micro, month=month,
-                     month_end_ms=month_end_ms)
+                     month_end_ms=month_end_ms, overflow=ctx.overflow)
 
 
 def pool_config_rebuild(pool_id: int) -> None:
@@ -107,18 +107,19 @@ def _spend_held(hold: SpendHold, call: ScriptCall[bool], given: object = None) -
         raise BudgetUnavailable(f"spend of tenant {hold.tenant_id}: {exc}") from exc
 
 
-# A workload the pool refused in the last second (in this process) is asked
-# the old way, admission alone, the hold after it only if admitted: a storm of
-# refusals pays one plain script each, not the composed pair. Bounded by the
-# number of workloads.
+# A workload a pool refused in the last second (in this process) is asked
+# the old way on that pool, admission alone, the hold after it only if
+# admitted: a storm of refusals pays one plain script each, not the composed
+# pair. Per pool: a workload its primary refuses goes on to its overflow,
+# which admits it, composed. Bounded by the number of slices.
 REFUSED_RECENTLY_S = 1.0
-_refused_at: dict[int, float] = {}
+_refused_at: dict[tuple[int, int | None], float] = {}
 
 
-def refused_recently(workload_id: int) -> bool:
+def refused_recently(workload_id: int, pool_id: int | None) -> bool:
     """Whether the pool refused this workload in this process within
-    ``REFUSED_RECENTLY_S``: its next admission goes alone."""
-    return time.monotonic() - _refused_at.get(workload_id, -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
+    ``REFUSED_RECENTLY_S``: its next admission there goes alone."""
+    return time.monotonic() - _refused_at.get((workload_id, pool_id), -REFUSED_RECENTLY_S) < REFUSED_RECENTLY_S
 
 
 # budgets/admission/admit.lua's first answer when the request may go: admitted now (1), or admitted
@@ -139,7 +140,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
     takes them apart again. ``body_digest``: the request body's, which tells
     a client's retry of a held request (budgets/admission/admit.lua)."""
     admit = admission_call(ctx, request_id=request_id, estimate=estimate, lease_ms=lease_ms, body_digest=body_digest)
-    together = not refused_recently(ctx.workload_id)
+    together = not refused_recently(ctx.workload_id, ctx.pool_id)
     hold = spend_hold_for(ctx, model=model, estimate=estimate) if together else None
     hold_call = None if hold is None else spend_hold_call(hold, request_id=request_id, lease_ttl_ms=lease_ms,
                                                           estimated_tokens=estimate.total_tokens)
@@ -160,7 +161,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
                     admission = yield admit
                     held = None  # the hold did not run: it is asked below
         except Rejected:
-            _refused_at[ctx.workload_id] = time.monotonic()
+            _refused_at[(ctx.workload_id, ctx.pool_id)] = time.monotonic()
             raise
     except NotConfigured as exc:
         raise no_reservation() from exc

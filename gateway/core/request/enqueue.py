@@ -53,7 +53,9 @@ def new_request_id() -> str:
 
 def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: dict, estimate: Estimate,
                  admission: Admission, deadline_ms: float, retry_deadline_ms: float, session_id: str = "",
-                 job_id: str = "") -> RequestRecord:
+                 job_id: str = "", fallback_pool_ids: tuple[int, ...] = ()) -> RequestRecord:
+    """The record of a request admitted on ``ctx``'s pool; ``fallback_pool_ids``:
+    the pools after it in its route (gateway/core/request/routing.py)."""
     lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens,
                     borrowed=admission.borrowed)
     price = ctx.prices.get(model)
@@ -68,6 +70,8 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         price_output_per_million=str(price.output_per_million) if price else "",
         price_id=(price.price_id or 0) if price else 0,
         spend_month=admission.spend_month, api_key_id=ctx.api_key_id or 0, held=admission.held,
+        overflow=ctx.overflow, fallback_pools=",".join(str(pool_id) for pool_id in fallback_pool_ids),
+        pool_slug=ctx.pool_slug,
     )
 
 

@@ -54,6 +54,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
             upstream_ms=outcome.upstream_ms, total_ms=total_ms, ttft_ms=outcome.ttft_ms, attempts=outcome.attempts,
             error=outcome.ledger_error,
             usage_source=outcome.usage_source or ("pool" if outcome.input_tokens or outcome.output_tokens else ""),
+            completion_id=outcome.answer_id,
         ))
         written["s"] = time.monotonic() - writing
 

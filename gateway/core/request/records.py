@@ -83,6 +83,14 @@ class RequestRecord:
     # Admitted while the pool's circuit was open, or a retry of such a
     # request: it waits in the pool's held set, not on its lane (gateway/core/protection/held.py).
     held: bool = False
+    # Routing across pools (gateway/core/request/routing.py): served by an
+    # overflow slice; moved here after a failed call on another pool; and the
+    # pools of its route after this one (ids in route order), where a call
+    # that fails before its first token may move once.
+    overflow: bool = False
+    failed_over: bool = False
+    fallback_pools: str = ""
+    pool_slug: str = ""  # the x-sluice-pool header
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -104,6 +112,8 @@ class RequestRecord:
         data["stream"] = int(self.stream)
         data["stream_usage"] = int(self.stream_usage)
         data["held"] = int(self.held)
+        data["overflow"] = int(self.overflow)
+        data["failed_over"] = int(self.failed_over)
         return {k: str(v) for k, v in data.items()}
 
     @classmethod
@@ -135,6 +145,10 @@ class RequestRecord:
             stream_usage=data.get("stream_usage") == "1",
             tokenizer=data.get("tokenizer", ""),
             held=data.get("held") == "1",
+            overflow=data.get("overflow") == "1",
+            failed_over=data.get("failed_over") == "1",
+            fallback_pools=data.get("fallback_pools", ""),
+            pool_slug=data.get("pool_slug", ""),
         )
 
 
@@ -170,6 +184,21 @@ class Outcome:
     # Streams: ms until the pool's first chunk (pool_stream gives it per
     # attempt; request execution turns it into ms since admission).
     ttft_ms: int | None = None
+    # The pool that answered (its slug), when the call moved from the pool it
+    # was admitted on (gateway/worker/failover.py); '' otherwise.
+    pool: str = ""
+    # Streams: the pool's id for the answer, read from its chunks (an
+    # answer in one piece carries it in ``body``).
+    completion_id: str = ""
+
+    @property
+    def answer_id(self) -> str:
+        """The pool's id for the answer (``chatcmpl-...``: what the SDK
+        returns to the caller), "" when none came back."""
+        if self.completion_id:
+            return self.completion_id
+        found = (self.body or {}).get("id") if self.status == "ok" and not self.streamed else None
+        return found if isinstance(found, str) else ""
 
     @property
     def ledger_error(self) -> str:
@@ -283,15 +312,18 @@ def publish_call(record: RequestRecord, outcome: Outcome) -> ScriptCall[bool]:
 
 def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int = 0, actual_output_tokens: int = 0,
                  queue_wait_ms: int = 0, upstream_ms: int = 0, total_ms: int = 0, attempts: int = 0,
-                 error: str = "", usage_source: str = "", ttft_ms: int | None = None) -> LedgerEntry:
+                 error: str = "", usage_source: str = "", ttft_ms: int | None = None,
+                 completion_id: str = "") -> LedgerEntry:
     """The request's one ledger row, priced at the price in force when it was admitted."""
     return LedgerEntry(
         request_id=record.request_id,
         created_at=datetime.fromtimestamp(record.admitted_ms / 1000, tz=timezone.utc),
         tenant_id=record.tenant_id, workload_id=record.workload_id, pool_id=record.pool_id,
         model=record.model, lane=record.lane, status=status, borrowed=record.borrowed,
+        overflow=record.overflow, failed_over=record.failed_over,
         estimated_input_tokens=record.estimated_input_tokens, estimated_output_tokens=record.estimated_output_tokens,
         actual_input_tokens=actual_input_tokens, actual_output_tokens=actual_output_tokens,
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, ttft_ms=ttft_ms, attempts=attempts,
         error=error, usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
+        completion_id=completion_id,
     )
