@@ -33,13 +33,14 @@ OVERFLOW_JS = """() => {
 }"""
 
 
-def _pages(world, *, budget_request, request_id: str, key_id: int) -> dict[str, list[str]]:
+def _pages(world, *, budget_request, request_id: str, key_id: int, refusal_id: str) -> dict[str, list[str]]:
     a, wl = world.tenant_a.slug, world.wl_a.slug
     member = ["/", "/t/", f"/t/{a}/", f"/t/{a}/requests/new", f"/t/{a}/requests/{budget_request.pk}/",
-              f"/t/{a}/alerts", f"/t/{a}/log/?range=7d", f"/t/{a}/log/{request_id}/",
+              f"/t/{a}/alerts", f"/t/{a}/log/?range=7d", f"/t/{a}/log/{request_id}/", f"/t/{a}/log/{refusal_id}/",
               f"/t/{a}/keys/{key_id}/revoke", f"/t/{a}/workloads/{wl}/jobs", f"/t/{a}/?range=30d"]
     finance = ["/", "/t/", f"/t/{a}/", "/finance/", "/finance/?period=last_30_days&group_by=workload",
-               "/finance/?period=last_hour&group_by=day", "/log/?range=7d", f"/log/{request_id}/", f"/t/{a}/log/"]
+               "/finance/?period=last_hour&group_by=day", "/log/?range=7d", f"/log/{request_id}/", f"/log/{refusal_id}/",
+               f"/t/{a}/log/"]
     admin = sorted(set(member + finance) | {
         "/ops/pools/", f"/ops/pools/{world.pool.slug}/", f"/ops/pools/{world.pool.slug}/?range=7d", "/ops/requests/",
         f"/ops/requests/{budget_request.pk}/"})
@@ -49,6 +50,7 @@ def _pages(world, *, budget_request, request_id: str, key_id: int) -> dict[str, 
 def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world):  # noqa: F811
     from django.utils import timezone
 
+    from budgets.models import RejectionSample
     from budgets.services.budget_requests import budget_request_submit
     from tenants.models import ApiKey
     from tests.people import PASSWORD, ledger_add, ledger_spread
@@ -61,7 +63,12 @@ def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world)
         tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a, reserved_tpm=150_000,
         ceiling_tpm=200_000, rpm=800, justification="A launch with a rather long justification " * 6)
     key_id = ApiKey.objects.filter(workload=world.wl_a).values_list("id", flat=True).first()
-    pages = _pages(world, budget_request=budget_request, request_id=request_id, key_id=key_id)
+    refusal = RejectionSample.objects.create(
+        sample_id="req_" + "f" * 32, at=now - timedelta(minutes=1), tenant=world.tenant_a, workload=world.wl_a,
+        pool=world.pool, reason="context_length_exceeded", estimated_tokens=9008, retry_after_ms=None,
+        message="This model's maximum context length is 2000 tokens; your prompt resulted in 9008 tokens.")
+    pages = _pages(world, budget_request=budget_request, request_id=request_id, key_id=key_id,
+                   refusal_id=refusal.sample_id)
     people = {"member": world.member_a, "admin": world.admin, "finance": world.finance}
 
     failures, visited = [], 0
