@@ -37,6 +37,8 @@ def test_a_spend_cap_refusal_shows_its_wait_humanly(login, world):
     assert "2304170" not in log
     page = client.get(f"/t/{world.tenant_a.slug}/").content.decode()
     assert '<td class="num">26 d 16 h</td>' in page
+    refusal = client.get(f"/t/{world.tenant_a.slug}/log/rej_spendcap/").content.decode()
+    assert 'id="refusal-retry-after">26 d 16 h (header: 2304170 s, 2,304,170,000 ms)<' in refusal
 
 
 @pytest.mark.django_db

@@ -181,7 +181,7 @@ def test_a_refusal_beyond_the_sample_is_found_by_its_id_with_its_page(world, cli
     text = client.get(reverse("tenant-request-detail", args=[world.tenant_a.slug, refused[-1]])).content.decode()
     at = datetime.fromtimestamp(minute + 31, tz=dt_timezone.utc)
     for shown in (f'id="refusal-reason">workload_tpm<', f'id="refusal-message">{REFUSAL_MESSAGE}<',
-                  'id="refusal-retry-after">2 s (1,500 ms)<', f"<code>{key.prefix}…</code>",
+                  'id="refusal-retry-after">1.5 s (header: 2 s, 1,500 ms)<', f"<code>{key.prefix}…</code>",
                   f'id="refusal-workload">{world.wl_a.slug}<', f'id="refusal-at">{at:%Y-%m-%d %H:%M:%S}.000000<'):
         assert shown in text
     # and the search box finds it
