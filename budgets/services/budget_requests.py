@@ -62,6 +62,13 @@ def budget_request_submit(
             errors["new_workload_name"] = "Use letters or digits in the name."
     if not pool.is_active:
         errors["pool"] = "This pool is not active."
+    elif workload is not None and workload.allowed_models and not set(pool.served_models or ()) & set(
+            workload.allowed_models):
+        # A slice there could never serve it: its route would hold a pool it cannot use.
+        errors["pool"] = (f"{pool} serves none of the models this workload may call "
+                          f"({', '.join(sorted(workload.allowed_models))}).")
+    elif not pool.served_models:
+        errors["pool"] = f"{pool} serves no model."
     if ceiling_tpm < reserved_tpm:
         errors["ceiling_tpm"] = "The ceiling must be at least the reserved rate."
     elif ceiling_tpm > pool.admission_tpm + 1e-9:

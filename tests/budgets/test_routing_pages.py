@@ -119,3 +119,19 @@ def test_a_request_on_another_pool_adds_a_slice_behind_the_primary(world, overfl
     budget_request_approve(request_id=again.id, approver=world.admin)
     assert Reservation.objects.get(workload=world.wl_b, pool=third).reserved_tpm == 30_000
     assert Reservation.objects.filter(workload=world.wl_b).count() == 2
+
+
+def test_a_request_for_a_pool_that_serves_none_of_the_workloads_models_is_refused_at_the_form(world):
+    from django.core.exceptions import ValidationError
+
+    other = InferencePool(name="Large only", slug=f"large-{uuid.uuid4().hex[:6]}", base_url="http://127.0.0.1:9/v1",
+                          served_models=["sim-large"], provider_tpm=100_000, provider_rpm=1_000)
+    other.full_clean()
+    other.save()
+    world.wl_b.allowed_models = ["sim-small"]
+    world.wl_b.save()
+    with pytest.raises(ValidationError) as refused:
+        budget_request_submit(tenant=world.tenant_b, user=world.member_b, pool=other, reserved_tpm=1_000,
+                              ceiling_tpm=40_000, rpm=10, justification="wrong pool", workload=world.wl_b)
+    assert "serves none of the models this workload may call (sim-small)" in str(refused.value.message_dict["pool"])
+    assert not world.wl_b.slices.filter(pool=other).exists()

@@ -110,3 +110,33 @@ def test_a_worker_past_its_deadline_goes_anyway(redis_client, breaker):
     started = time.monotonic()
     circuit_wait(_record("late", redis_now_ms() + 200))
     assert time.monotonic() - started < 5
+
+
+def test_failed_trials_double_the_open_period_up_to_its_cap_and_a_close_resets_it(redis_client, breaker):
+    # given open periods of 1 s, at most 4 s
+    breaker.SLUICE_CIRCUIT_OPEN_S = 1.0
+    breaker.SLUICE_CIRCUIT_OPEN_MAX_S = 4.0
+
+    def open_for_ms() -> float:
+        from gateway.core import keys
+
+        return float(redis_client.hget(keys.pool_circuit(POOL), "open_until_ms")) - redis_now_ms()
+
+    def fail_a_trial(n: int) -> None:
+        _half_open_now(redis_client)
+        assert circuit_gate(pool_id=POOL, holder=f"trial-{n}").go
+        assert circuit_record(pool_id=POOL, holder=f"trial-{n}", ok=False, detail="HTTP 503") == "open"
+
+    _open(breaker)
+    periods = [open_for_ms()]
+    for n in range(3):
+        fail_a_trial(n)
+        periods.append(open_for_ms())
+    # then each failed trial doubles it, and 4 s is the most
+    assert [round(p / 1000) for p in periods] == [1, 2, 4, 4]
+    # and once a trial succeeds, the next outage starts again from 1 s
+    _half_open_now(redis_client)
+    assert circuit_gate(pool_id=POOL, holder="ok").go
+    assert circuit_record(pool_id=POOL, holder="ok", ok=True) == "closed"
+    _open(breaker)
+    assert round(open_for_ms() / 1000) == 1

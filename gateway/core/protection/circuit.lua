@@ -9,7 +9,10 @@
 --         after ARGV[6] ms, so a trial whose worker died does not block the
 --         pool); the trial's success closes the circuit at once, so the
 --         whole backlog goes as soon as the provider accepts again (no
---         additive climb from a floor); its failure opens it again.
+--         additive climb from a floor); its failure opens it again, for
+--         twice as long as the last time (ARGV[7] at most): through a long
+--         outage the trials, each a failed call, thin out instead of
+--         costing one per open period; the first close resets it.
 --
 -- KEYS: 1 circuit hash (state, failures, open_until_ms, trial_until_ms,
 --       trial_holder, opened, last_change_ms, why), 2 the pool's capacity
@@ -19,7 +22,8 @@
 --       work that arrives after the provider is back
 -- ARGV: 1 event ('gate' | 'ok' | 'fail'), 2 holder (request id),
 --       3 what happened (text, 'fail'), 4 failures in a row that open it,
---       5 how long it stays open before a trial (ms), 6 a trial's lease (ms)
+--       5 how long it stays open before a trial (ms), 6 a trial's lease (ms),
+--       7 the longest it stays open after failed trials (ms)
 -- Returns {'go' | 'wait', wait ms (text), state after}
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 
@@ -35,9 +39,10 @@ local state = c['state'] or 'closed'
 local open_until = tonumber(c['open_until_ms']) or 0
 local trial_until = tonumber(c['trial_until_ms']) or 0
 
-local function open(why)
-  redis.call('HSET', KEYS[1], 'state', 'open', 'open_until_ms', tostring(now + open_ms), 'trial_until_ms', '0',
-             'trial_holder', '', 'last_change_ms', tostring(now), 'why', why)
+local function open(why, reopens)
+  local for_ms = math.min(open_ms * 2 ^ reopens, math.max(open_ms, tonumber(ARGV[7]) or open_ms))
+  redis.call('HSET', KEYS[1], 'state', 'open', 'open_until_ms', tostring(now + for_ms), 'trial_until_ms', '0',
+             'trial_holder', '', 'last_change_ms', tostring(now), 'why', why, 'reopens', tostring(reopens))
   redis.call('HINCRBY', KEYS[1], 'opened', 1)
   redis.call('HSET', KEYS[2], 'hold', '1')
   return 'open'
@@ -56,7 +61,7 @@ if event == 'gate' then
 elseif event == 'ok' then
   if state ~= 'closed' then
     redis.call('HSET', KEYS[1], 'state', 'closed', 'trial_holder', '', 'trial_until_ms', '0',
-               'last_change_ms', tostring(now), 'why', 'the pool answered again')
+               'last_change_ms', tostring(now), 'why', 'the pool answered again', 'reopens', '0')
     redis.call('HDEL', KEYS[2], 'hold')
   end
   redis.call('HSET', KEYS[1], 'failures', '0')
@@ -64,10 +69,10 @@ elseif event == 'ok' then
 elseif event == 'fail' then
   local failures = redis.call('HINCRBY', KEYS[1], 'failures', 1)
   if state == 'half-open' and c['trial_holder'] == holder then
-    return {'go', '0', open('the trial call failed: ' .. ARGV[3])}
+    return {'go', '0', open('the trial call failed: ' .. ARGV[3], (tonumber(c['reopens']) or 0) + 1)}
   end
   if state == 'closed' and failures >= threshold then
-    return {'go', '0', open(failures .. ' calls in a row failed, the last: ' .. ARGV[3])}
+    return {'go', '0', open(failures .. ' calls in a row failed, the last: ' .. ARGV[3], 0)}
   end
   return {'go', '0', state}
 end

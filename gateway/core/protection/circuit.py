@@ -44,7 +44,7 @@ def _call(*, pool_id: int, event: str, holder: str = "", detail: str = "") -> Sc
     return ScriptCall(
         script=CIRCUIT, keys=[keys.pool_circuit(pool_id), budget_keys.pool_capacity(pool_id)],
         args=[event, holder, detail[:200], settings.SLUICE_CIRCUIT_FAILURES, int(settings.SLUICE_CIRCUIT_OPEN_S * 1000),
-              int(settings.SLUICE_UPSTREAM_TIMEOUT_S * 1000) + 5_000],
+              int(settings.SLUICE_UPSTREAM_TIMEOUT_S * 1000) + 5_000, int(settings.SLUICE_CIRCUIT_OPEN_MAX_S * 1000)],
         parse=lambda raw: CircuitVerdict(go=raw[0] == "go", wait_ms=float(raw[1]), state=raw[2]),
     )
 
