@@ -31,7 +31,8 @@ def admin_client():
 
 
 def form_data(reservation: Reservation, **changes) -> dict:
-    data = {"workload": reservation.workload_id, "pool": reservation.pool_id, "reserved_tpm": reservation.reserved_tpm,
+    data = {"workload": reservation.workload_id, "pool": reservation.pool_id, "rank": reservation.rank,
+            "reserved_tpm": reservation.reserved_tpm,
             "ceiling_tpm": reservation.ceiling_tpm, "lend_fraction": reservation.lend_fraction, "rpm": reservation.rpm,
             "max_concurrency": reservation.max_concurrency}
     data.update(changes)
