@@ -195,3 +195,73 @@ def test_concurrent_callers_of_one_unknown_key_share_one_lookup_and_one_attempt(
     assert lookups == [key]
     # and the address has 2 attempts left of 3: 2 more unknown keys pass to a lookup, the next is refused
     assert [check(random_key(), address="198.51.100.21").retry_after_ms is None for _ in range(3)] == [True, True, False]
+
+
+def test_a_flood_of_bad_keys_does_not_lock_out_valid_keys_from_the_same_address(settings, make_caller, small_caches):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 5
+    settings.SLUICE_AUTH_CACHE_S = 0  # nothing kept: every call is a cache miss, as once a cache entry lapses
+    used, fresh = make_caller(), make_caller()
+    nat = "203.0.113.77"  # callers behind one NAT share it with the attacker
+    # given a valid key in use from the address
+    assert check(used.api_key, address=nat).context.workload_id == used.workload.id
+    # when the same address sends ten unknown keys
+    flood = [check(random_key(), address=nat) for _ in range(10)]
+    # then the first five are 401s and the rest 429s
+    assert [r.retry_after_ms is None for r in flood] == [True] * 5 + [False] * 5
+    assert all(r.context is None for r in flood)
+    # and both the key in use and a key never seen before still get in from that address
+    assert check(used.api_key, address=nat).context.workload_id == used.workload.id
+    assert check(fresh.api_key, address=nat).context.workload_id == fresh.workload.id
+    # while another unknown key from it is still refused, and the valid ones cost it no attempt
+    assert check(random_key(), address=nat).retry_after_ms is not None
+    assert auth.api_key_address_budget().take_call(nat).run().allowed is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_valid_key_answers_200_after_a_flood_of_bad_keys_from_its_address(platform, make_caller):
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    caller = make_caller()
+    url = f"{platform.base_url}/v1/models"
+    with httpx.Client(timeout=10) as client:
+        # given an address whose unknown keys are already refused
+        flood = [client.get(url, headers={"Authorization": f"Bearer {random_key()}"}).status_code
+                 for _ in range(limit + 3)]
+        assert flood == [401] * limit + [429] * 3
+        # when a valid key arrives from the same address
+        answer = client.get(url, headers={"Authorization": f"Bearer {caller.api_key}"})
+    # then it is served
+    assert answer.status_code == 200
+    assert answer.json()["object"] == "list"
+
+
+def _unknown_key_statuses(base_url: str, forwarded: list[str]) -> list[int]:
+    """One unknown key per X-Forwarded-For value, sent from this host (127.0.0.1)."""
+    with httpx.Client(timeout=10) as client:
+        return [client.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {random_key()}",
+                                                            "X-Forwarded-For": hop}).status_code
+                for hop in forwarded]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_x_forwarded_for_from_an_untrusted_peer_buys_no_fresh_budget(platform):
+    # given no trusted proxies (the default), even for a peer on loopback
+    assert platform.env.get("SLUICE_TRUSTED_PROXIES", "") == ""
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    # when every unknown key claims another client address
+    statuses = _unknown_key_statuses(platform.base_url, [f"198.51.100.{n}" for n in range(1, limit + 3)])
+    # then they all count against the peer's own address: past the limit, 429
+    assert statuses == [401] * limit + [429] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_x_forwarded_for_from_a_trusted_proxy_names_the_client(platform):
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    with platform.environment({"SLUICE_TRUSTED_PROXIES": "127.0.0.1/32"}, lanes=[]):
+        # when a trusted proxy (this host) relays `limit` + 1 unknown keys from one client
+        first = _unknown_key_statuses(platform.base_url, ["198.51.100.1"] * (limit + 1))
+        # and then one from another client, and one whose left part was written by the client
+        other = _unknown_key_statuses(platform.base_url, ["198.51.100.2", "198.51.100.3, 198.51.100.1"])
+    # then the first client is refused past the limit, the second is not,
+    # and a spoofed left part is ignored: the hop the proxy saw counts
+    assert first == [401] * limit + [429]
+    assert other == [401, 429]
