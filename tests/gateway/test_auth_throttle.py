@@ -1,7 +1,8 @@
 """API keys under attack: unknown keys are counted per client address in
-Redis and answered 429 past the limit (no database lookup); a flood of
-random keys does not push valid keys out of the key cache; the client
-address is REMOTE_ADDR unless a trusted proxy vouches for another."""
+Redis and answered 429 past the limit, while valid keys from that address
+still get in; a flood of random keys does not push valid keys out of the
+key cache; the client address is REMOTE_ADDR unless a trusted proxy vouches
+for another (uvicorn's own X-Forwarded-For handling is off)."""
 
 from __future__ import annotations
 
@@ -66,13 +67,13 @@ def test_unknown_keys_from_one_address_are_refused_past_the_limit(settings, make
     assert check(caller.api_key, address="203.0.113.9").context is not None
     # when that address tries six unknown keys
     results = [check(random_key(), address="203.0.113.9") for _ in range(6)]
-    # then five were looked up (401s) and the sixth refused with the window's rest
+    # then five were answered 401 and the sixth 429 with the window's rest
     assert [r.retry_after_ms is None for r in results] == [True] * 5 + [False]
     assert 58_000 <= results[-1].retry_after_ms <= 60_000
     # and the key it already holds (cached) still works, another address is unaffected
     assert check(caller.api_key, address="203.0.113.9").context is not None
     assert check(random_key(), address="192.0.2.10").retry_after_ms is None
-    # and a valid key's lookup gave its attempt back: only the failures count
+    # and the valid key cost the address no attempt: only the failures count
     key = api_key_address_budget().counter_key("203.0.113.9")
     assert redis_client.get(key) == "5"
 
@@ -96,7 +97,7 @@ def test_concurrent_unknown_keys_pass_the_limit_exactly(settings, make_caller, s
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    # then exactly 5 were looked up, 35 refused without a lookup
+    # then exactly 5 were answered 401, 35 refused with a 429
     assert len(results) == 40
     assert sum(r.retry_after_ms is None for r in results) == 5
 
