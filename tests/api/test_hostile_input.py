@@ -6,9 +6,14 @@ paging cursors with non-ASCII digits are a 400 or ignored, never a 500."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from django.conf import settings
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -96,3 +101,58 @@ def test_the_server_refuses_an_oversized_or_deep_management_body_before_django(p
     assert (declared.status_code, declared.json()) == (413, too_large)
     assert (streamed.status_code, streamed.json()) == (413, too_large)
     assert (deep.status_code, deep.json()) == (400, TOO_DEEP)
+
+
+# -- property-based: hostile JSON to every management API endpoint --------------------
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                      st.text(st.characters(exclude_categories=["Cs"]), max_size=20))
+json_value = st.recursive(json_leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                             st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+                          max_leaves=12)
+NUMBER_LITERALS = [b"1e999", b"-1e999", b"NaN", b"Infinity", b"-" + b"9" * 5000, b"9" * 30, b"1" + b"0" * 400 + b".5"]
+
+
+@st.composite
+def hostile_bodies(draw) -> bytes:
+    """A JSON object with one value swapped for something /v1 refuses:
+    nesting past 64 levels, a number past int64 or float, a NUL or a lone
+    surrogate (as a JSON escape), or not an object at all."""
+    base = draw(st.dictionaries(st.sampled_from(["username", "password", "pool", "reserved_tpm", "ceiling_tpm", "rpm",
+                                                 "justification", "name", "comment", "workload_id", "expires_at"]),
+                                json_value, min_size=1, max_size=4))
+    name = draw(st.sampled_from(sorted(base)))
+    depth = draw(st.integers(65, 20_000))
+    opener = draw(st.sampled_from([b"[", b'{"a": ']))
+    closer = b"]" if opener == b"[" else b"}"
+    hostile = draw(st.sampled_from([
+        opener * depth + b"1" + closer * depth, *NUMBER_LITERALS, b'"a\\u0000b"', b'"\\ud800"', b"[" * depth,
+    ]))
+    body = json.dumps({**base, name: "__HOSTILE__"}).encode().replace(b'"__HOSTILE__"', hostile)
+    return draw(st.sampled_from([body, hostile]))
+
+
+def test_no_management_api_endpoint_answers_5xx_to_hostile_json(world):
+    a = world.tenant_a.slug
+    targets = [("post", "/api/auth/token/"), ("post", "/api/budget-requests/"), ("post", f"/api/tenants/{a}/keys/"),
+               ("post", "/api/budget-requests/999999/approve/"), ("post", "/api/budget-requests/999999/reject/"),
+               ("post", f"/api/tenants/{a}/callback-secret/rotate/"), ("patch", f"/api/tenants/{a}/workloads/{world.wl_a.id}/"),
+               ("put", f"/api/tenants/{a}/workloads/{world.wl_a.id}/"), ("post", "/api/spend-budgets/"),
+               ("patch", f"/api/tenants/{a}/")]
+    clients = {"anonymous": APIClient(), "admin": _token_client(world.admin), "member": _token_client(world.member_a)}
+    failures: list[str] = []
+
+    @hypothesis_settings(max_examples=60, deadline=None, database=None, derandomize=True,
+                         phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(who=st.sampled_from(sorted(clients)), target=st.sampled_from(targets), body=hostile_bodies())
+    def run(who, target, body):
+        method, url = target
+        try:
+            status = getattr(clients[who], method)(url, body, content_type="application/json").status_code
+        except Exception as exc:  # what the test client re-raises is a 500 to a real caller
+            status = f"500 ({type(exc).__name__})"
+        if not isinstance(status, int) or status >= 500:
+            failures.append(f"{who} {method.upper()} {url} {body[:80]!r} -> {status}")
+
+    run()
+    assert failures == []
