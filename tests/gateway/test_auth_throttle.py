@@ -266,3 +266,16 @@ def test_x_forwarded_for_from_a_trusted_proxy_names_the_client(platform):
     # and a spoofed left part is ignored: the hop the proxy saw counts
     assert first == [401] * limit + [429]
     assert other == [401, 429]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sign_in_throttle_ignores_x_forwarded_for_from_an_untrusted_peer(platform):
+    with platform.environment({"SLUICE_LOGIN_FAILURES_PER_ADDRESS": "3"}, lanes=[]):
+        with httpx.Client(timeout=30) as client:
+            # when four failed sign-ins, for four users, each claim another client address
+            statuses = [client.post(f"{platform.base_url}/api/auth/token/",
+                                    json={"username": f"nobody-{n}", "password": "wrong"},
+                                    headers={"X-Forwarded-For": f"198.51.100.{n}"}).status_code
+                        for n in range(1, 5)]
+    # then all count against this peer's own address: the fourth is refused
+    assert statuses == [400, 400, 400, 429]
