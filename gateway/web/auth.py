@@ -29,7 +29,8 @@ writes them. Unknown keys also count against the caller's address
 in a window the address's failures are answered 429 instead of 401. A key is
 always looked at first, so a flood of bad keys from an address shared by
 many callers (a NAT, a load balancer) never locks out the valid keys behind
-it; a bad key this process already knows costs no lookup.
+it; a bad key this process already knows, or one without Sluice's prefix,
+costs no lookup.
 
 A cache miss is single-flight per key and process: when the cached context
 of a busy key expires, the first caller looks it up and every caller of the
@@ -56,6 +57,7 @@ from budgets.redis.clients import REDIS_UNAVAILABLE
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.protection.throttle import api_key_address_budget
+from tenants.keys import KEY_PREFIX
 from tenants.selectors import api_key_hashes_revoked_since, api_key_lookup
 
 logger = logging.getLogger(__name__)
@@ -246,7 +248,9 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
     # NAT or load balancer share an address with whoever floods it with bad
     # keys, and a valid key must still get in. Only a failure costs the
     # address an attempt; past the limit the failure is a 429, not a 401.
-    if _kept(_unknown, digest):
+    # A key Sluice never issued (every one starts with KEY_PREFIX) or one this
+    # process already found bad costs no lookup.
+    if not raw_key.startswith(KEY_PREFIX) or _kept(_unknown, digest):
         return await _failure_count(address), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S

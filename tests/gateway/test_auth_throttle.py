@@ -218,6 +218,19 @@ def test_a_flood_of_bad_keys_does_not_lock_out_valid_keys_from_the_same_address(
     assert auth.api_key_address_budget().take_call(nat).run().allowed is False
 
 
+def test_bad_keys_cost_a_lookup_only_when_sluice_could_have_issued_them(settings, make_caller, small_caches,
+                                                                       monkeypatch):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 4
+    make_caller()
+    lookups = _counted_lookups(monkeypatch)
+    unknown = random_key()
+    # when an address sends keys of another format, then one unknown key of ours twice, then one more
+    results = [check(key, address="198.51.100.90") for key in ("sk-proj-abc", "not a key", unknown, unknown, "x")]
+    # then only the key of ours was looked up, once, and every failure counted
+    assert lookups == [unknown]
+    assert [r.retry_after_ms is None for r in results] == [True, True, True, True, False]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_valid_key_answers_200_after_a_flood_of_bad_keys_from_its_address(platform, make_caller):
     limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
