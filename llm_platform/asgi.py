@@ -25,6 +25,7 @@ from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.body_limit import body_limit  # noqa: E402
 from gateway.web.edge import api_answered, as_openai_error  # noqa: E402
+from llm_platform.api_input import api_too_large_body  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
 # A web process that stops sends the rejections it counted and has not sent
@@ -33,15 +34,21 @@ atexit.register(rejection_tally_send_at_exit)
 
 API_PREFIXES = ("/v1/",)
 API_PATHS = {"/v1", "/healthz", "/readyz", "/metrics"}
+MANAGEMENT_PREFIX = "/api/"
 
 # The body is read (at most SLUICE_MAX_BODY_BYTES of it) before Django sees it.
 api_application = body_limit(MiddlewareFreeASGIHandler(
     answer=api_answered, observe=api_observed, observed_prefixes=API_PREFIXES, request_error=as_openai_error))
+# The management API's bodies are bounded the same way (its JSON guards:
+# llm_platform/api_input.py); Django alone would spool any body to disk first.
+management_application = body_limit(django_application, refusal=api_too_large_body)
 
 
 async def application(scope, receive, send):
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
+    if scope["type"] == "http" and scope["path"].startswith(MANAGEMENT_PREFIX):
+        return await management_application(scope, receive, send)
     return await django_application(scope, receive, send)
 
 # Everything the web process keeps for life is built by now (django.setup(),

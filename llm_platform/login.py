@@ -20,8 +20,10 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from rest_framework.authtoken.views import ObtainAuthToken
 from rest_framework.exceptions import Throttled
+from rest_framework.parsers import FormParser, MultiPartParser
 
 from gateway.core.protection.throttle import AttemptBudget, request_client_address
+from llm_platform.api_input import GuardedJSONParser
 
 
 # Failed sign-ins per username and per client address, per window; read from
@@ -123,7 +125,10 @@ class SluiceLoginView(LoginView):
 
 class ThrottledObtainAuthToken(ObtainAuthToken):
     """POST /api/auth/token/ (username + password -> token), throttled like
-    the login page: it checks the same passwords."""
+    the login page: it checks the same passwords. Its parsers are the API's
+    (ObtainAuthToken names DRF's own, which a deeply nested body crashes)."""
+
+    parser_classes = (FormParser, MultiPartParser, GuardedJSONParser)
 
     def post(self, request, *args, **kwargs):
         data = request.data

@@ -29,6 +29,7 @@ from budgets.redis.clients import get_redis
 from budgets.models import InferencePool
 from gateway.core import keys
 from gateway.core.metrics import pool_live_metrics, queue_depths
+from gateway.core.protection.throttle import request_client_address
 from gateway.web.auth import bearer_key
 from tenants.models import Workload
 
@@ -48,7 +49,9 @@ def metrics_access_allowed(request: HttpRequest) -> bool:
     if any(name in request.headers for name in FORWARDING_HEADERS):
         return False
     try:
-        client = ipaddress.ip_address(request.META.get("REMOTE_ADDR") or "")
+        # Unproxied, so the caller's address (the one helper every throttle
+        # uses) is the peer's own.
+        client = ipaddress.ip_address(request_client_address(request.META))
     except ValueError:
         return False
     if client.version == 6 and client.ipv4_mapped is not None:

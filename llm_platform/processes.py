@@ -37,6 +37,11 @@ def web_command(*, port: int, host: str = "127.0.0.1", workers: int = 1) -> list
         # No "server: uvicorn" header on every answer (bytes and a header
         # check per refusal).
         "--no-server-header",
+        # The client address is Sluice's to decide (SLUICE_TRUSTED_PROXIES,
+        # gateway/core/protection/throttle.py): uvicorn would otherwise
+        # believe X-Forwarded-For from any peer on 127.0.0.1, so a caller on
+        # the host could claim a fresh address for every throttled attempt.
+        "--no-proxy-headers",
         # On SIGTERM: stop accepting, let requests in flight finish for a few
         # seconds, then close them (uvicorn's default waits for ever; a caller
         # waiting on its lane could hold a stop for minutes). Their admitted

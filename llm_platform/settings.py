@@ -414,6 +414,13 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # JSON with /v1's size, depth and number guards (DRF's own parser lets a
+    # deeply nested body raise RecursionError: a 500).
+    "DEFAULT_PARSER_CLASSES": [
+        "llm_platform.api_input.GuardedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "EXCEPTION_HANDLER": "llm_platform.api_errors.api_exception_handler",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,

@@ -22,6 +22,7 @@ from tenants.access import api_key_of_tenant, tenant_for_user_or_404, workload_o
 from tenants.keys import KEY_EXPIRY_DAYS
 from tenants.models import ApiKey, Workload
 from tenants.services import api_key_create, api_key_expiry_set, tenant_callback_secret_rotate
+from tenants.text_numbers import ascii_int
 
 
 @login_required
@@ -29,16 +30,16 @@ from tenants.services import api_key_create, api_key_expiry_set, tenant_callback
 @never_cache
 def api_key_new(request, slug: str):
     tenant = tenant_for_user_or_404(user=request.user, slug=slug, write=True)
+    workload_id = ascii_int(request.POST.get("workload"))
     try:
-        workload = workload_of_tenant(tenant=tenant, workload_id=int(request.POST.get("workload", "")))
-    except (ValueError, Workload.DoesNotExist):
+        workload = None if workload_id is None else workload_of_tenant(tenant=tenant, workload_id=workload_id)
+    except Workload.DoesNotExist:
+        workload = None
+    if workload is None:
         return render(request, "tenants/api_key_created.html",
                       {"tenant": tenant, "error": "Choose one of this tenant's workloads."}, status=400)
-    try:
-        days = int(request.POST.get("expires_in_days") or 0)
-    except ValueError:
-        days = -1
-    if days not in KEY_EXPIRY_DAYS:
+    days = ascii_int(request.POST.get("expires_in_days") or "0", max_digits=4)
+    if days is None or days not in KEY_EXPIRY_DAYS:
         return render(request, "tenants/api_key_created.html",
                       {"tenant": tenant, "error": "Choose when the key expires from the list."}, status=400)
     name = (request.POST.get("name") or "").strip()[:200]

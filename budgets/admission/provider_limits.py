@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from budgets.admission import keys
 from budgets.admission.capacity import capacity_signal
 from budgets.redis.scripts import LuaScript, ScriptCall
+from tenants.text_numbers import ascii_int
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +86,9 @@ def duration_ms(text: str | None) -> float | None:
 
 
 def _count(text: str | None) -> int | None:
-    if text is None:
-        return None
-    text = text.strip()
-    if not text.isdigit() or len(text) > 15:
-        return None
-    return int(text)
+    # ASCII digits only: a header read as latin-1 may hold '²', which
+    # isdigit() accepts and int() refuses.
+    return None if text is None else ascii_int(text.strip(), max_digits=15)
 
 
 def retry_after_ms(headers: Mapping[str, str]) -> int | None:

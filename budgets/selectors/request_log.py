@@ -23,6 +23,7 @@ from decimal import Decimal
 from django.db.models import Q
 
 from tenants.models import ApiKey, Workload
+from tenants.text_numbers import ascii_int
 
 from budgets.ledger.rejections import NO_POOL, rejection_by_request_id, rejections_pending
 from budgets.models import InferencePool, RejectionSample, UsageRecord
@@ -101,17 +102,19 @@ class Cursor:
 
     @classmethod
     def decode(cls, raw: str) -> Cursor | None:
-        """None for anything malformed (the page then starts at the top)."""
+        """None for anything malformed (the page then starts at the top).
+        Numbers are ASCII digits only (tenants/text_numbers.py)."""
+        micros, _, rest = raw.partition(".")
+        kind, _, tiebreak = rest.partition(".")
+        micros_n, kind_n = ascii_int(micros), ascii_int(kind, max_digits=1)
+        if micros_n is None or kind_n not in (LEDGER, REJECTION) or not tiebreak or len(tiebreak) > 64:
+            return None
+        if kind_n == LEDGER and ascii_int(tiebreak) is None:
+            return None
+        seconds, micro = divmod(micros_n, 1_000_000)
         try:
-            micros, kind, tiebreak = raw.split(".", 2)
-            kind_n = int(kind)
-            seconds, micro = divmod(int(micros), 1_000_000)
             at = datetime.fromtimestamp(seconds, tz=dt_timezone.utc).replace(microsecond=micro)
         except (ValueError, OverflowError, OSError):
-            return None
-        if kind_n not in (LEDGER, REJECTION) or not tiebreak or len(tiebreak) > 64:
-            return None
-        if kind_n == LEDGER and not tiebreak.isdigit():
             return None
         return cls(at=at, kind=kind_n, tiebreak=tiebreak)
 

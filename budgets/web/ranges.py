@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
+from budgets.selectors.usage import FIRST_DAY, LAST_DAY
+
 PRESETS = {"1h": ("last hour", timedelta(hours=1)), "24h": ("last 24 h", timedelta(hours=24)),
            "7d": ("last 7 days", timedelta(days=7)), "30d": ("last 30 days", timedelta(days=30))}
 DEFAULT_PRESET = "24h"
@@ -18,6 +20,7 @@ BUCKETS = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": ti
 # At most this many buckets on a chart: a range picks the finest unit that fits.
 MAX_BUCKETS = 200
 INPUT_FORMATS = ("%Y-%m-%dT%H:%M", "%Y-%m-%d %H:%M", "%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S")
+OUT_OF_BOUNDS = f"Choose times between {FIRST_DAY.year} and {LAST_DAY.year}."
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,16 @@ def time_range_from(params, *, now: datetime, default: str = DEFAULT_PRESET) -> 
         raise RangeError(f"Unknown range '{preset}': choose one of {', '.join(PRESETS)} or custom.")
     start = _parse(params.get("from") or "", "from")
     end = _parse(params.get("to") or "", "to") if params.get("to") else now
+    # Bounded before any arithmetic: a day added to 9999-12-31 overflows.
+    if not FIRST_DAY <= start.date() <= LAST_DAY or not FIRST_DAY <= end.date() <= LAST_DAY:
+        raise RangeError(OUT_OF_BOUNDS)
     if len(params.get("to") or "") == 10:
         end += timedelta(days=1)  # a day given as "to" includes that day
+    if end.year > LAST_DAY.year:
+        raise RangeError(OUT_OF_BOUNDS)
     if end <= start:
         raise RangeError("'to' must be after 'from'.")
     if end - start > MAX_SPAN:
         raise RangeError(f"A range may span at most {MAX_SPAN.days} days.")
-    if start.year < 2000 or end.year > 2100:
-        raise RangeError("Choose times between 2000 and 2100.")
     return TimeRange(start=start, end=end, preset="custom",
                      label=f"{start:%Y-%m-%d %H:%M} to {end:%Y-%m-%d %H:%M} UTC")

@@ -24,17 +24,19 @@ Valid and unknown keys are remembered in two separate bounded caches
 used out first when full; SLUICE_AUTH_CACHE_SIZE entries each): a flood of
 random keys only churns the unknown ones, never evicting the keys real
 callers use. Both live on the event loop's thread, which alone reads and
-writes them. Unknown keys also
-count against the caller's address (gateway/core/protection/throttle.py); past
-SLUICE_API_KEY_FAILURES_PER_ADDRESS in a window the address is answered 429
-without a database lookup.
+writes them. Unknown keys also count against the caller's address
+(gateway/core/protection/throttle.py); past SLUICE_API_KEY_FAILURES_PER_ADDRESS
+in a window the address's failures are answered 429 instead of 401. A key is
+always looked at first, so a flood of bad keys from an address shared by
+many callers (a NAT, a load balancer) never locks out the valid keys behind
+it; a bad key this process already knows, or one without Sluice's prefix,
+costs no lookup.
 
 A cache miss is single-flight per key and process: when the cached context
 of a busy key expires, the first caller looks it up and every caller of the
 same key arriving meanwhile waits for that one check (no attempt taken from
-its address: it causes no lookup) instead of N lookups and 2N throttle
-round trips at once. Should the first caller be throttled or its lookup
-fail, each waiter goes its own way as before."""
+its address: it causes no lookup) instead of N lookups at once. Should the
+first caller's lookup fail, each waiter goes its own way as before."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ from budgets.redis.clients import REDIS_UNAVAILABLE
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.protection.throttle import api_key_address_budget
+from tenants.keys import KEY_PREFIX
 from tenants.selectors import api_key_hashes_revoked_since, api_key_lookup
 
 logger = logging.getLogger(__name__)
@@ -100,7 +103,7 @@ _unknown = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> True
 @dataclass(frozen=True)
 class KeyCheck:
     """The key's workload context (None: unknown or revoked). ``retry_after_ms``
-    set: this address tried too many unknown keys; the key was not looked at."""
+    set: the key is not valid and this address tried too many unknown keys."""
 
     context: CallerContext | None
     retry_after_ms: int | None = None
@@ -188,8 +191,8 @@ async def _last_used_push() -> None:
 
 
 # digest -> the first caller's check in flight in this process (one event
-# loop per web process): its lookup's result (_load_context's), or _FAILED
-# when it made none (throttled) or the lookup failed.
+# loop per web process): its lookup's result (_load_context's; None for a
+# key already known bad), or _FAILED when the lookup failed.
 _inflight: dict[str, asyncio.Future] = {}
 _FAILED = object()
 
@@ -245,26 +248,32 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
 
 async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyCheck, object]:
     """The check of a key not in the valid cache, and what callers waiting on
-    it take from it: the lookup's result, or _FAILED (throttled: none made)."""
-    # Not known to be good: it costs the address an attempt, given back if
-    # the key turns out valid. Redis away raises BudgetUnavailable (a 503,
-    # like the admission that would follow): never an unthrottled lookup.
-    budget = api_key_address_budget()
-    taken = await budget.take_call(address).run_async()
-    if not taken.allowed:
-        return KeyCheck(None, retry_after_ms=taken.retry_after_ms), _FAILED
-    if _kept(_unknown, digest):
-        return KeyCheck(None), None
+    it take from it: the lookup's result (None: unknown), or _FAILED when
+    the lookup itself failed."""
+    # The key is looked at before its address's throttle: callers behind one
+    # NAT or load balancer share an address with whoever floods it with bad
+    # keys, and a valid key must still get in. Only a failure costs the
+    # address an attempt; past the limit the failure is a 429, not a 401.
+    # A key Sluice never issued (every one starts with KEY_PREFIX) or one this
+    # process already found bad costs no lookup.
+    if not raw_key.startswith(KEY_PREFIX) or _kept(_unknown, digest):
+        return await _failure_count(address), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
         _keep(_unknown, digest, True, cache_s)
-        return KeyCheck(None), None
+        return await _failure_count(address), None
     cached, expires_in = loaded
-    await budget.refund_call(address).run_async()
     # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
     _keep(_valid, digest, cached, cache_s if expires_in is None else min(cache_s, expires_in))
     return _noted(cached), loaded
+
+
+async def _failure_count(address: str) -> KeyCheck:
+    """An unknown or revoked key, counted against its address. Redis away
+    raises BudgetUnavailable (a 503): never an unthrottled refusal."""
+    taken = await api_key_address_budget().take_call(address).run_async()
+    return KeyCheck(None) if taken.allowed else KeyCheck(None, retry_after_ms=taken.retry_after_ms)
 
 
 def bearer_key(authorization: str | None) -> str | None:

@@ -1,5 +1,6 @@
-"""The body's size limit on /v1, before Django: an ASGI wrapper that refuses
-a body over SLUICE_MAX_BODY_BYTES with an OpenAI-shaped 413 before anything
+"""The body's size limit on /v1 and /api, before Django: an ASGI wrapper that
+refuses a body over SLUICE_MAX_BODY_BYTES with a 413 (OpenAI's shape on /v1,
+DRF's on /api: llm_platform/api_input.py) before anything
 stores or parses it (Django's ASGI handler would spool any chunked body,
 however large, to a temporary file first), counting what arrives, not what
 Content-Length says."""
@@ -7,15 +8,19 @@ Content-Length says."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from django.conf import settings
 
 from gateway.core.errors import error_body
 
 
+def too_large_message(limit: int) -> str:
+    return f"The request body exceeds {limit} bytes."
+
+
 def too_large_body(limit: int) -> dict:
-    return error_body(message=f"The request body exceeds {limit} bytes.", error_type="invalid_request_error",
-                      code="body_too_large")
+    return error_body(message=too_large_message(limit), error_type="invalid_request_error", code="body_too_large")
 
 
 async def _send_json(send, status: int, body: dict) -> None:
@@ -36,9 +41,10 @@ def _declared_length(scope) -> int | None:
     return None
 
 
-def body_limit(app):
+def body_limit(app, *, refusal: Callable[[int], dict] = too_large_body):
     """Read the whole body, at most SLUICE_MAX_BODY_BYTES of it, then hand it
-    to ``app`` as one message; over the limit, answer 413 and stop reading."""
+    to ``app`` as one message; over the limit, answer 413 with
+    ``refusal(limit)`` and stop reading."""
 
     async def limited(scope, receive, send):
         if scope["type"] != "http":
@@ -46,7 +52,7 @@ def body_limit(app):
         limit = settings.SLUICE_MAX_BODY_BYTES
         declared = _declared_length(scope)
         if declared is not None and declared > limit:
-            return await _send_json(send, 413, too_large_body(limit))
+            return await _send_json(send, 413, refusal(limit))
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -56,7 +62,7 @@ def body_limit(app):
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await _send_json(send, 413, too_large_body(limit))
+                return await _send_json(send, 413, refusal(limit))
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

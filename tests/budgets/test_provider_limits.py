@@ -49,6 +49,9 @@ def test_headers_parse_and_garbage_counts_are_dropped():
         reset_requests_ms=None, reset_tokens_ms=360_000.0)
     assert provider_limits_parse({}).empty
     assert provider_limits_parse({"x-ratelimit-remaining-tokens": "n/a"}).empty
+    # digits of other scripts (a header read as latin-1 may hold '\xb2', '²'), signs, separators
+    for junk in ("\u00b2", "\u0661\u0662", "+5", "1_000", "\uff15"):
+        assert provider_limits_parse({"x-ratelimit-remaining-tokens": junk}).empty, junk
 
 
 def _admit(caller, tokens: int):

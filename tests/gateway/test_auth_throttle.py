@@ -1,7 +1,8 @@
 """API keys under attack: unknown keys are counted per client address in
-Redis and answered 429 past the limit (no database lookup); a flood of
-random keys does not push valid keys out of the key cache; the client
-address is REMOTE_ADDR unless a trusted proxy vouches for another."""
+Redis and answered 429 past the limit, while valid keys from that address
+still get in; a flood of random keys does not push valid keys out of the
+key cache; the client address is REMOTE_ADDR unless a trusted proxy vouches
+for another (uvicorn's own X-Forwarded-For handling is off)."""
 
 from __future__ import annotations
 
@@ -66,13 +67,13 @@ def test_unknown_keys_from_one_address_are_refused_past_the_limit(settings, make
     assert check(caller.api_key, address="203.0.113.9").context is not None
     # when that address tries six unknown keys
     results = [check(random_key(), address="203.0.113.9") for _ in range(6)]
-    # then five were looked up (401s) and the sixth refused with the window's rest
+    # then five were answered 401 and the sixth 429 with the window's rest
     assert [r.retry_after_ms is None for r in results] == [True] * 5 + [False]
     assert 58_000 <= results[-1].retry_after_ms <= 60_000
     # and the key it already holds (cached) still works, another address is unaffected
     assert check(caller.api_key, address="203.0.113.9").context is not None
     assert check(random_key(), address="192.0.2.10").retry_after_ms is None
-    # and a valid key's lookup gave its attempt back: only the failures count
+    # and the valid key cost the address no attempt: only the failures count
     key = api_key_address_budget().counter_key("203.0.113.9")
     assert redis_client.get(key) == "5"
 
@@ -96,7 +97,7 @@ def test_concurrent_unknown_keys_pass_the_limit_exactly(settings, make_caller, s
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
-    # then exactly 5 were looked up, 35 refused without a lookup
+    # then exactly 5 were answered 401, 35 refused with a 429
     assert len(results) == 40
     assert sum(r.retry_after_ms is None for r in results) == 5
 
@@ -195,3 +196,99 @@ def test_concurrent_callers_of_one_unknown_key_share_one_lookup_and_one_attempt(
     assert lookups == [key]
     # and the address has 2 attempts left of 3: 2 more unknown keys pass to a lookup, the next is refused
     assert [check(random_key(), address="198.51.100.21").retry_after_ms is None for _ in range(3)] == [True, True, False]
+
+
+def test_a_flood_of_bad_keys_does_not_lock_out_valid_keys_from_the_same_address(settings, make_caller, small_caches):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 5
+    settings.SLUICE_AUTH_CACHE_S = 0  # nothing kept: every call is a cache miss, as once a cache entry lapses
+    used, fresh = make_caller(), make_caller()
+    nat = "203.0.113.77"  # callers behind one NAT share it with the attacker
+    # given a valid key in use from the address
+    assert check(used.api_key, address=nat).context.workload_id == used.workload.id
+    # when the same address sends ten unknown keys
+    flood = [check(random_key(), address=nat) for _ in range(10)]
+    # then the first five are 401s and the rest 429s
+    assert [r.retry_after_ms is None for r in flood] == [True] * 5 + [False] * 5
+    assert all(r.context is None for r in flood)
+    # and both the key in use and a key never seen before still get in from that address
+    assert check(used.api_key, address=nat).context.workload_id == used.workload.id
+    assert check(fresh.api_key, address=nat).context.workload_id == fresh.workload.id
+    # while another unknown key from it is still refused, and the valid ones cost it no attempt
+    assert check(random_key(), address=nat).retry_after_ms is not None
+    assert auth.api_key_address_budget().take_call(nat).run().allowed is False
+
+
+def test_bad_keys_cost_a_lookup_only_when_sluice_could_have_issued_them(settings, make_caller, small_caches,
+                                                                       monkeypatch):
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 4
+    make_caller()
+    lookups = _counted_lookups(monkeypatch)
+    unknown = random_key()
+    # when an address sends keys of another format, then one unknown key of ours twice, then one more
+    results = [check(key, address="198.51.100.90") for key in ("sk-proj-abc", "not a key", unknown, unknown, "x")]
+    # then only the key of ours was looked up, once, and every failure counted
+    assert lookups == [unknown]
+    assert [r.retry_after_ms is None for r in results] == [True, True, True, True, False]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_valid_key_answers_200_after_a_flood_of_bad_keys_from_its_address(platform, make_caller):
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    caller = make_caller()
+    url = f"{platform.base_url}/v1/models"
+    with httpx.Client(timeout=10) as client:
+        # given an address whose unknown keys are already refused
+        flood = [client.get(url, headers={"Authorization": f"Bearer {random_key()}"}).status_code
+                 for _ in range(limit + 3)]
+        assert flood == [401] * limit + [429] * 3
+        # when a valid key arrives from the same address
+        answer = client.get(url, headers={"Authorization": f"Bearer {caller.api_key}"})
+    # then it is served
+    assert answer.status_code == 200
+    assert answer.json()["object"] == "list"
+
+
+def _unknown_key_statuses(base_url: str, forwarded: list[str]) -> list[int]:
+    """One unknown key per X-Forwarded-For value, sent from this host (127.0.0.1)."""
+    with httpx.Client(timeout=10) as client:
+        return [client.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {random_key()}",
+                                                            "X-Forwarded-For": hop}).status_code
+                for hop in forwarded]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_x_forwarded_for_from_an_untrusted_peer_buys_no_fresh_budget(platform):
+    # given no trusted proxies (the default), even for a peer on loopback
+    assert platform.env.get("SLUICE_TRUSTED_PROXIES", "") == ""
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    # when every unknown key claims another client address
+    statuses = _unknown_key_statuses(platform.base_url, [f"198.51.100.{n}" for n in range(1, limit + 3)])
+    # then they all count against the peer's own address: past the limit, 429
+    assert statuses == [401] * limit + [429] * 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_x_forwarded_for_from_a_trusted_proxy_names_the_client(platform):
+    limit = int(platform.env["SLUICE_API_KEY_FAILURES_PER_ADDRESS"])
+    with platform.environment({"SLUICE_TRUSTED_PROXIES": "127.0.0.1/32"}, lanes=[]):
+        # when a trusted proxy (this host) relays `limit` + 1 unknown keys from one client
+        first = _unknown_key_statuses(platform.base_url, ["198.51.100.1"] * (limit + 1))
+        # and then one from another client, and one whose left part was written by the client
+        other = _unknown_key_statuses(platform.base_url, ["198.51.100.2", "198.51.100.3, 198.51.100.1"])
+    # then the first client is refused past the limit, the second is not,
+    # and a spoofed left part is ignored: the hop the proxy saw counts
+    assert first == [401] * limit + [429]
+    assert other == [401, 429]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sign_in_throttle_ignores_x_forwarded_for_from_an_untrusted_peer(platform):
+    with platform.environment({"SLUICE_LOGIN_FAILURES_PER_ADDRESS": "3"}, lanes=[]):
+        with httpx.Client(timeout=30) as client:
+            # when four failed sign-ins, for four users, each claim another client address
+            statuses = [client.post(f"{platform.base_url}/api/auth/token/",
+                                    json={"username": f"nobody-{n}", "password": "wrong"},
+                                    headers={"X-Forwarded-For": f"198.51.100.{n}"}).status_code
+                        for n in range(1, 5)]
+    # then all count against this peer's own address: the fourth is refused
+    assert statuses == [400, 400, 400, 429]

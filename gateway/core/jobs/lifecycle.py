@@ -34,6 +34,7 @@ from gateway.core.request.enqueue import new_request_id, record_build, record_en
 from gateway.core.errors import bad_request, budget_unavailable, error_body
 from gateway.core.request.records import Outcome
 from gateway.models import Job, JobCallbackDelivery
+from tenants.text_numbers import ascii_int
 
 logger = logging.getLogger(__name__)
 
@@ -307,11 +308,8 @@ def job_list_params(*, status: str | None, after: str | None, limit: str | None)
         except ValueError:
             raise bad_request("'after' must be a job id from an earlier page.", param="after",
                               code="invalid_cursor") from None
-    try:
-        count = int(limit) if limit not in (None, "") else JOB_LIST_DEFAULT
-    except ValueError:
-        count = 0
-    if not 1 <= count <= JOB_LIST_MAX:
+    count = ascii_int(limit) if limit not in (None, "") else JOB_LIST_DEFAULT
+    if count is None or not 1 <= count <= JOB_LIST_MAX:
         raise bad_request(f"'limit' must be an integer from 1 to {JOB_LIST_MAX}.", param="limit",
                           code="invalid_limit")
     return status, after, count

@@ -5,11 +5,15 @@ guesses over processes gains nothing). The /v1 key check
 (gateway/web/auth.py) keeps its budget here; the sign-in views keep theirs
 with them (llm_platform/login.py).
 
-Each attempt is *taken* before the secret is checked and given back when it
-was right, so concurrent guesses cannot overrun a limit. The client address
-is REMOTE_ADDR unless that is a trusted proxy (SLUICE_TRUSTED_PROXIES):
-believing X-Forwarded-For from anyone would let every guess claim a fresh
-address."""
+A sign-in attempt is *taken* before the password is checked and given back
+when it was right, so concurrent guesses cannot overrun a limit. An API key
+is checked first and only a failure is counted (a valid key behind an
+address someone floods must still get in; gateway/web/auth.py). The client
+address (request_client_address, the one helper for it) is REMOTE_ADDR
+unless that is a trusted proxy (SLUICE_TRUSTED_PROXIES): believing
+X-Forwarded-For from anyone would let every guess claim a fresh address,
+which is also why uvicorn runs with --no-proxy-headers
+(llm_platform/processes.py)."""
 
 from __future__ import annotations
 

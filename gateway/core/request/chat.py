@@ -114,7 +114,7 @@ def _unsendable(text: str, where: str, param: str | None) -> Rejected | None:
     if found is None:
         return None
     what = "a NUL character (\\u0000)" if found.group() == "\x00" else "an unpaired UTF-16 surrogate"
-    return bad_request(f"{where} holds {what}, which cannot be sent to the pool.", code="invalid_string",
+    return bad_request(f"{where} holds {what}, which no pool request or database row can carry.", code="invalid_string",
                        param=param)
 
 
