@@ -58,10 +58,7 @@ def api_key_expiry_view(request, slug: str, key_id: int):
         key = api_key_of_tenant(tenant=tenant, key_id=key_id)
     except ApiKey.DoesNotExist:
         raise Http404("No such key.")
-    try:
-        days = int(request.POST.get("expires_in_days") or "")
-    except ValueError:
-        days = -1
+    days = ascii_int(request.POST.get("expires_in_days"), max_digits=4)
     back = reverse("tenant-detail", kwargs={"slug": tenant.slug}) + "#keys"
     if days not in KEY_EXPIRY_DAYS:
         messages.error(request, "Choose when the key expires from the list.")
