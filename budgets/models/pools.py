@@ -269,6 +269,10 @@ class UsageRecord(models.Model):
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.PROTECT, related_name="usage_records",
                                 db_index=False)  # ledger_key_at_id leads with it
     usage_source = models.CharField(max_length=16, choices=UsageSource.choices, blank=True, default="")
+    # The /v1 endpoint the request came through (every row before this
+    # column existed was a chat completion).
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    endpoint = models.CharField(max_length=64, default=CHAT_COMPLETIONS)
 
     objects = UsageRecordQuerySet.as_manager()
 
