@@ -17,6 +17,7 @@ class DailyUsage(models.Model):
     workload = models.ForeignKey("tenants.Workload", on_delete=models.CASCADE, related_name="+")
     pool = models.ForeignKey("budgets.InferencePool", on_delete=models.CASCADE, related_name="+")
     model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=64, default="/v1/chat/completions")  # UsageRecord.endpoint
     requests = models.PositiveIntegerField(default=0)
     ok_requests = models.PositiveIntegerField(default=0)
     borrowed_requests = models.PositiveIntegerField(default=0)
@@ -32,7 +33,8 @@ class DailyUsage(models.Model):
     class Meta:
         ordering = ["day"]
         constraints = [
-            models.UniqueConstraint(fields=["day", "tenant", "workload", "pool", "model"], name="uniq_daily_usage"),
+            models.UniqueConstraint(fields=["day", "tenant", "workload", "pool", "model", "endpoint"],
+                                    name="uniq_daily_usage_endpoint"),
         ]
         indexes = [
             models.Index(fields=["tenant", "day"]),
