@@ -230,3 +230,33 @@ def test_chat_rows_keep_their_endpoint(platform, embedder):
     raw = sdk(platform, embedder.api_key).chat.completions.with_raw_response.create(
         model="sim-small", messages=[{"role": "user", "content": DOC}], max_tokens=5)
     assert ledger_row(raw.headers["x-request-id"]).endpoint == "/v1/chat/completions"
+
+
+HOSTILE = [
+    ("nul in input", b'{"model": "sim-embed", "input": "a\\u0000b"}', "invalid_string"),
+    ("lone surrogate", b'{"model": "sim-embed", "input": ["ok", "\\ud800"]}', "invalid_string"),
+    ("deep nesting", b'{"model": "sim-embed", "input": ' + b"[" * 200 + b"]" * 200 + b"}", "invalid_json"),
+    ("huge integer", b'{"model": "sim-embed", "input": [1' + b"0" * 40 + b"]}", "invalid_json"),
+    ("token id past int32", b'{"model": "sim-embed", "input": [4294967296]}', None),
+    ("boolean ids", b'{"model": "sim-embed", "input": [true, false]}', None),
+    ("too many inputs", b'{"model": "sim-embed", "input": [' + b",".join([b'"a"'] * 2049) + b"]}", None),
+    ("prompt as object", b'{"model": "sim-small", "prompt": {"a": 1}}', None),
+    ("n of three", b'{"model": "sim-small", "prompt": "a", "n": 3}', None),
+    ("best_of", b'{"model": "sim-small", "prompt": "a", "best_of": 2}', None),
+    ("legacy logprobs", b'{"model": "sim-small", "prompt": "a", "logprobs": 9}', None),
+]
+
+
+@pytest.mark.parametrize("name,body,code", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_on_the_new_endpoints_are_400s_and_cost_nothing(platform, embedder, redis_client, name,
+                                                                       body, code):
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/embeddings"
+    response = httpx.post(f"{platform.base_url}{path}", content=body, timeout=10,
+                          headers={"Authorization": f"Bearer {embedder.api_key}", "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code:
+        assert error["code"] == code
+    assert counters(redis_client, embedder.pool.id) == {}
+    assert UsageRecord.objects.count() == 0
