@@ -7,9 +7,11 @@ from decimal import Decimal
 
 from django.db import models
 
+from budgets.models.pools import UsageRecord
+
 
 class DailyUsage(models.Model):
-    """Ledger totals for one UTC day and one (tenant, workload, pool, model).
+    """Ledger totals for one UTC day and one (tenant, workload, pool, model, endpoint).
     Rebuilt idempotently from the ledger by ``budgets.rollups``."""
 
     day = models.DateField()
@@ -17,7 +19,7 @@ class DailyUsage(models.Model):
     workload = models.ForeignKey("tenants.Workload", on_delete=models.CASCADE, related_name="+")
     pool = models.ForeignKey("budgets.InferencePool", on_delete=models.CASCADE, related_name="+")
     model = models.CharField(max_length=200)
-    endpoint = models.CharField(max_length=64, default="/v1/chat/completions")  # UsageRecord.endpoint
+    endpoint = models.CharField(max_length=64, default=UsageRecord.CHAT_COMPLETIONS)  # UsageRecord.endpoint
     requests = models.PositiveIntegerField(default=0)
     ok_requests = models.PositiveIntegerField(default=0)
     borrowed_requests = models.PositiveIntegerField(default=0)

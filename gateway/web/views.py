@@ -163,10 +163,10 @@ async def _through_the_door(request: HttpRequest, validate: Callable[[dict], Api
     idem_key = ""
     try:
         body = _read_body(request)
-        chat = validate(body)
-        request_check(ctx, chat, streaming=True)
+        api_request = validate(body)
+        request_check(ctx, api_request, streaming=True)
         idem_key = _idempotency_key(request)
-        if chat.stream and idem_key:
+        if api_request.stream and idem_key:
             # A stream cannot be stored and replayed as one answer.
             raise bad_request("Idempotency-Key is not supported with stream=true.", param="stream",
                               code="idempotency_stream_unsupported")
@@ -192,7 +192,7 @@ async def _through_the_door(request: HttpRequest, validate: Callable[[dict], Api
                                 error_type="invalid_request_error", code="idempotency_key_in_progress")
 
     try:
-        dispatched = await request_dispatch(ctx=ctx, request=chat, session_id=_header(request, "HTTP_X_SESSION_ID")[:128],
+        dispatched = await request_dispatch(ctx=ctx, request=api_request, session_id=_header(request, "HTTP_X_SESSION_ID")[:128],
                                            request_id=getattr(request, "request_id", None), body_digest=digest)
     except Rejected as rejected:
         if idem_key:

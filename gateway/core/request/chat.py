@@ -483,20 +483,20 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
                        passthrough=passthrough, sim=sim, stream_usage=bool(stream) and stream_usage)
 
 
-def request_check(ctx: CallerContext, chat: ApiRequest, *, streaming: bool = False) -> None:
+def request_check(ctx: CallerContext, api_request: ApiRequest, *, streaming: bool = False) -> None:
     """What a valid body of any endpoint may still not ask of this caller's
     pools. Only the synchronous API streams (``streaming``); an async job's
     answer is read later, so a job that asks to stream is refused."""
-    if chat.stream and not streaming:
+    if api_request.stream and not streaming:
         raise Rejected(reason="stream_unsupported", message="Jobs do not stream: send stream=false and read the "
                        "job's result (or give a callback_url).", status=400, param="stream",
                        error_type="invalid_request_error")
     if ctx.pool_id is None:
         raise no_reservation(on_any_pool=True)
-    if chat.model not in ctx.served_models:
-        raise Rejected(reason="model_not_found", message=f"The model '{chat.model}' does not exist on this workload's pool.",
+    if api_request.model not in ctx.served_models:
+        raise Rejected(reason="model_not_found", message=f"The model '{api_request.model}' does not exist on this workload's pool.",
                        status=404, param="model", error_type="invalid_request_error")
-    if chat.sim is not None and not ctx.sim_controls:
+    if api_request.sim is not None and not ctx.sim_controls:
         # Test switches on a real pool (or with SLUICE_SIM_CONTROLS off) would
         # let one caller inject failures that cut every tenant's capacity.
         raise bad_request("'sim' (the simulated pool's test switches) is not accepted for this workload's pool.",
