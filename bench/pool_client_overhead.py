@@ -1,7 +1,7 @@
 """Micro-bench (issue 9): the worker's CPU per non-streamed pool call, three
 ways: the openai SDK's ``chat.completions.with_raw_response.create``; a plain
 POST on the same SDK client's httpx client (no SDK request building: what
-``pool_chat_post`` does for https:// and proxied pools); and ``pool_chat_post``
+``pool_post`` does for https:// and proxied pools); and ``pool_post``
 on a plain http:// pool (the standard library's http.client over kept-alive
 connections). Same simulator, same process, same run.
 
@@ -29,7 +29,7 @@ import django  # noqa: E402
 django.setup()
 
 from bench.common import log  # noqa: E402
-from gateway.worker.pool_client import _chat_request, _chat_send, pool_chat_post, pool_client  # noqa: E402
+from gateway.worker.pool_client import _chat_request, _chat_send, pool_post, pool_client  # noqa: E402
 from llm_platform.processes import free_port, sim_command  # noqa: E402
 
 BODY = {"model": "sim-small", "messages": [{"role": "user", "content": "Say hello in a few words."}],
@@ -59,9 +59,9 @@ def main(calls: int = 2_000, blocks: int = 10) -> dict:
         client = pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
         ways = {
             "sdk": lambda: client.chat.completions.with_raw_response.create(**BODY).text,
-            "httpx": lambda: _chat_send(client, _chat_request(client, body=BODY, accept="application/json"),
+            "httpx": lambda: _chat_send(client, _chat_request(client, path="chat/completions", body=BODY, accept="application/json"),
                                         stream=False).text,
-            "http.client": lambda: pool_chat_post(client, body=BODY).text,
+            "http.client": lambda: pool_post(client, body=BODY).text,
         }
         for way in ways.values():  # warm both
             for _ in range(50):

@@ -4,6 +4,8 @@ Order of checks for a completion, chosen so each knob is testable alone:
 body (400) -> model (404) -> per-request latency -> outage -> injected
 failure -> provider limits (429) -> context length (400) -> engine. Outages
 and injected failures are refused before the limits, so they use no RPM/TPM.
+Legacy completions run the same; embeddings check each input's length
+before the limits and take one engine step of prefill (no decode).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import asyncio
 import contextlib
 import json
 import math
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,7 +31,9 @@ from inference_sim.engine import Sequence
 from inference_sim.errors import OpenAIError
 from inference_sim.limits import Rejection, WindowEntry, go_duration, real_retry_after
 from inference_sim.pool import SimulatedPool
-from inference_sim.protocol import ChatRequest, ChunkWriter, completion_body, new_completion_id, parse_chat_request
+from inference_sim.protocol import (ChunkWriter, SimOverrides, completion_body, embedding_vector, embeddings_body,
+                                    new_completion_id, parse_chat_request, parse_completion_request,
+                                    parse_embedding_request, text_completion_body)
 from inference_sim.text import completion_text, token_pieces
 
 # nginx's "client closed request": what we record when the caller hung up.
@@ -66,7 +72,24 @@ async def _unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> b
     return False
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What a chat or legacy completion asks the engine for, whatever its
+    wire format: one prompt per choice (chat: exactly one)."""
+
+    model: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    sim: SimOverrides
+    param: str  # where the prompt is in the body, for errors ("messages", "prompt")
+    text: bool = False  # a legacy (text) completion
+
+
 class ChatHandler:
+    """``POST /v1/chat/completions``; the subclasses below serve the other endpoints."""
+
     def __init__(self, pool: SimulatedPool) -> None:
         self.pool = pool
 
@@ -79,6 +102,13 @@ class ChatHandler:
         # reset() may have swapped the counters mid-request; count in the new ones.
         self.pool.counters.record_status(response.status_code)
         return response
+
+    def _generation(self, raw_body: bytes) -> Generation:
+        config = self.pool.config
+        chat = parse_chat_request(raw_body, config.models, config.default_max_tokens)
+        return Generation(model=chat.model, prompt_tokens=[self.pool.count_prompt_tokens(chat.messages, chat.prompt_fields)],
+                          max_tokens=chat.max_tokens, stream=chat.stream, include_usage=chat.include_usage,
+                          sim=chat.sim, param="messages")
 
     def _ratelimit_headers(self) -> dict[str, str]:
         config = self.pool.config
@@ -101,30 +131,30 @@ class ChatHandler:
             headers["x-ratelimit-reset-tokens"] = go_duration(clock.to_real(reset_tokens))
         return headers
 
-    def _check_failures(self, chat: ChatRequest) -> None:
+    def _check_failures(self, sim: SimOverrides) -> None:
         pool = self.pool
         outage = pool.active_outage()
         if outage is not None:
             status, remaining = outage
             headers = errors.retry_headers(*real_retry_after(pool.clock, remaining)) if status in (429, 503) else {}
             raise errors.failure(status, headers=headers, reason="simulated outage")
-        if chat.sim.fail_status is not None:
+        if sim.fail_status is not None:
             headers = {}
-            retry_after = chat.sim.fail_retry_after
-            if retry_after is None and chat.sim.fail_status == 429:
+            retry_after = sim.fail_retry_after
+            if retry_after is None and sim.fail_status == 429:
                 retry_after = 1.0
             if retry_after is not None:
                 # Given in real seconds: it is what the client will sleep.
                 headers = errors.retry_headers(math.ceil(retry_after), math.ceil(retry_after * 1000))
-            raise errors.failure(chat.sim.fail_status, headers=headers, reason="injected failure")
+            raise errors.failure(sim.fail_status, headers=headers, reason="injected failure")
 
-    def _rate_limited(self, chat: ChatRequest, rejection: Rejection) -> OpenAIError:
+    def _rate_limited(self, model: str, rejection: Rejection) -> OpenAIError:
         pool = self.pool
         pool.counters.rate_limited[rejection.kind] += 1
         retry_s, retry_ms = real_retry_after(pool.clock, rejection.retry_after_sim_s)
         unit = "RPM" if rejection.kind == "requests" else "TPM"
         message = (
-            f"Rate limit reached for {chat.model} in organization inference-sim on {rejection.kind} per min "
+            f"Rate limit reached for {model} in organization inference-sim on {rejection.kind} per min "
             f"({unit}): Limit {rejection.limit}, Used {rejection.used}, Requested {rejection.requested}. "
             f"Please try again in {retry_ms / 1000:.3f}s."
         )
@@ -134,40 +164,43 @@ class ChatHandler:
     async def _serve(self, request: Request) -> Response:
         pool = self.pool
         config = pool.config
-        chat = parse_chat_request(await request.body(), config.models, config.default_max_tokens)
-        prompt_tokens = pool.count_prompt_tokens(chat.messages, chat.prompt_fields)
+        gen = self._generation(await request.body())
 
-        if chat.sim.latency_ms:
-            await pool.clock.sleep(chat.sim.latency_ms / 1000)
-        self._check_failures(chat)
+        if gen.sim.latency_ms:
+            await pool.clock.sleep(gen.sim.latency_ms / 1000)
+        self._check_failures(gen.sim)
 
         # Checked against the worst case at arrival, as OpenAI does.
-        admission = pool.limiter.try_admit(config.rpm, config.tpm, prompt_tokens + chat.max_tokens)
+        prompt_tokens = sum(gen.prompt_tokens)
+        admission = pool.limiter.try_admit(config.rpm, config.tpm, prompt_tokens + gen.max_tokens * len(gen.prompt_tokens))
         if isinstance(admission, Rejection):
-            raise self._rate_limited(chat, admission)
+            raise self._rate_limited(gen.model, admission)
 
-        completion_tokens, finish_reason = pool.output_length(chat.sim.output_tokens, chat.max_tokens)
-        if prompt_tokens + completion_tokens > config.kv_cache_tokens:
-            pool.limiter.release(admission)
-            raise errors.invalid_request(
-                f"This model's maximum context length is {config.kv_cache_tokens} tokens. However, you requested "
-                f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
-                f"{completion_tokens} in the completion).",
-                param="messages",
-                code="context_length_exceeded",
-            )
+        outputs = [pool.output_length(gen.sim.output_tokens, gen.max_tokens) for _ in gen.prompt_tokens]
+        for prompt, (completion_tokens, _) in zip(gen.prompt_tokens, outputs):
+            if prompt + completion_tokens > config.kv_cache_tokens:
+                pool.limiter.release(admission)
+                raise errors.invalid_request(
+                    f"This model's maximum context length is {config.kv_cache_tokens} tokens. However, you requested "
+                    f"{prompt + completion_tokens} tokens ({prompt} in the {gen.param}, "
+                    f"{completion_tokens} in the completion).",
+                    param=gen.param,
+                    code="context_length_exceeded",
+                )
 
-        headers = {"x-request-id": new_completion_id().removeprefix("chatcmpl-"), **self._ratelimit_headers()}
-        seq = Sequence(prompt_tokens, completion_tokens, arrival=pool.clock.now())
+        headers = {"x-request-id": uuid.uuid4().hex, **self._ratelimit_headers()}
+        # Several prompts run as one sequence: their tokens (and the usage)
+        # are exact, their decode steps add up instead of overlapping.
+        seq = Sequence(prompt_tokens, sum(tokens for tokens, _ in outputs), arrival=pool.clock.now())
         pool.begin()
         if config.zero_latency:
             seq.finish_instantly()
         else:
             pool.engine.submit(seq)
 
-        if chat.stream:
-            return await self._stream(request, chat, seq, admission, finish_reason, headers)
-        return await self._complete(request, chat, seq, admission, finish_reason, headers)
+        if gen.stream:
+            return await self._stream(request, gen, seq, admission, outputs[0][1], headers)
+        return await self._complete(request, gen, seq, admission, outputs, headers)
 
     def _abandon(self, seq: Sequence, entry: WindowEntry) -> None:
         self.pool.engine.abort(seq)
@@ -193,7 +226,8 @@ class ChatHandler:
         return errors.failure(500, reason=seq.error)
 
     async def _complete(
-        self, request: Request, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
+        self, request: Request, gen: Generation, seq: Sequence, entry: WindowEntry, outputs: list[tuple[int, str]],
+        headers: dict
     ) -> Response:
         if not await self._engine_done(request, seq, entry, seq.completed.wait):
             return Response(status_code=CLIENT_CLOSED)
@@ -207,13 +241,17 @@ class ChatHandler:
                 "x-sim-decode-ms": _ms(seq.decode_ms),
             }
         )
-        body = completion_body(
-            new_completion_id(), chat.model, completion_text(seq.generated), finish_reason, seq.prompt_tokens, seq.generated
-        )
+        if gen.text:
+            body = text_completion_body(new_completion_id("cmpl"), gen.model,
+                                        [(completion_text(tokens), reason) for tokens, reason in outputs],
+                                        seq.prompt_tokens, seq.generated)
+        else:
+            body = completion_body(new_completion_id(), gen.model, completion_text(seq.generated), outputs[0][1],
+                                   seq.prompt_tokens, seq.generated)
         return JSONResponse(body, headers=headers)
 
     async def _stream(
-        self, request: Request, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
+        self, request: Request, gen: Generation, seq: Sequence, entry: WindowEntry, finish_reason: str, headers: dict
     ) -> Response:
         # Start the response at the first token, so the headers can carry the
         # queue and prefill times; decode time is not known until the end.
@@ -223,14 +261,67 @@ class ChatHandler:
             raise self._fail(seq, entry)
         headers.update({"x-sim-queue-ms": _ms(seq.queue_ms), "x-sim-prefill-ms": _ms(seq.prefill_ms)})
         headers["cache-control"] = "no-cache"
-        return _StreamResponse(_StreamSession(self.pool, chat, seq, entry, finish_reason), headers)
+        return _StreamResponse(_StreamSession(self.pool, gen, seq, entry, finish_reason), headers)
+
+
+class TextCompletionHandler(ChatHandler):
+    """``POST /v1/completions`` (legacy): a prompt (or several) instead of messages."""
+
+    def _generation(self, raw_body: bytes) -> Generation:
+        pool = self.pool
+        completion = parse_completion_request(raw_body, pool.config.models, pool.config.default_max_tokens)
+        return Generation(model=completion.model, prompt_tokens=[pool.count_input_tokens(p) for p in completion.prompts],
+                          max_tokens=completion.max_tokens, stream=completion.stream,
+                          include_usage=completion.include_usage, sim=completion.sim, param="prompt", text=True)
+
+
+class EmbeddingsHandler(ChatHandler):
+    """``POST /v1/embeddings``: one engine step of prefill over every input
+    (no decode), deterministic vectors from each input's text."""
+
+    async def _serve(self, request: Request) -> Response:
+        pool = self.pool
+        config = pool.config
+        embedding = parse_embedding_request(await request.body(), config.embedding_models, config.embedding_dimensions)
+        texts = [pool.input_text(item) for item in embedding.inputs]
+        counts = [pool.count_input_tokens(item) for item in embedding.inputs]
+        if embedding.sim.latency_ms:
+            await pool.clock.sleep(embedding.sim.latency_ms / 1000)
+        self._check_failures(embedding.sim)
+        for index, count in enumerate(counts):
+            if count > config.embedding_max_input_tokens:
+                raise errors.invalid_request(
+                    f"This model's maximum context length is {config.embedding_max_input_tokens} tokens, however you "
+                    f"requested {count} tokens in input {index}.", param="input", code="context_length_exceeded")
+        prompt_tokens = sum(counts)
+        admission = pool.limiter.try_admit(config.rpm, config.tpm, prompt_tokens)
+        if isinstance(admission, Rejection):
+            raise self._rate_limited(embedding.model, admission)
+        headers = {"x-request-id": uuid.uuid4().hex, **self._ratelimit_headers()}
+        seq = Sequence(prompt_tokens, 0, arrival=pool.clock.now())
+        pool.begin()
+        if config.zero_latency:
+            seq.finish_instantly()
+        else:
+            pool.engine.submit(seq)
+        if not await self._engine_done(request, seq, admission, seq.completed.wait):
+            return Response(status_code=CLIENT_CLOSED)
+        if seq.error:
+            raise self._fail(seq, admission)
+        pool.finish(seq, admission, "completed")
+        headers.update({"x-sim-queue-ms": _ms(seq.queue_ms), "x-sim-prefill-ms": _ms(seq.prefill_ms)})
+        vectors = [embedding_vector(text, native_dimensions=config.embedding_dimensions,
+                                    dimensions=embedding.dimensions) for text in texts]
+        return JSONResponse(embeddings_body(embedding.model, vectors, embedding.encoding_format, prompt_tokens),
+                            headers=headers)
+
 
 class _StreamSession:
     """One streamed completion: its SSE events, and its accounting exactly once."""
 
-    def __init__(self, pool: SimulatedPool, chat: ChatRequest, seq: Sequence, entry: WindowEntry, finish_reason: str):
+    def __init__(self, pool: SimulatedPool, gen: Generation, seq: Sequence, entry: WindowEntry, finish_reason: str):
         self._pool = pool
-        self._chat = chat
+        self._gen = gen
         self._seq = seq
         self._entry = entry
         self._finish_reason = finish_reason
@@ -238,13 +329,15 @@ class _StreamSession:
         self._closed = False
 
     async def events(self) -> AsyncIterator[str]:
-        chat, seq = self._chat, self._seq
-        writer = ChunkWriter(new_completion_id(), chat.model, chat.include_usage)
+        gen, seq = self._gen, self._seq
+        writer = ChunkWriter(new_completion_id("cmpl" if gen.text else "chatcmpl"), gen.model, gen.include_usage,
+                             text=gen.text)
         pieces = token_pieces(seq.output_tokens)
         emitted = 0
-        fail_after = chat.sim.fail_after_tokens
+        fail_after = gen.sim.fail_after_tokens
         try:
-            yield writer.role()
+            if opening := writer.role():
+                yield opening
             while True:
                 while emitted < seq.generated:
                     if fail_after is not None and emitted >= fail_after:
@@ -263,7 +356,7 @@ class _StreamSession:
                 return  # a mid-stream failure just ends the stream, as upstreams do
             self._outcome = "completed"
             yield writer.finish(self._finish_reason)
-            if chat.include_usage:
+            if gen.include_usage:
                 yield writer.usage(seq.prompt_tokens, seq.generated)
             yield writer.done()
         finally:
@@ -314,12 +407,15 @@ async def _json_object(request: Request) -> dict[str, Any]:
 def create_app(config: SimConfig) -> Starlette:
     pool = SimulatedPool(config)
     chat = ChatHandler(pool)
+    completions = TextCompletionHandler(pool)
+    embeddings = EmbeddingsHandler(pool)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def list_models(request: Request) -> Response:
-        data = [{"id": model, "object": "model", "created": 0, "owned_by": "inference-sim"} for model in config.models]
+        data = [{"id": model, "object": "model", "created": 0, "owned_by": "inference-sim"}
+                for model in (*config.models, *config.embedding_models)]
         return JSONResponse({"object": "list", "data": data})
 
     async def admin_capacity(request: Request) -> Response:
@@ -360,6 +456,8 @@ def create_app(config: SimConfig) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+            Route("/v1/completions", completions.handle, methods=["POST"]),
+            Route("/v1/embeddings", embeddings.handle, methods=["POST"]),
             Route("/admin/capacity", admin_capacity, methods=["POST"]),
             Route("/admin/outage", admin_outage, methods=["POST"]),
             Route("/admin/stats", admin_stats, methods=["GET"]),

@@ -74,6 +74,10 @@ class SimConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     models: list[str] = field(default_factory=lambda: ["sim-small", "sim-large"])
+    # Served on /v1/embeddings only (as vLLM serves an embedding model).
+    embedding_models: list[str] = field(default_factory=lambda: ["sim-embed"])
+    embedding_dimensions: int = 256
+    embedding_max_input_tokens: int = 8192
     encoding: str = "cl100k_base"
     profile: str = "demo"
     # Output length: heavy-tailed around the median, truncated at max_tokens.
@@ -110,6 +114,10 @@ class SimConfig:
     def validate(self) -> None:
         if not self.models or any(not m for m in self.models):
             raise ValueError("models must be a non-empty comma-separated list")
+        if set(self.models) & set(self.embedding_models):
+            raise ValueError("a model is either a chat model or an embedding model, not both")
+        if self.embedding_dimensions < 1 or self.embedding_max_input_tokens < 1:
+            raise ValueError("embedding_dimensions and embedding_max_input_tokens must be >= 1")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         if self.output_median <= 0 or self.output_sigma < 0:
@@ -199,6 +207,9 @@ _OPTIONS: dict[str, tuple[Any, str]] = {
     "host": (str, "interface to bind"),
     "port": (int, "port to bind (0 = any free port; the ready line names it)"),
     "models": (_parse_models, "comma-separated model ids served"),
+    "embedding_models": (_parse_models, "comma-separated embedding model ids served (may be empty)"),
+    "embedding_dimensions": (int, "length of an embedding vector (a request may ask for fewer)"),
+    "embedding_max_input_tokens": (int, "tokens an embedding input may hold"),
     "encoding": (str, "tiktoken encoding used to count tokens"),
     "profile": (str, f"engine calibration whose values become the defaults: {', '.join(PROFILES)}"),
     "seed": (int, "seed of the output-length sampler (re-applied by /admin/reset)"),

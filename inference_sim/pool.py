@@ -14,6 +14,7 @@ from typing import Any
 
 import llm_tokens
 
+from inference_sim import errors
 from inference_sim.clock import SimClock
 from inference_sim.config import OUTAGE_STATUSES, ScheduleEntry, SimConfig, check_runtime_changes
 from inference_sim.engine import BatchEngine, Sequence
@@ -79,6 +80,23 @@ class SimulatedPool:
         # The same function the gateway estimates with, so both agree exactly
         # (images at llm_tokens' default charge).
         return llm_tokens.count_chat_tokens(messages, encoding_name=self.config.encoding, request=prompt_fields)
+
+    def count_input_tokens(self, item: str | list[int]) -> int:
+        """A legacy prompt's or an embedding input's tokens: a string's, as the
+        gateway counts them (llm_tokens.count_text_tokens), or its token ids."""
+        if isinstance(item, list):
+            return len(item)
+        return llm_tokens.count_text_tokens(item, self.config.encoding)
+
+    def input_text(self, item: str | list[int]) -> str:
+        """An input's text (token ids decoded), so a text and its ids embed alike."""
+        if isinstance(item, str):
+            return item
+        try:
+            return self.encoding.decode(item)
+        except (KeyError, ValueError, OverflowError):
+            raise errors.invalid_request("'input' holds a token id this model's tokenizer does not have.",
+                                         param="input") from None
 
     def output_length(self, override: int | None, max_tokens: int) -> tuple[int, str]:
         """(tokens to generate, finish_reason)."""

@@ -8,6 +8,8 @@ from llm_platform.login import SluiceLoginView, login_throttled
 
 urlpatterns = [
     path("v1/chat/completions", gateway_views.chat_completions, name="chat-completions"),
+    path("v1/completions", gateway_views.completions, name="completions"),
+    path("v1/embeddings", gateway_views.embeddings, name="embeddings"),
     path("v1/models", gateway_views.models, name="models"),
     path("v1/jobs", gateway_views.jobs, name="jobs"),
     path("v1/jobs/<uuid:job_id>", gateway_views.job_detail, name="job-detail"),

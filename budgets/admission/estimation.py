@@ -67,7 +67,39 @@ def request_estimate(
             # The sample on the tenant page shows what the caller was told.
             estimated_tokens=prompt_tokens,
         )
-    applied = max_tokens_default if max_tokens is None else max_tokens
-    clamped = applied > max_tokens_cap
-    applied = min(applied, max_tokens_cap)
+    applied, clamped = max_tokens_applied(max_tokens=max_tokens, max_tokens_cap=max_tokens_cap,
+                                          max_tokens_default=max_tokens_default)
     return Estimate(input_tokens=prompt_tokens, output_tokens=applied, max_tokens_requested=max_tokens, clamped=clamped)
+
+
+def max_tokens_applied(*, max_tokens: int | None, max_tokens_cap: int, max_tokens_default: int) -> tuple[int, bool]:
+    """The max_tokens a request runs with (missing: the workload's default;
+    above its cap: the cap) and whether it was clamped."""
+    applied = max_tokens_default if max_tokens is None else max_tokens
+    return min(applied, max_tokens_cap), applied > max_tokens_cap
+
+
+def input_tokens_each(*, inputs: list[str | list[int]], param: str, prompt_tokens_cap: int, encoding_name: str,
+                      safety_factor: float = 1.0) -> list[int]:
+    """Tokens of each item of a legacy completion's ``prompt`` or an
+    embeddings ``input`` (``param``): a string counted exactly (times the
+    pool's safety factor for another tokenizer), token ids as given. Each
+    item is one sequence on the pool, so the workload's prompt cap applies
+    to each, and a refusal names the item."""
+    counts = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, list):
+            counted = len(item)
+        else:
+            counted = llm_tokens.count_text_tokens(item, encoding_name)
+            counted = counted if safety_factor <= 1.0 else math.ceil(counted * safety_factor)
+        if counted > prompt_tokens_cap:
+            where = param if len(inputs) == 1 else f"{param}[{index}]"
+            raise Rejected(
+                reason="context_length_exceeded",
+                message=(f"This workload accepts at most {prompt_tokens_cap} tokens per {param}; "
+                         f"'{where}' resulted in {counted} tokens."),
+                status=400, param=where, error_type="invalid_request_error", estimated_tokens=counted,
+            )
+        counts.append(counted)
+    return counts

@@ -23,7 +23,7 @@ from budgets.models import BudgetRequest
 from budgets.selectors.pools import budget_request_preview, pool_for_user, pool_headrooms, pools_for_user
 from budgets.selectors.requests import budget_request_for_review, budget_request_for_user, budget_requests_for_user
 from budgets.selectors.reservations import reservations_of_pool
-from budgets.selectors.usage import ledger_rows, usage_summary
+from budgets.selectors.usage import GROUPS, ledger_rows, usage_summary
 from budgets.ledger.spend import spend_statuses
 from budgets.api.serializers import (
     BudgetRequestCreateSerializer,
@@ -182,8 +182,7 @@ USAGE_PARAMETERS = [
 
 class UsageSummaryView(APIView):
     @extend_schema(
-        parameters=[*USAGE_PARAMETERS, OpenApiParameter("group_by", str, many=True, enum=["tenant", "cost_center",
-                    "workload", "model", "pool", "day", "month"])],
+        parameters=[*USAGE_PARAMETERS, OpenApiParameter("group_by", str, many=True, enum=list(GROUPS))],
         responses=UsageSummarySerializer, summary="Tokens and spend, grouped (from the daily rollups)",
     )
     def get(self, request):

@@ -22,12 +22,14 @@ LEDGER_COLUMNS = [
     "currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error", "usage_source",
     # Routing across pools (added last: scripts that read columns by position keep working).
     "overflow", "failed_over",
+    # The /v1 endpoint (chat completions, legacy completions, embeddings); last, for the same reason.
+    "endpoint",
 ]
 _FIELDS = [
     "request_id", "created_at", "tenant__slug", "tenant__cost_center", "workload__slug", "pool__slug", "model", "lane",
     "status", "borrowed", "estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens",
     "actual_output_tokens", "cost", "price__currency", "queue_wait_ms", "upstream_ms", "total_ms", "attempts", "error",
-    "usage_source", "overflow", "failed_over",
+    "usage_source", "overflow", "failed_over", "endpoint",
 ]
 
 

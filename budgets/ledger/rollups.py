@@ -1,5 +1,5 @@
 """Daily usage rollups: the ledger summed per UTC day and (tenant, workload,
-pool, model), so pages read a few hundred rows instead of a year of ledger.
+pool, model, endpoint), so pages read a few hundred rows instead of a year of ledger.
 
 ``daily_usage_refresh`` is incremental and idempotent. It recomputes whole
 days (an upsert of that day's groups), never adds deltas, so running it twice,
@@ -34,7 +34,7 @@ STATE_NAME = "daily_usage"
 # timeout + upstream timeout + lease expiry and reaping), with a wide margin.
 FINAL_LAG = timedelta(hours=6)
 
-GROUP_FIELDS = ("tenant_id", "workload_id", "pool_id", "model")
+GROUP_FIELDS = ("tenant_id", "workload_id", "pool_id", "model", "endpoint")
 SUM_FIELDS = ("estimated_input_tokens", "estimated_output_tokens", "actual_input_tokens", "actual_output_tokens", "cost")
 
 
@@ -68,7 +68,7 @@ def _day_rows(day: date) -> list[DailyUsage]:
     for agg in ledger_aggregates(UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end)):
         rows.append(DailyUsage(
             day=day, tenant_id=agg["tenant_id"], workload_id=agg["workload_id"], pool_id=agg["pool_id"],
-            model=agg["model"], requests=agg["requests"], ok_requests=agg["ok_requests"],
+            model=agg["model"], endpoint=agg["endpoint"], requests=agg["requests"], ok_requests=agg["ok_requests"],
             borrowed_requests=agg["borrowed_requests"], overflow_requests=agg["overflow_requests"],
             overflow_cost=agg["overflow_cost_sum"] or 0,
             **{name: agg[f"{name}_sum"] or 0 for name in SUM_FIELDS},
@@ -84,15 +84,15 @@ def daily_usage_rebuild_day(*, day: date) -> int:
         if rows:
             DailyUsage.objects.bulk_create(
                 rows, batch_size=1000, update_conflicts=True,
-                unique_fields=["day", "tenant", "workload", "pool", "model"],
+                unique_fields=["day", "tenant", "workload", "pool", "model", "endpoint"],
                 update_fields=["requests", "ok_requests", "borrowed_requests", "overflow_requests", "overflow_cost",
                                *SUM_FIELDS],
             )
-            keep = {(r.tenant_id, r.workload_id, r.pool_id, r.model) for r in rows}
+            keep = {(r.tenant_id, r.workload_id, r.pool_id, r.model, r.endpoint) for r in rows}
         # The ledger is append-only, so groups never vanish; this only matters
         # if the table was edited by hand.
         for stale in DailyUsage.objects.filter(day=day).values("id", *GROUP_FIELDS):
-            if (stale["tenant_id"], stale["workload_id"], stale["pool_id"], stale["model"]) not in keep:
+            if tuple(stale[name] for name in GROUP_FIELDS) not in keep:
                 DailyUsage.objects.filter(pk=stale["id"]).delete()
     return len(rows)
 

@@ -56,6 +56,7 @@ class LedgerEntry:
     # request arrived), so settlement needs no lookup: (id, input, output per
     # million), or None when the model had no price. Unset: look it up.
     price: tuple[int, Decimal, Decimal] | None | bool = False
+    endpoint: str = UsageRecord.CHAT_COMPLETIONS  # the /v1 endpoint it came through
 
 
 def usage_record_write(*, entry: LedgerEntry) -> None:

@@ -272,6 +272,10 @@ class UsageRecord(models.Model):
     # The pool's own id for the answer (``chatcmpl-...``, what the SDK
     # returns), so a caller's report finds the row; "" when none came back.
     completion_id = models.CharField(max_length=128, blank=True, default="")
+    # The /v1 endpoint the request came through (every row before this
+    # column existed was a chat completion).
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    endpoint = models.CharField(max_length=64, default=CHAT_COMPLETIONS)
 
     objects = UsageRecordQuerySet.as_manager()
 

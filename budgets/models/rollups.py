@@ -7,9 +7,11 @@ from decimal import Decimal
 
 from django.db import models
 
+from budgets.models.pools import UsageRecord
+
 
 class DailyUsage(models.Model):
-    """Ledger totals for one UTC day and one (tenant, workload, pool, model).
+    """Ledger totals for one UTC day and one (tenant, workload, pool, model, endpoint).
     Rebuilt idempotently from the ledger by ``budgets.rollups``."""
 
     day = models.DateField()
@@ -17,6 +19,7 @@ class DailyUsage(models.Model):
     workload = models.ForeignKey("tenants.Workload", on_delete=models.CASCADE, related_name="+")
     pool = models.ForeignKey("budgets.InferencePool", on_delete=models.CASCADE, related_name="+")
     model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=64, default=UsageRecord.CHAT_COMPLETIONS)  # UsageRecord.endpoint
     requests = models.PositiveIntegerField(default=0)
     ok_requests = models.PositiveIntegerField(default=0)
     borrowed_requests = models.PositiveIntegerField(default=0)
@@ -32,7 +35,8 @@ class DailyUsage(models.Model):
     class Meta:
         ordering = ["day"]
         constraints = [
-            models.UniqueConstraint(fields=["day", "tenant", "workload", "pool", "model"], name="uniq_daily_usage"),
+            models.UniqueConstraint(fields=["day", "tenant", "workload", "pool", "model", "endpoint"],
+                                    name="uniq_daily_usage_endpoint"),
         ]
         indexes = [
             models.Index(fields=["tenant", "day"]),

@@ -142,6 +142,7 @@ class LogEntry:
     retry_after_ms: int | None = None
     pool_slug: str = ""  # the pool that served it ('' for a rejection)
     route: str = ""  # "spilled over", "failed over" or "" (routing across pools)
+    endpoint: str = ""  # the /v1 endpoint it came through ('' for a rejection)
 
     @property
     def is_rejection(self) -> bool:
@@ -187,7 +188,7 @@ def ledger_entry_of(row: UsageRecord) -> LogEntry:
         currency=price.currency if price is not None else "", key_prefix=row.api_key.prefix if row.api_key else "",
         lane=row.lane, model=row.model, borrowed=row.borrowed,
         timings={name: getattr(row, name, None) for name in TIMINGS},
-        pool_slug=row.pool.slug, route=route_label(row),
+        pool_slug=row.pool.slug, route=route_label(row), endpoint=row.endpoint,
     )
 
 

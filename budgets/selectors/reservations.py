@@ -19,6 +19,17 @@ def slices_of_workload(*, workload: Workload) -> list[Reservation]:
     return list(Reservation.objects.select_related("pool").filter(workload=workload).order_by("rank", "id"))
 
 
+def callable_models(*, workload: Workload, slices: list[Reservation]) -> tuple[str, ...]:
+    """The models the workload may call: every model a pool of its route
+    (``slices``, in route order) serves, overflow pools only where it may
+    overflow, within its allowed models (none listed: any)."""
+    allowed = set(workload.allowed_models or ())
+    active = [s for s in slices if s.pool.is_active]
+    primary_rank = active[0].rank if active else 0
+    return tuple(sorted({model for s in active if workload.allow_overflow or s.rank == primary_rank
+                         for model in (s.pool.served_models or ()) if not allowed or model in allowed}))
+
+
 def reservation_of_workload(*, workload: Workload) -> Reservation | None:
     """The workload's primary slice (the first of its route), if any."""
     return Reservation.objects.select_related("pool").filter(workload=workload).order_by("rank", "id").first()

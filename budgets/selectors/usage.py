@@ -21,7 +21,7 @@ from budgets.models import InferencePool, UsageRecord
 from budgets.models import DailyUsage
 from budgets.ledger.rollups import day_bounds, rollup_final_through
 
-GROUPS = ("tenant", "cost_center", "workload", "model", "pool", "day", "month")
+GROUPS = ("tenant", "cost_center", "workload", "model", "endpoint", "pool", "day", "month")
 # The days a usage query may name. Day arithmetic near date.max overflows
 # (9999-12-31 + 1 day), and nothing was metered before 2000 or will be past 2100.
 FIRST_DAY = date(2000, 1, 1)
@@ -156,8 +156,8 @@ def _group_expressions(group_by: tuple[str, ...], *, ledger: bool) -> dict:
             expr = F("tenant__cost_center")
         elif name == "workload":
             expr = F("workload_id")
-        elif name == "model":
-            expr = F("model")
+        elif name in ("model", "endpoint"):
+            expr = F(name)
         elif name == "pool":
             expr = F("pool_id")
         elif name == "day":

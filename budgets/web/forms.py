@@ -108,7 +108,7 @@ PERIODS = {
 PERIOD_SPANS = {"last_hour": timedelta(hours=1), "last_24_hours": timedelta(hours=24)}
 GROUP_CHOICES = [
     ("tenant", "Tenant"), ("cost_center", "Cost center"), ("workload", "Workload"), ("model", "Model"),
-    ("day", "Day"), ("month", "Month"), ("pool", "Pool"),
+    ("endpoint", "Endpoint"), ("day", "Day"), ("month", "Month"), ("pool", "Pool"),
 ]
 
 

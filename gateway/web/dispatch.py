@@ -23,7 +23,7 @@ from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
 from gateway.core.request.admission import lease_ttl_ms
 from gateway.core.request.routing import request_route_admit_async
-from gateway.core.request.chat import ChatRequest, chat_estimate, pool_payload
+from gateway.core.request.endpoints import ApiRequest
 from gateway.core.request.context import CallerContext
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue_async
 from gateway.core.errors import queue_timeout, worker_lost
@@ -216,39 +216,41 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord,
                            status=504, retry_after_ms=None, error_type="upstream_error")
 
 
-async def chat_completion(*, ctx: CallerContext, chat: ChatRequest, session_id: str = "",
-                          request_id: str | None = None, body_digest: str = "") -> Dispatched:
-    """Admit and run one chat completion; raises Rejected for every refusal.
-    ``request_id``: the id the API gave the call (its logs, its ledger row);
-    ``body_digest``: its body's (gateway/core/request/chat.py), which tells a client's
-    retry of a request held through an outage (gateway/core/protection/held.py)."""
+async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_id: str = "",
+                           request_id: str | None = None, body_digest: str = "") -> Dispatched:
+    """Admit and run one /v1 request of any endpoint (chat, legacy
+    completions, embeddings: gateway/core/request/endpoints.py); raises
+    Rejected for every refusal. ``request_id``: the id the API gave the call
+    (its logs, its ledger row); ``body_digest``: its body's
+    (gateway/core/request/chat.py), which tells a client's retry of a request
+    held through an outage (gateway/core/protection/held.py)."""
     estimates: dict[tuple[str, float], Estimate] = {}
 
     def estimate_for(on_pool: CallerContext) -> Estimate:
         # Each pool counts with its own tokenizer; the same one counts once.
         counted = (on_pool.tokenizer, on_pool.safety_factor)
         if counted not in estimates:
-            estimates[counted] = chat_estimate(on_pool, chat)
+            estimates[counted] = request.estimate(on_pool)
         return estimates[counted]
 
-    route = ctx.route(chat.model)
+    route = ctx.route(request.model)
     first_estimate = estimate_for(route[0] if route else ctx)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
     try:
-        routed = await request_route_admit_async(route, request_id=request_id, model=chat.model,
+        routed = await request_route_admit_async(route, request_id=request_id, model=request.model,
                                                  estimate_for=estimate_for, lease_ms=lease_ms, body_digest=body_digest)
     except Rejected as rejected:
         rejected.estimated_tokens = rejected.estimated_tokens or first_estimate.total_tokens  # for rejection stats
         raise
     ctx, admission, estimate = routed.ctx, routed.admission, routed.estimate
     record = replace(record_build(
-        ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate), estimate=estimate,
+        ctx, request_id=request_id, model=request.model, payload=request.pool_payload(estimate), estimate=estimate,
         admission=admission, deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000, session_id=session_id,
         # Retries must end while the caller still waits for them.
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
-        fallback_pool_ids=routed.fallback_pool_ids,
-    ), stream=chat.stream, stream_usage=chat.stream_usage, tokenizer=ctx.tokenizer)
+        fallback_pool_ids=routed.fallback_pool_ids, endpoint=request.endpoint,
+    ), stream=request.stream, stream_usage=request.stream_usage, tokenizer=ctx.tokenizer)
     log_annotate(lane=record.lane, pool_id=ctx.pool_id)
     await record_enqueue_async(record, lease_ms=lease_ms)
 

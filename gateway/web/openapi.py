@@ -20,7 +20,7 @@ ERROR_CODES = {
           "invalid_limit", "invalid_cursor"],
     401: ["missing_api_key", "invalid_api_key"],
     403: ["no_reservation"],
-    404: ["job_not_found"],
+    404: ["job_not_found", "model_not_found"],
     405: ["method_not_allowed"],
     409: ["idempotency_key_reused"],
     413: ["body_too_large", "request_too_large"],
@@ -84,6 +84,31 @@ CHAT_BODY = {
         "stream": {"type": "boolean"},
     },
 }
+COMPLETION_BODY = {
+    "type": "object", "required": ["model", "prompt"], "additionalProperties": True,
+    "description": "OpenAI's legacy completions body: weighed and billed as chat. Each prompt item is estimated "
+                   "(and capped) on its own, with max_tokens each. Unknown fields are refused (400 unknown_parameter).",
+    "properties": {
+        "model": {"type": "string", "example": "sim-small"},
+        "prompt": {"description": "A string, an array of strings, an array of token ids or an array of arrays of "
+                                  "token ids.", "example": "Say hello to Sluice."},
+        "max_tokens": {"type": "integer", "description": "Per prompt; clamped to the workload's cap."},
+        "stream": {"type": "boolean"},
+    },
+}
+EMBEDDING_BODY = {
+    "type": "object", "required": ["model", "input"], "additionalProperties": True,
+    "description": "OpenAI's embeddings body. Admitted on its exact input tokens (no output); each input must fit "
+                   "the workload's prompt cap (400 context_length_exceeded names it). Unknown fields are refused.",
+    "properties": {
+        "model": {"type": "string", "example": "sim-embed"},
+        "input": {"description": "A string, an array of strings, an array of token ids or an array of arrays of "
+                                 "token ids (at most 2,048 items).", "example": ["first document", "second"]},
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1, "description": "Where the model can shorten its vectors."},
+        "user": {"type": "string"},
+    },
+}
 JOB_BODY = {"allOf": [CHAT_BODY, {"type": "object", "properties": {
     "callback_url": {"type": "string", "format": "uri",
                      "description": "POSTed the final job, signed (X-Sluice-Signature). Public https hosts only."},
@@ -145,8 +170,24 @@ def v1_paths() -> dict:
             "Admitted against the workload's and the pool's budgets in one atomic step, queued on its lane, "
             "answered when the pool is done (or streamed with stream=true). " + limits,
             {"200": _ok("The completion, OpenAI's shape.", {"type": "object"}, extra_headers=SUCCESS_HEADERS),
-             **_errors(400, 401, 403, 405, 409, 413, 429, 503)},
+             **_errors(400, 401, 403, 404, 405, 409, 413, 429, 503)},
             body=CHAT_BODY, headers=["Idempotency-Key", "X-Session-Id"])},
+        "/v1/completions": {"post": _op(
+            "v1_completions_create", "Legacy completion (OpenAI-compatible)",
+            "The same door as chat: validation, estimate, one atomic admission, lane, ledger row (its endpoint "
+            "recorded). Streams with stream=true. " + limits,
+            {"200": _ok("The completion, OpenAI's text_completion shape.", {"type": "object"},
+                        extra_headers=SUCCESS_HEADERS),
+             **_errors(400, 401, 403, 404, 405, 409, 413, 429, 503)},
+            body=COMPLETION_BODY, headers=["Idempotency-Key", "X-Session-Id"])},
+        "/v1/embeddings": {"post": _op(
+            "v1_embeddings_create", "Embeddings (OpenAI-compatible)",
+            "The same door as chat, estimated on the exact input tokens (no output tokens) and billed per input "
+            "token. " + limits,
+            {"200": _ok("The embeddings, OpenAI's shape (float arrays, or base64 float32s).", {"type": "object"},
+                        extra_headers=SUCCESS_HEADERS),
+             **_errors(400, 401, 403, 404, 405, 409, 413, 429, 503)},
+            body=EMBEDDING_BODY, headers=["Idempotency-Key", "X-Session-Id"])},
         "/v1/models": {"get": _op("v1_models_list", "Models of the workload's pool", "OpenAI's model list.",
                                   {"200": {"description": "The list.", "content": {"application/json": {
                                       "schema": {"type": "object"}}}}, **_errors(401, 403, 405, 503)})},

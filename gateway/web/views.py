@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -19,7 +20,9 @@ from budgets.redis.clients import REDIS_UNAVAILABLE
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.rejections import rejection_note
 from budgets.models import InferencePool
-from gateway.core.request.chat import body_digest, chat_check, parse_json_body, validate_chat_request
+from gateway.core.request.chat import body_digest, parse_json_body, request_check, validate_chat_request
+from gateway.core.request.completions import validate_completion_request, validate_embedding_request
+from gateway.core.request.endpoints import ApiRequest
 from gateway.core.request.context import CallerContext
 from gateway.core.errors import bad_request, budget_unavailable
 from gateway.core.jobs.lifecycle import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
@@ -30,7 +33,7 @@ from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
 from gateway.core.protection.throttle import request_client_address
 from gateway.web.auth import bearer_key, key_check
-from gateway.web.dispatch import chat_completion
+from gateway.web.dispatch import request_dispatch
 from gateway.web.health import health_details_allowed, liveness_report, readiness_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
                                      idempotency_wait)
@@ -131,6 +134,27 @@ def _idempotency_conflict() -> JsonResponse:
 @csrf_exempt
 @redis_unavailable_is_503
 async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _through_the_door(request, validate_chat_request)
+
+
+@csrf_exempt
+@redis_unavailable_is_503
+async def completions(request: HttpRequest) -> HttpResponse:
+    """POST /v1/completions: legacy completions, weighed and billed as chat."""
+    return await _through_the_door(request, validate_completion_request)
+
+
+@csrf_exempt
+@redis_unavailable_is_503
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    """POST /v1/embeddings: admitted on its exact input tokens, no output."""
+    return await _through_the_door(request, validate_embedding_request)
+
+
+async def _through_the_door(request: HttpRequest, validate: Callable[[dict], ApiRequest]) -> HttpResponse:
+    """Every synchronous /v1 endpoint's one path (gateway/core/request/endpoints.py):
+    ``validate`` is all an endpoint adds (its body shape; the request it
+    returns gives its token count and its pool payload)."""
     if request.method != "POST":
         return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
                             headers={"Allow": "POST"})
@@ -142,10 +166,10 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     idem_key = ""
     try:
         body = _read_body(request)
-        chat = validate_chat_request(body)
-        chat_check(ctx, chat, streaming=True)
+        api_request = validate(body)
+        request_check(ctx, api_request, streaming=True)
         idem_key = _idempotency_key(request)
-        if chat.stream and idem_key:
+        if api_request.stream and idem_key:
             # A stream cannot be stored and replayed as one answer.
             raise bad_request("Idempotency-Key is not supported with stream=true.", param="stream",
                               code="idempotency_stream_unsupported")
@@ -171,7 +195,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
                                 error_type="invalid_request_error", code="idempotency_key_in_progress")
 
     try:
-        dispatched = await chat_completion(ctx=ctx, chat=chat, session_id=_header(request, "HTTP_X_SESSION_ID")[:128],
+        dispatched = await request_dispatch(ctx=ctx, request=api_request, session_id=_header(request, "HTTP_X_SESSION_ID")[:128],
                                            request_id=getattr(request, "request_id", None), body_digest=digest)
     except Rejected as rejected:
         if idem_key:
@@ -241,7 +265,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
         body = _read_body(request)
         callback_url, deadline = _job_fields(body)
         chat = validate_chat_request(body)
-        chat_check(ctx, chat)
+        request_check(ctx, chat)
         idem_key = _idempotency_key(request)
         submitted = await sync_to_async(job_submit, thread_sensitive=False)(
             ctx=ctx, chat=chat, body=body, callback_url=callback_url, idempotency_key=idem_key, deadline_s=deadline,

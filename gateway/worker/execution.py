@@ -34,6 +34,7 @@ from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
 from gateway.core.db_threads import on_database
 from gateway.core import keys
+from gateway.core.request.endpoints import pool_path
 from gateway.core.protection.concurrency import lane_limited
 from gateway.core.request.enqueue import CallHint
 from gateway.core.errors import error_body
@@ -48,7 +49,7 @@ from gateway.core.request.takeover import request_take_over
 from gateway.worker.failover import request_fail_over
 from gateway.worker.heartbeat import HEARTBEATS
 from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
-from gateway.worker.pool_client import pool_call_inline, pool_chat_post, pool_client, pool_requests_sent
+from gateway.worker.pool_client import pool_call_inline, pool_client, pool_post, pool_requests_sent
 from gateway.worker.pool_errors import pool_error_message
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
 from gateway.worker.streaming import pool_stream
@@ -117,12 +118,12 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
             return pool_stream(client, record, payload=payload, extra_body={"sim": sim} if sim is not None else None,
                                started=started, mark=mark), False
         # The raw response: the pool's JSON is relayed as it came, without
-        # the SDK's request building and model parsing (pool_chat_post, the
+        # the SDK's request building and model parsing (pool_post, the
         # SDK's exceptions). The call may be cut off when the worker stops
         # (gateway/worker/shutdown.py).
         raw = pool_call_within_grace(partial(
-            pool_chat_post, client, body={**payload, "sim": sim} if sim is not None else payload,
-            pool_id=record.pool_id, mark=mark), inline=pool_call_inline(client))
+            pool_post, client, body={**payload, "sim": sim} if sim is not None else payload,
+            pool_id=record.pool_id, mark=mark, path=pool_path(record.endpoint)), inline=pool_call_inline(client))
     except openai.APIStatusError as exc:
         upstream_ms = int((time.monotonic() - started) * 1000)
         if exc.status_code in CALLER_ERROR_STATUSES:
@@ -161,7 +162,7 @@ def _single_call(record: RequestRecord, *, mark: SentMark | None = None) -> tupl
     except (ValueError, TypeError, AttributeError):
         return Outcome(
             status="upstream_error", http_status=502, upstream_ms=upstream_ms, attempts=1,
-            body=error_body(message="The inference pool answered with something that is not a chat completion.",
+            body=error_body(message="The inference pool answered with something that is not a JSON answer with its usage.",
                             error_type="upstream_error", code="upstream_invalid_response"),
         ), False
     return Outcome(

@@ -2,7 +2,8 @@
 the gateway decides about retries (a retry the SDK makes on its own is load
 the admission step never saw).
 
-A non-streamed call goes through ``pool_chat_post``: the httpx client this
+A non-streamed call (chat, legacy completions, embeddings: the path is the
+endpoint's) goes through ``pool_post``: the httpx client this
 module hands the SDK client (its connection pool, timeout and event hooks),
 without the SDK's request building, which costs about as much worker CPU as
 everything else in the call (bench/pool_client_overhead.py). Its failures
@@ -10,7 +11,7 @@ are the SDK's exceptions: an error status raises what
 ``client.chat.completions.create`` would (RateLimitError,
 InternalServerError, ...: ``pool_status_error``), a timeout APITimeoutError,
 any other transport failure APIConnectionError. A stream opens the same way
-(``pool_chat_stream_open``: the answer's headers, its events read by
+(``pool_stream_open``: the answer's headers, its events read by
 gateway/worker/streaming.py), so a stream's time to first token does not
 carry the SDK's request building either.
 
@@ -49,6 +50,7 @@ from django.conf import settings
 from openai import APIConnectionError, APITimeoutError, OpenAI
 
 from budgets.admission.provider_limits import SentMark, provider_limits_record
+from gateway.core.request.endpoints import CHAT_COMPLETIONS, pool_path
 from gateway.worker.pool_errors import pool_status_error
 from gateway.worker.shutdown import CallInterrupted, call_socket_watched
 
@@ -133,8 +135,8 @@ def _json_bytes(body: dict) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _chat_url(client: OpenAI) -> str:
-    return f"{client.base_url}chat/completions"
+def _pool_url(client: OpenAI, path: str) -> str:
+    return f"{client.base_url}{path}"
 
 
 def _chat_headers(client: OpenAI, *, accept: str) -> dict[str, str]:
@@ -142,10 +144,11 @@ def _chat_headers(client: OpenAI, *, accept: str) -> dict[str, str]:
 
 
 _MARK = "sluice_sent_mark"
+CHAT_PATH = pool_path(CHAT_COMPLETIONS)
 
 
-def _chat_request(client: OpenAI, *, body: dict, accept: str, mark: SentMark | None = None) -> httpx.Request:
-    return _http_clients[client].build_request("POST", _chat_url(client), content=_json_bytes(body),
+def _chat_request(client: OpenAI, *, path: str, body: dict, accept: str, mark: SentMark | None = None) -> httpx.Request:
+    return _http_clients[client].build_request("POST", _pool_url(client, path), content=_json_bytes(body),
                                                headers=_chat_headers(client, accept=accept), timeout=client.timeout,
                                                extensions={_MARK: mark})
 
@@ -254,14 +257,14 @@ def _plain_connections(client: OpenAI) -> _PlainConnections | None:
     return connections
 
 
-def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, accept: str,
+def _plain_send(client: OpenAI, connections: _PlainConnections, *, path: str, body: dict, accept: str,
                 read_all: bool) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes | None]:
     """The plain path's POST on one kept-alive connection, cut by a stopping
     worker's grace (``call_socket_watched``): the connection, the answer
     with its headers read, and its body when ``read_all`` or its status is
     an error's (None otherwise: a stream, read later). A failure closes the
     connection and raises the SDK's exception, as ``_chat_send`` does."""
-    url = _chat_url(client)
+    url = _pool_url(client, path)
     content = _json_bytes(body)
     headers = _chat_headers(client, accept=accept)
     timeout = client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
@@ -292,18 +295,19 @@ def _plain_send(client: OpenAI, connections: _PlainConnections, *, body: dict, a
     return conn, response, read
 
 
-def _plain_status_error(client: OpenAI, response: http.client.HTTPResponse, content: bytes) -> Exception:
+def _plain_status_error(client: OpenAI, path: str, response: http.client.HTTPResponse, content: bytes) -> Exception:
     """The SDK's exception for an error answer on the plain path."""
     return pool_status_error(httpx.Response(
         response.status, headers=response.getheaders(), content=content,
-        request=httpx.Request("POST", _chat_url(client))))
+        request=httpx.Request("POST", _pool_url(client, path))))
 
 
-def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
+def _plain_post(client: OpenAI, connections: _PlainConnections, *, path: str, body: dict, pool_id: int,
                 mark: SentMark | None) -> PoolAnswer:
     """The plain path's POST: one kept-alive connection, the SDK's exceptions
     as ``_chat_send`` raises them."""
-    conn, response, content = _plain_send(client, connections, body=body, accept="application/json", read_all=True)
+    conn, response, content = _plain_send(client, connections, path=path, body=body, accept="application/json",
+                                          read_all=True)
     answer = PoolAnswer(status_code=response.status, headers=response.headers, content=content)
     if response.will_close:
         conn.close()
@@ -312,7 +316,7 @@ def _plain_post(client: OpenAI, connections: _PlainConnections, *, body: dict, p
     if pool_id:
         _limits_note(pool_id, answer.headers, mark, answer.status_code)
     if answer.status_code >= 400:
-        raise _plain_status_error(client, response, answer.content)
+        raise _plain_status_error(client, path, response, answer.content)
     return answer
 
 
@@ -323,16 +327,18 @@ def pool_call_inline(client: OpenAI) -> bool:
     return _plain_connections(client) is not None
 
 
-def pool_chat_post(client: OpenAI, *, body: dict, pool_id: int = 0,
-                   mark: SentMark | None = None) -> httpx.Response | PoolAnswer:
-    """POST ``body`` to the pool's chat/completions; the answer (status < 400,
+def pool_post(client: OpenAI, *, body: dict, pool_id: int = 0, mark: SentMark | None = None,
+              path: str = CHAT_PATH) -> httpx.Response | PoolAnswer:
+    """POST ``body`` to the pool's ``path`` (chat/completions, completions,
+    embeddings: gateway/core/request/endpoints.py); the answer (status < 400,
     read: its ``text``), or the SDK's exception. On the plain path when the
     pool allows it (above), else with ``client``'s httpx client. ``mark``:
     the call's, from its take (for the answer's x-ratelimit-* statement)."""
     connections = _plain_connections(client)
     if connections is not None:
-        return _plain_post(client, connections, body=body, pool_id=pool_id, mark=mark)
-    return _chat_send(client, _chat_request(client, body=body, accept="application/json", mark=mark), stream=False)
+        return _plain_post(client, connections, path=path, body=body, pool_id=pool_id, mark=mark)
+    return _chat_send(client, _chat_request(client, path=path, body=body, accept="application/json", mark=mark),
+                      stream=False)
 
 
 READ_BYTES = 1 << 16  # at most this much of a stream per read: what came since the last read, usually
@@ -420,27 +426,29 @@ class PlainStream:
             conn.close()
 
 
-def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, body: dict, pool_id: int,
+def _plain_stream_open(client: OpenAI, connections: _PlainConnections, *, path: str, body: dict, pool_id: int,
                        mark: SentMark | None) -> PlainStream:
     """The plain path's streamed POST: the answer once its headers came, or
     the SDK's exception, as ``_plain_post`` raises it."""
-    conn, response, error_body = _plain_send(client, connections, body=body, accept="text/event-stream",
+    conn, response, error_body = _plain_send(client, connections, path=path, body=body, accept="text/event-stream",
                                              read_all=False)
     if pool_id:
         _limits_note(pool_id, response.headers, mark, response.status)
     if response.status >= 400:
         conn.close()
-        raise _plain_status_error(client, response, error_body)
-    return PlainStream(conn, connections, response, _chat_url(client))
+        raise _plain_status_error(client, path, response, error_body)
+    return PlainStream(conn, connections, response, _pool_url(client, path))
 
 
-def pool_chat_stream_open(client: OpenAI, *, body: dict, pool_id: int = 0,
-                          mark: SentMark | None = None) -> httpx.Response | PlainStream:
-    """Open a streamed chat completion (``body`` asks for ``stream``): the
-    answer once its headers came (status < 400, its events still to read:
-    ``stream_line_batches``; the caller closes it), or the SDK's exception, as
-    ``pool_chat_post``; on the plain path when the pool allows it."""
+def pool_stream_open(client: OpenAI, *, body: dict, pool_id: int = 0, mark: SentMark | None = None,
+                     path: str = CHAT_PATH) -> httpx.Response | PlainStream:
+    """Open a streamed completion (chat or legacy: ``path``; ``body`` asks
+    for ``stream``): the answer once its headers came (status < 400, its
+    events still to read: ``stream_line_batches``; the caller closes it), or
+    the SDK's exception, as ``pool_post``; on the plain path when the pool
+    allows it."""
     connections = _plain_connections(client)
     if connections is not None:
-        return _plain_stream_open(client, connections, body=body, pool_id=pool_id, mark=mark)
-    return _chat_send(client, _chat_request(client, body=body, accept="text/event-stream", mark=mark), stream=True)
+        return _plain_stream_open(client, connections, path=path, body=body, pool_id=pool_id, mark=mark)
+    return _chat_send(client, _chat_request(client, path=path, body=body, accept="text/event-stream", mark=mark),
+                      stream=True)

@@ -38,9 +38,10 @@ import llm_tokens
 from budgets.admission.provider_limits import SentMark
 from budgets.redis.clients import get_redis
 from gateway.core.errors import error_body
+from gateway.core.request.endpoints import pool_path
 from gateway.core.request.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.request.streams import stream_append
-from gateway.worker.pool_client import pool_call_inline, pool_chat_stream_open, stream_line_batches
+from gateway.worker.pool_client import pool_call_inline, pool_stream_open, stream_line_batches
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
 
 logger = logging.getLogger(__name__)
@@ -103,9 +104,12 @@ def _read_chunk(relay: _Relay, data: str) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta") or {}
-        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-            relay.pieces.append(delta["content"])
-            relay.produced = relay.produced or bool(delta["content"])
+        # A chat chunk's text is its delta's content; a legacy completion's, its "text".
+        text = delta.get("content") if isinstance(delta, dict) else None
+        text = choice.get("text") if text is None else text
+        if isinstance(text, str):
+            relay.pieces.append(text)
+            relay.produced = relay.produced or bool(text)
         if choice.get("finish_reason"):
             relay.finished = True
     return True
@@ -142,7 +146,8 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
     # http.client to a plain http:// pool, else the SDK client's own httpx
     # client, without the SDK's request building either way
     # (gateway/worker/pool_client.py): errors are the SDK's exceptions.
-    response = pool_call_within_grace(lambda: pool_chat_stream_open(pool, body=body, pool_id=record.pool_id, mark=mark),
+    response = pool_call_within_grace(lambda: pool_stream_open(pool, body=body, pool_id=record.pool_id, mark=mark,
+                                                               path=pool_path(record.endpoint)),
                                       inline=pool_call_inline(pool))
     relay = _Relay(record)
     client = get_redis()

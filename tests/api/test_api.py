@@ -16,7 +16,7 @@ from rest_framework.test import APIClient
 from budgets.models import BudgetRequest, Reservation, SpendBudget
 from budgets.ledger.rollups import daily_usage_refresh
 from tenants.models import ApiKey
-from tests.people import PASSWORD, ledger_now, ledger_spread
+from tests.people import PASSWORD, ledger_add, ledger_now, ledger_spread
 
 pytestmark = pytest.mark.django_db
 
@@ -178,6 +178,22 @@ def test_usage_summary_totals_equal_the_export(world):
     rows = list(csv.DictReader(io.StringIO(b"".join(export.streaming_content).decode())))
     assert len(rows) == summary["total"]["requests"] == 20
     assert sum(Decimal(r["cost"]) for r in rows) == Decimal(summary["total"]["cost"])
+
+
+def test_usage_groups_by_endpoint_and_the_export_names_it(world):
+    now = ledger_now()
+    ledger_spread(world=world, now=now, days=2, per_day=1)
+    ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(hours=1), input_tokens=300, output_tokens=0,
+               endpoint="/v1/embeddings")
+    api = as_user(world.finance)
+    window = f"start={(now - timedelta(days=3)).date()}&end={now.date()}"
+    summary = api.get(f"/api/usage/summary/?{window}&group_by=endpoint").json()
+    by_endpoint = {r["key"]["endpoint"]: r["requests"] for r in summary["rows"]}
+    assert by_endpoint == {"/v1/chat/completions": summary["total"]["requests"] - 1, "/v1/embeddings": 1}
+    export = api.get(f"/api/ledger/export/?{window}")
+    rows = list(csv.DictReader(io.StringIO(b"".join(export.streaming_content).decode())))
+    assert sorted(r["endpoint"] for r in rows).count("/v1/embeddings") == 1
+    assert {r["endpoint"] for r in rows} == {"/v1/chat/completions", "/v1/embeddings"}
 
 
 def test_member_usage_is_limited_to_their_tenants(world):

@@ -15,8 +15,16 @@ BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,image/av
 def test_v1_is_in_the_schema_with_its_errors_and_headers():
     schema = Client().get("/api/schema/?format=json").json()
     v1 = {path: sorted(ops) for path, ops in schema["paths"].items() if path.startswith("/v1")}
-    assert v1 == {"/v1/chat/completions": ["post"], "/v1/jobs": ["get", "post"], "/v1/jobs/{job_id}": ["get"],
-                  "/v1/models": ["get"]}
+    assert v1 == {"/v1/chat/completions": ["post"], "/v1/completions": ["post"], "/v1/embeddings": ["post"],
+                  "/v1/jobs": ["get", "post"], "/v1/jobs/{job_id}": ["get"], "/v1/models": ["get"]}
+    embeddings = schema["paths"]["/v1/embeddings"]["post"]
+    body = embeddings["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["model", "input"]
+    assert body["properties"]["encoding_format"]["enum"] == ["float", "base64"]
+    assert "model_not_found" in embeddings["responses"]["404"]["description"]
+    completions = schema["paths"]["/v1/completions"]["post"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"]["required"] == ["model", "prompt"]
+    assert "workload_tpm" in completions["responses"]["429"]["description"]
     chat = schema["paths"]["/v1/chat/completions"]["post"]
     assert chat["security"] == [{"SluiceApiKey": []}]
     assert schema["components"]["securitySchemes"]["SluiceApiKey"]["scheme"] == "bearer"

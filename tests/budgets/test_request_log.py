@@ -23,7 +23,7 @@ from budgets.selectors.latency import (
 )
 from budgets.selectors.request_log import REJECTED, Cursor, LogFilters, request_log_page
 from tenants.models import ApiKey
-from tests.people import world  # noqa: F401 (fixture)
+from tests.people import ledger_add, world  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.django_db
 
@@ -277,3 +277,17 @@ def test_bad_filters_are_a_400_in_the_page_never_a_500(world, client):
         assert response.status_code == 400, params
     assert client.get(url, {"after": "garbage"}).status_code == 200  # a bad cursor starts at the top
     assert client.get(reverse("tenant-request-detail", args=[world.tenant_a.slug, "req_nope"])).status_code == 404
+
+
+def test_the_log_and_the_request_page_name_each_requests_endpoint(world, client):
+    now = datetime.now(tz=dt_timezone.utc)
+    embedded = ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=2), model="sim-small",
+                          input_tokens=300, output_tokens=0, endpoint="/v1/embeddings")
+    chatted = ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=1))
+    client.force_login(world.member_a)
+    body = client.get(reverse("tenant-request-log", args=[world.tenant_a.slug]), {"range": "1h"}).content.decode()
+    rows = {request_id: body[body.index(f'data-request-id="{request_id}"'):] for request_id in (embedded, chatted)}
+    assert rows[embedded].split("</tr>")[0].count('data-endpoint="/v1/embeddings"') == 1
+    assert rows[chatted].split("</tr>")[0].count('data-endpoint="/v1/chat/completions"') == 1
+    detail = client.get(reverse("tenant-request-detail", args=[world.tenant_a.slug, embedded])).content.decode()
+    assert "· /v1/embeddings" in detail

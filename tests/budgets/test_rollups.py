@@ -70,8 +70,8 @@ def test_late_row_for_a_recent_day_is_picked_up(world):
     assert row.requests == 2
 
 
-@pytest.mark.parametrize("group_by", [("tenant",), ("cost_center",), ("workload",), ("model",), ("day",), ("month",),
-                                      ("tenant", "model")])
+@pytest.mark.parametrize("group_by", [("tenant",), ("cost_center",), ("workload",), ("model",), ("endpoint",), ("day",),
+                                      ("month",), ("tenant", "model")])
 def test_summary_equals_the_ledger_rows_across_final_and_live_days(world, group_by):
     # given 10 days of ledger, rolled up yesterday (so the last days are live)
     ledger_spread(world=world, now=NOW, days=10, per_day=2)
@@ -107,3 +107,26 @@ def test_scope_limits_a_summary_to_the_callers_tenants(world):
     assert [row.key["tenant"] for row in summary.rows] == [world.tenant_a.id]
     assert summary.total.cost == ledger_totals(UsageRecord.objects.filter(tenant=world.tenant_a))["cost"]
     assert summary.total.cost > Decimal(0)
+
+
+def test_finance_groups_by_endpoint_across_final_and_live_days(world):
+    # given chat rows and embeddings rows, some days rolled up and one live
+    ledger_spread(world=world, now=NOW, days=3, per_day=1)
+    for days_ago in (2, 0):
+        ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(days=days_ago, minutes=5),
+                   input_tokens=300, output_tokens=0, estimated_output=0, endpoint="/v1/embeddings")
+    daily_usage_refresh(now=NOW - timedelta(hours=12))
+    filters = UsageFilters(start=NOW.date() - timedelta(days=5), end=NOW.date())
+    # when finance groups by endpoint
+    summary = usage_summary(filters=filters, group_by=("endpoint",))
+    # then each endpoint's row holds exactly its ledger rows
+    by_endpoint = {row.label: row for row in summary.rows}
+    assert set(by_endpoint) == {"/v1/chat/completions", "/v1/embeddings"}
+    for endpoint, row in by_endpoint.items():
+        direct = ledger_totals(UsageRecord.objects.filter(endpoint=endpoint))
+        assert (row.requests, row.actual_tokens, row.cost) == (direct["n"], direct["tokens"], direct["cost"])
+    assert by_endpoint["/v1/embeddings"].requests == 2
+    assert by_endpoint["/v1/embeddings"].actual_tokens == 600
+    # and the rollups keep the endpoint apart: one row per day that had embeddings
+    assert sorted(DailyUsage.objects.filter(endpoint="/v1/embeddings").values_list("day", flat=True)) == [
+        (NOW - timedelta(days=2, minutes=5)).date(), (NOW - timedelta(minutes=5)).date()]

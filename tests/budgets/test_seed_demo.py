@@ -69,6 +69,12 @@ def test_a_second_run_changes_nothing_and_mints_no_key(var_dir):
     # and each workload names its route, primary first: acme-chat spills over to sim-overflow
     assert second["workloads"]["acme-chat"]["pools"] == ["sim-pool", "sim-overflow"]
     assert second["workloads"]["globex-assistant"]["pools"] == ["sim-pool"]
+    # and names its embeddings model, which every workload may call, priced per input token only
+    assert second["embedding_model"] == "sim-embed"
+    assert second["workloads"]["acme-chat"]["models"] == ["sim-embed", "sim-large", "sim-small"]
+    assert second["workloads"]["globex-assistant"]["models"] == ["sim-embed", "sim-large", "sim-small"]
+    embed_price = ModelPrice.objects.get(model="sim-embed", pool=None)
+    assert (str(embed_price.input_per_million), str(embed_price.output_per_million)) == ("0.020000", "0.000000")
     overflow_price = ModelPrice.objects.get(model="sim-small", pool__slug="sim-overflow")
     assert overflow_price.input_per_million > ModelPrice.objects.get(model="sim-small", pool=None).input_per_million
     assert "created" not in notes and "minted" not in notes

@@ -118,7 +118,7 @@ def test_a_plain_call_on_the_tasks_thread_is_cut_off_when_the_grace_ends(silent_
     started = time.monotonic()
     shutdown_begin(grace_s=0.3)
     with pytest.raises(CallInterrupted) as interrupted:
-        pool_call_within_grace(lambda: pc.pool_chat_post(client, body=body), inline=True)
+        pool_call_within_grace(lambda: pc.pool_post(client, body=body), inline=True)
     # then the call ends at the grace, on this thread, as a call that may have reached the pool
     assert 0.25 <= time.monotonic() - started < 3.0
     assert interrupted.value.started is True
@@ -129,7 +129,7 @@ def test_a_plain_call_on_the_tasks_thread_is_cut_off_when_the_grace_ends(silent_
     assert closed == [True] and len(seen) == 1
     # and a call after the grace never goes out
     with pytest.raises(CallInterrupted) as late:
-        pool_call_within_grace(lambda: pc.pool_chat_post(client, body=body), inline=True)
+        pool_call_within_grace(lambda: pc.pool_post(client, body=body), inline=True)
     assert late.value.started is False
     time.sleep(0.2)
     assert len(seen) == 1

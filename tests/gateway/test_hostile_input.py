@@ -222,7 +222,7 @@ def test_sim_switches_on_a_real_pool_are_refused_and_change_nothing(platform, ma
 
 
 def test_sim_switches_need_the_setting_as_well_as_a_simulator_pool(make_caller):
-    from gateway.core.request.chat import chat_check, validate_chat_request
+    from gateway.core.request.chat import request_check, validate_chat_request
     from gateway.core.request.context import context_for_workload
 
     caller = make_caller(pool=make_caller.pool(is_simulator=True))
@@ -231,12 +231,12 @@ def test_sim_switches_need_the_setting_as_well_as_a_simulator_pool(make_caller):
         ctx = context_for_workload(caller.workload)
         assert ctx.sim_controls is False
         with pytest.raises(Rejected) as refused:
-            chat_check(ctx, chat)
+            request_check(ctx, chat)
         assert (refused.value.status, refused.value.reason) == (400, "sim_controls_disabled")
     with override_settings(SLUICE_SIM_CONTROLS=True):
         ctx = context_for_workload(caller.workload)
         assert ctx.sim_controls is True
-        chat_check(ctx, chat)  # allowed
+        request_check(ctx, chat)  # allowed
 
 
 # -- every token counted ---------------------------------------------------------------

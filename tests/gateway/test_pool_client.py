@@ -60,9 +60,9 @@ def fresh_clients(settings):
 def _both(url: str, **kwargs):
     """The same pool's client on the plain path and on httpx (the setting off for the second)."""
     client = pc.pool_client(base_url=url, api_key_env="")
-    plain = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
+    plain = pc.pool_post(client, body=kwargs.get("body", BODY))
     pc._plain[str(client.base_url)] = None  # this client's calls now keep httpx
-    via_httpx = pc.pool_chat_post(client, body=kwargs.get("body", BODY))
+    via_httpx = pc.pool_post(client, body=kwargs.get("body", BODY))
     return plain, via_httpx
 
 
@@ -82,10 +82,10 @@ def test_an_error_answer_raises_the_same_sdk_exception_on_both_paths(sim_url, st
     client = pc.pool_client(base_url=sim_url, api_key_env="")
     body = {**BODY, "sim": {"fail_status": status, "fail_retry_after": 2}}
     with pytest.raises(exception) as plain:
-        pc.pool_chat_post(client, body=body)
+        pc.pool_post(client, body=body)
     pc._plain[str(client.base_url)] = None
     with pytest.raises(exception) as via_httpx:
-        pc.pool_chat_post(client, body=body)
+        pc.pool_post(client, body=body)
     assert plain.value.status_code == via_httpx.value.status_code == status
     assert plain.value.response.headers.get("retry-after") == via_httpx.value.response.headers.get("retry-after")
     assert plain.value.body == via_httpx.value.body
@@ -93,12 +93,12 @@ def test_an_error_answer_raises_the_same_sdk_exception_on_both_paths(sim_url, st
 
 def test_calls_reuse_one_kept_alive_connection(sim_url):
     client = pc.pool_client(base_url=sim_url, api_key_env="")
-    pc.pool_chat_post(client, body=BODY)
+    pc.pool_post(client, body=BODY)
     connections = pc._plain[str(client.base_url)]
     first = connections._idle[-1]
     first_socket = first.sock
     for _ in range(5):
-        pc.pool_chat_post(client, body=BODY)
+        pc.pool_post(client, body=BODY)
     assert connections._idle == [first] and first.sock is first_socket
 
 
@@ -108,7 +108,7 @@ def test_threads_at_once_each_get_an_answer_and_leave_their_connections_idle(sim
 
     def call() -> None:
         for _ in range(10):
-            answers.append(pc.pool_chat_post(client, body=BODY).status_code)
+            answers.append(pc.pool_post(client, body=BODY).status_code)
 
     threads = [threading.Thread(target=call) for _ in range(8)]
     for t in threads:
@@ -162,7 +162,7 @@ def test_a_connection_the_pool_closed_while_idle_is_never_reused():
         client = pc.pool_client(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="")
         sent_before = pc.pool_requests_sent()
         for _ in range(3):
-            assert pc.pool_chat_post(client, body=BODY).status_code == 200
+            assert pc.pool_post(client, body=BODY).status_code == 200
             assert closed.acquire(timeout=5)  # the pool has closed it: the idle connection is a dead one
         assert len(accepted) == 3  # a new connection each time, not a failed reuse
         assert pc.pool_requests_sent() - sent_before == 3
@@ -174,7 +174,7 @@ def test_an_unreachable_pool_is_a_connection_error_that_never_reached_it():
     client = pc.pool_client(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key_env="")
     sent_before = pc.pool_requests_sent()
     with pytest.raises(openai.APIConnectionError) as raised:
-        pc.pool_chat_post(client, body=BODY)
+        pc.pool_post(client, body=BODY)
     assert not isinstance(raised.value, openai.APITimeoutError)
     assert pc.pool_requests_sent() == sent_before
 
@@ -183,8 +183,8 @@ def test_a_pool_slower_than_the_timeout_is_a_timeout_error(sim_url, settings):
     settings.SLUICE_UPSTREAM_TIMEOUT_S = 0.3
     client = pc.pool_client(base_url=sim_url, api_key_env="")
     with pytest.raises(openai.APITimeoutError):
-        pc.pool_chat_post(client, body={**BODY, "sim": {"latency_ms": 2000}})
-    assert pc.pool_chat_post(client, body=BODY).status_code == 200  # the timed-out connection was not kept
+        pc.pool_post(client, body={**BODY, "sim": {"latency_ms": 2000}})
+    assert pc.pool_post(client, body=BODY).status_code == 200  # the timed-out connection was not kept
 
 
 @pytest.mark.parametrize("base_url, env", [
@@ -240,9 +240,9 @@ def test_each_path_keeps_the_answers_statement_in_the_order_its_call_went(limite
 
     def call(mark) -> None:
         if path == "stream":
-            pc.pool_chat_stream_open(client, body={**BODY, "stream": True}, mark=mark).close()
+            pc.pool_stream_open(client, body={**BODY, "stream": True}, mark=mark).close()
         else:
-            pc.pool_chat_post(client, body=BODY, pool_id=pool_id, mark=mark)
+            pc.pool_post(client, body=BODY, pool_id=pool_id, mark=mark)
 
     # when the earlier call's answer comes back: older news, it changes nothing
     call(early)
@@ -275,7 +275,7 @@ def test_each_path_holds_the_room_a_refusal_states_until_its_retry_after(refusin
     body = {**BODY, "max_tokens": 30}
     for _ in range(10):
         try:
-            pc.pool_chat_post(filler, body=body)
+            pc.pool_post(filler, body=body)
         except openai.RateLimitError:
             break
     mark = provider_take_call(pool_id=pool_id, tokens=40).run().mark
@@ -284,9 +284,9 @@ def test_each_path_holds_the_room_a_refusal_states_until_its_retry_after(refusin
     # when it is refused, with less room left than it took
     with pytest.raises(openai.RateLimitError) as refused:
         if path == "stream":
-            pc.pool_chat_stream_open(client, body={**body, "stream": True}, pool_id=pool_id, mark=mark).close()
+            pc.pool_stream_open(client, body={**body, "stream": True}, pool_id=pool_id, mark=mark).close()
         else:
-            pc.pool_chat_post(client, body=body, pool_id=pool_id, mark=mark)
+            pc.pool_post(client, body=body, pool_id=pool_id, mark=mark)
     headers = refused.value.response.headers
     assert int(headers["x-ratelimit-remaining-tokens"]) < 40 and duration_ms(headers["x-ratelimit-reset-tokens"]) == 0
     hold_ms = min(float(headers["retry-after-ms"]), REFUSAL_HOLD_MAX_MS)
@@ -310,11 +310,11 @@ def _events(response) -> list[str]:
 
 def test_a_stream_reads_the_same_events_on_both_paths(sim_url):
     client = pc.pool_client(base_url=sim_url, api_key_env="")
-    plain = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    plain = pc.pool_stream_open(client, body=STREAM_BODY)
     assert isinstance(plain, pc.PlainStream) and plain.headers["content-type"].startswith("text/event-stream")
     plain_events = _events(plain)
     pc._plain[str(client.base_url)] = None
-    via_httpx = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    via_httpx = pc.pool_stream_open(client, body=STREAM_BODY)
     assert not isinstance(via_httpx, pc.PlainStream)
     httpx_events = _events(via_httpx)
     assert plain_events[-1] == httpx_events[-1] == "[DONE]"
@@ -330,10 +330,10 @@ def test_a_stream_refused_before_it_starts_raises_the_same_sdk_exception_on_both
     client = pc.pool_client(base_url=sim_url, api_key_env="")
     body = {**STREAM_BODY, "sim": {"fail_status": status, "fail_retry_after": 2}}
     with pytest.raises(exception) as plain:
-        pc.pool_chat_stream_open(client, body=body)
+        pc.pool_stream_open(client, body=body)
     pc._plain[str(client.base_url)] = None
     with pytest.raises(exception) as via_httpx:
-        pc.pool_chat_stream_open(client, body=body)
+        pc.pool_stream_open(client, body=body)
     assert plain.value.status_code == via_httpx.value.status_code == status
     assert plain.value.body == via_httpx.value.body
 
@@ -342,13 +342,13 @@ def test_a_stream_read_to_its_end_keeps_its_connection_and_one_closed_early_clos
     client = pc.pool_client(base_url=sim_url, api_key_env="")
     # a stream read to its [DONE] (and no further, as the worker reads one):
     # its connection goes back and the next stream uses it
-    done = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+    done = pc.pool_stream_open(client, body=STREAM_BODY)
     assert any("data: [DONE]" in lines for lines in pc.stream_line_batches(done))
     done.close()
     connections = pc._plain[str(client.base_url)]
     [kept] = connections._idle
     kept_socket = kept.sock
-    stream = pc.pool_chat_stream_open(client, body={**STREAM_BODY, "max_tokens": 200, "sim": {"output_tokens": 200}})
+    stream = pc.pool_stream_open(client, body={**STREAM_BODY, "max_tokens": 200, "sim": {"output_tokens": 200}})
     assert connections._idle == [] and kept.sock is kept_socket
     # closed after its first event: the connection is closed (the pool sees
     # its caller go), never handed to another call
@@ -378,7 +378,7 @@ def _on_both_paths(respond, read) -> list:
         for plain in (True, False):
             if not plain:
                 pc._plain[str(client.base_url)] = None
-            stream = pc.pool_chat_stream_open(client, body=STREAM_BODY)
+            stream = pc.pool_stream_open(client, body=STREAM_BODY)
             assert isinstance(stream, pc.PlainStream) is plain
             try:
                 seen.append(read(stream))

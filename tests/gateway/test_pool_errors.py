@@ -75,7 +75,7 @@ def _raised_three_ways(url: str, extra: dict, *, model: str = "sim-small") -> li
         if not plain:
             pc._plain[str(client.base_url)] = None  # this client's calls now keep httpx
         with pytest.raises(openai.APIStatusError) as ours:
-            pc.pool_chat_post(client, body=body)
+            pc.pool_post(client, body=body)
         seen.append(_seen(ours.value))
     return seen
 

@@ -107,8 +107,8 @@ def test_health_and_models(sim):
     assert sim.http.get("/healthz").json() == {"status": "ok"}
     listing = sim.http.get("/v1/models").json()
     assert listing["object"] == "list"
-    assert [m["id"] for m in listing["data"]] == ["sim-small", "sim-large"]
-    assert [m.id for m in sim.openai.models.list()] == ["sim-small", "sim-large"]
+    assert [m["id"] for m in listing["data"]] == ["sim-small", "sim-large", "sim-embed"]
+    assert [m.id for m in sim.openai.models.list()] == ["sim-small", "sim-large", "sim-embed"]
 
 
 PROMPTS = [

@@ -32,6 +32,7 @@ from django.utils import timezone
 
 from budgets.models import InferencePool, ModelPrice, Reservation
 from budgets.admission.pool_config import pool_config_push
+from budgets.selectors.reservations import callable_models
 from budgets.services.reservations import reservation_save
 from tenants.models import Membership, Tenant, Workload
 from tenants.selectors import api_key_lookup
@@ -40,7 +41,7 @@ from tenants.services import api_key_create
 POOL = {
     "slug": "sim-pool",
     "name": "Simulated GPU pool",
-    "served_models": ["sim-small", "sim-large"],
+    "served_models": ["sim-small", "sim-large", "sim-embed"],
     "provider_tpm": 200_000,
     "provider_rpm": 600,
     "headroom": 0.8,
@@ -83,9 +84,13 @@ TENANTS = [
     ]),
 ]
 
+# The demo's embeddings model (inference_sim serves it on /v1/embeddings):
+# priced per input token, its output price 0.
+EMBEDDING_MODEL = "sim-embed"
 PRICES = [
     ("sim-small", Decimal("0.150000"), Decimal("0.600000")),
     ("sim-large", Decimal("2.500000"), Decimal("10.000000")),
+    (EMBEDDING_MODEL, Decimal("0.020000"), Decimal("0")),
 ]
 PRICES_FROM = (2026, 1, 1)
 # The overflow pool's own prices (model, input, output per million).
@@ -349,6 +354,8 @@ class Command(BaseCommand):
                 "pool": reservation.pool.slug if reservation else None,
                 # Its route: every pool it holds a slice of, primary first.
                 "pools": [s.pool.slug for s in slices],
+                # What it may call (the API's /v1/models and admission agree).
+                "models": list(callable_models(workload=workload, slices=slices)),
             }
         base_url = options["base_url"] or f"http://127.0.0.1:{settings.PORT}/v1"
         # With --json, stdout is the JSON alone; what changed goes to stderr.
@@ -364,7 +371,8 @@ class Command(BaseCommand):
         for slug in report.keys_minted:
             notes.write(f"minted a key for {slug} (kept in {demo_keys_file()})")
         if options["json"]:
-            self.stdout.write(json.dumps({"base_url": base_url, "workloads": info}, indent=2))
+            self.stdout.write(json.dumps({"base_url": base_url, "embedding_model": EMBEDDING_MODEL, "workloads": info},
+                                         indent=2))
             return
         self.stdout.write(f"Demo pools {POOL['slug']} and {OVERFLOW_POOL['slug']} (overflow), {len(info)} workloads.")
         for slug, item in info.items():

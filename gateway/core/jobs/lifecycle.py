@@ -28,7 +28,7 @@ from gateway.core.pacer_wake import pacer_wake_commands
 from gateway.core.request.admission import lease_ttl_ms
 from gateway.core.request.routing import request_route_admit
 from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
-from gateway.core.request.chat import ChatRequest, body_digest, chat_check, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.request.chat import ChatRequest, body_digest, request_check, chat_estimate, pool_payload, validate_chat_request
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.errors import bad_request, budget_unavailable, error_body
@@ -67,7 +67,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
     never run (caps, size), a callback URL Sluice will not call, or whose
     earliest start is past its deadline, and IdempotencyConflict for a reused
     key with another body."""
-    chat_check(ctx, chat)
+    request_check(ctx, chat)
     if callback_url:
         try:
             callback_url_check(url=callback_url)  # resolves the host: this runs in a thread, not the event loop
@@ -196,7 +196,7 @@ def job_release(*, job_id: str) -> str:
     try:
         # Again at release: the pool or its settings may have changed since.
         chat = validate_chat_request(job.body)
-        chat_check(ctx, chat)
+        request_check(ctx, chat)
         estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
                             max_tokens_requested=chat.max_tokens, clamped=False)
         job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, paced=True)

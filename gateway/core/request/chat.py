@@ -33,6 +33,7 @@ from typing import Any
 from budgets.admission.estimation import Estimate, request_estimate
 from budgets.errors import Rejected
 from gateway.core.request.context import CallerContext
+from gateway.core.request.endpoints import CHAT_COMPLETIONS, ApiRequest
 from gateway.core.errors import bad_request, no_reservation
 from gateway.core.request.sim_controls import SIM_FIELDS, SIM_OUTAGE_STATUSES
 from llm_tokens import PROMPT_FIELDS
@@ -60,13 +61,21 @@ class ChatRequest:
     max_tokens: int | None
     stream: bool
     passthrough: dict[str, Any] = field(default_factory=dict)  # forwarded to the pool as given
-    sim: dict[str, Any] | None = None  # the simulated pool's test switches (chat_check decides)
+    sim: dict[str, Any] | None = None  # the simulated pool's test switches (request_check decides)
     stream_usage: bool = False  # stream_options.include_usage: the caller wants the usage chunk
+
+    endpoint = CHAT_COMPLETIONS
 
     @property
     def prompt_fields(self) -> dict[str, Any]:
         """Parameters besides messages that the pool tokenizes into the prompt."""
         return {name: self.passthrough[name] for name in PROMPT_FIELDS if name in self.passthrough}
+
+    def estimate(self, ctx: CallerContext) -> Estimate:
+        return chat_estimate(ctx, self)
+
+    def pool_payload(self, estimate: Estimate) -> dict[str, Any]:
+        return pool_payload(self, estimate)
 
 
 # -- parsing: size, depth, numbers and strings before anything else -----------
@@ -160,7 +169,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 # -- small type checks ---------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -175,7 +184,7 @@ def _only_keys(value: dict, allowed: set[str], param: str) -> None:
                           param=param, code="unknown_parameter")
 
 
-def _object(value: Any, param: str) -> dict:
+def object_check(value: Any, param: str) -> dict:
     if not isinstance(value, dict):
         raise bad_request(f"'{param}' must be an object.", param=param)
     return value
@@ -208,7 +217,7 @@ def _validate_part(param: str, part: Any) -> None:
         _string(part.get(kind), f"{param}.{kind}")
     elif kind == "image_url":
         _only_keys(part, {"type", "image_url"}, param)
-        image = _object(part.get("image_url"), f"{param}.image_url")
+        image = object_check(part.get("image_url"), f"{param}.image_url")
         _only_keys(image, {"url", "detail"}, f"{param}.image_url")
         _name(image.get("url"), f"{param}.image_url.url")
         if image.get("detail") is not None and image["detail"] not in IMAGE_DETAILS:
@@ -220,7 +229,7 @@ def _validate_part(param: str, part: Any) -> None:
 
 
 def _validate_function_call(value: Any, param: str) -> None:
-    call = _object(value, param)
+    call = object_check(value, param)
     _only_keys(call, {"name", "arguments"}, param)
     _name(call.get("name"), f"{param}.name")
     _string(call.get("arguments"), f"{param}.arguments")
@@ -230,7 +239,7 @@ def _validate_tool_calls(value: Any, param: str) -> None:
     if not isinstance(value, list):
         raise bad_request(f"'{param}' must be an array.", param=param)
     for i, call in enumerate(value):
-        item = _object(call, f"{param}[{i}]")
+        item = object_check(call, f"{param}[{i}]")
         _only_keys(item, {"id", "type", "function"}, f"{param}[{i}]")
         _string(item.get("id"), f"{param}[{i}].id")
         if item.get("type", "function") != "function":
@@ -275,14 +284,14 @@ def _ranged(low: float, high: float) -> Callable[[str, Any], None]:
     return check
 
 
-def _boolean(name: str, value: Any) -> None:
+def boolean_check(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise bad_request(f"'{name}' must be a boolean.", param=name)
 
 
-def _integer(low: int, high: int) -> Callable[[str, Any], None]:
+def integer_check(low: int, high: int) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
-        if not _is_int(value) or not low <= value <= high:
+        if not is_int(value) or not low <= value <= high:
             raise bad_request(f"'{name}' must be an integer between {low} and {high}.", param=name)
     return check
 
@@ -305,21 +314,21 @@ def _check_user(name: str, value: Any) -> None:
 
 
 def _check_function_definition(value: Any, param: str) -> None:
-    function = _object(value, param)
+    function = object_check(value, param)
     _only_keys(function, {"name", "description", "parameters", "strict"}, param)
     _name(function.get("name"), f"{param}.name")
     _string(function.get("description"), f"{param}.description", optional=True)
     if function.get("parameters") is not None:
-        _object(function["parameters"], f"{param}.parameters")
+        object_check(function["parameters"], f"{param}.parameters")
     if function.get("strict") is not None:
-        _boolean(f"{param}.strict", function["strict"])
+        boolean_check(f"{param}.strict", function["strict"])
 
 
 def _check_tools(name: str, value: Any) -> None:
     if not isinstance(value, list) or len(value) > MAX_TOOLS:
         raise bad_request(f"'{name}' must be an array of at most {MAX_TOOLS} tools.", param=name)
     for i, tool in enumerate(value):
-        item = _object(tool, f"{name}[{i}]")
+        item = object_check(tool, f"{name}[{i}]")
         _only_keys(item, {"type", "function"}, f"{name}[{i}]")
         if item.get("type") != "function":
             raise bad_request(f"'{name}[{i}].type' must be 'function'.", param=f"{name}[{i}].type")
@@ -336,13 +345,13 @@ def _check_functions(name: str, value: Any) -> None:
 def _check_tool_choice(name: str, value: Any) -> None:
     if value in ("none", "auto", "required"):
         return
-    choice = _object(value, name) if not isinstance(value, str) else None
+    choice = object_check(value, name) if not isinstance(value, str) else None
     if choice is None:
         raise bad_request(f"'{name}' must be 'none', 'auto', 'required' or a function choice.", param=name)
     _only_keys(choice, {"type", "function"}, name)
     if choice.get("type") != "function":
         raise bad_request(f"'{name}.type' must be 'function'.", param=f"{name}.type")
-    function = _object(choice.get("function"), f"{name}.function")
+    function = object_check(choice.get("function"), f"{name}.function")
     _only_keys(function, {"name"}, f"{name}.function")
     _name(function.get("name"), f"{name}.function.name")
 
@@ -350,45 +359,45 @@ def _check_tool_choice(name: str, value: Any) -> None:
 def _check_function_call(name: str, value: Any) -> None:
     if value in ("none", "auto"):
         return
-    choice = _object(value, name)
+    choice = object_check(value, name)
     _only_keys(choice, {"name"}, name)
     _name(choice.get("name"), f"{name}.name")
 
 
 def _check_response_format(name: str, value: Any) -> None:
-    response_format = _object(value, name)
+    response_format = object_check(value, name)
     kind = response_format.get("type")
     if kind in ("text", "json_object"):
         _only_keys(response_format, {"type"}, name)
     elif kind == "json_schema":
         _only_keys(response_format, {"type", "json_schema"}, name)
-        schema = _object(response_format.get("json_schema"), f"{name}.json_schema")
+        schema = object_check(response_format.get("json_schema"), f"{name}.json_schema")
         _only_keys(schema, {"name", "description", "schema", "strict"}, f"{name}.json_schema")
         _name(schema.get("name"), f"{name}.json_schema.name")
         _string(schema.get("description"), f"{name}.json_schema.description", optional=True)
         if schema.get("schema") is not None:
-            _object(schema["schema"], f"{name}.json_schema.schema")
+            object_check(schema["schema"], f"{name}.json_schema.schema")
         if schema.get("strict") is not None:
-            _boolean(f"{name}.json_schema.strict", schema["strict"])
+            boolean_check(f"{name}.json_schema.strict", schema["strict"])
     else:
         raise bad_request(f"'{name}.type' must be one of ['text', 'json_object', 'json_schema'].", param=f"{name}.type")
 
 
 def _check_logit_bias(name: str, value: Any) -> None:
-    bias = _object(value, name)
+    bias = object_check(value, name)
     if len(bias) > 300 or not all(key.isdigit() and _is_number(v) and -100 <= v <= 100 for key, v in bias.items()):
         raise bad_request(f"'{name}' must map at most 300 token ids to numbers between -100 and 100.", param=name)
 
 
-def _check_sim(name: str, value: Any) -> None:
+def sim_check(name: str, value: Any) -> None:
     """The simulator's own rules (gateway/core/request/sim_controls.py), checked here
     too so a bad switch is refused before it costs a pool call."""
-    sim = _object(value, name)
+    sim = object_check(value, name)
     _only_keys(sim, set(SIM_FIELDS), name)
     for key, low in (("output_tokens", 0), ("latency_ms", 0), ("fail_retry_after", 0), ("fail_after_tokens", 0)):
         item = sim.get(key)
         if item is not None and (not _is_number(item) or item < low
-                                 or (key in ("output_tokens", "fail_after_tokens") and not _is_int(item))):
+                                 or (key in ("output_tokens", "fail_after_tokens") and not is_int(item))):
             raise bad_request(f"'{name}.{key}' must be a number >= {low}.", param=f"{name}.{key}")
     if sim.get("fail_status") is not None and sim["fail_status"] not in SIM_OUTAGE_STATUSES:
         raise bad_request(f"'{name}.fail_status' must be one of {list(SIM_OUTAGE_STATUSES)}.",
@@ -403,16 +412,16 @@ PASSTHROUGH: dict[str, Callable[[str, Any], None]] = {
     "frequency_penalty": _ranged(-2.0, 2.0),
     "stop": _check_stop,
     "user": _check_user,
-    "seed": _integer(-MAX_INT - 1, MAX_INT),
+    "seed": integer_check(-MAX_INT - 1, MAX_INT),
     "response_format": _check_response_format,
     "tools": _check_tools,
     "tool_choice": _check_tool_choice,
-    "parallel_tool_calls": _boolean,
+    "parallel_tool_calls": boolean_check,
     "functions": _check_functions,
     "function_call": _check_function_call,
     "logit_bias": _check_logit_bias,
-    "logprobs": _boolean,
-    "top_logprobs": _integer(0, 20),
+    "logprobs": boolean_check,
+    "top_logprobs": integer_check(0, 20),
     "reasoning_effort": _one_of("minimal", "low", "medium", "high"),
 }
 # Everything a body may hold: the above, those read here, and sim.
@@ -438,7 +447,7 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value):
+        if not is_int(value):
             raise bad_request(f"'{name}' must be an integer.", param=name)
         if value < 1:
             raise bad_request(f"'{name}' must be at least 1.", param=name)
@@ -451,7 +460,7 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
         raise bad_request("'stream' must be a boolean.", param="stream")
     stream_usage = False
     if body.get("stream_options") is not None:
-        stream_options = _object(body["stream_options"], "stream_options")
+        stream_options = object_check(body["stream_options"], "stream_options")
         _only_keys(stream_options, {"include_usage"}, "stream_options")
         include_usage = stream_options.get("include_usage", False)
         if include_usage is not None and not isinstance(include_usage, bool):
@@ -459,7 +468,7 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
         stream_usage = bool(include_usage)
 
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
+    if n is not None and (not is_int(n) or n != 1):
         raise bad_request("Only n=1 is supported: each choice would be budgeted separately.", param="n")
 
     passthrough: dict[str, Any] = {}
@@ -469,25 +478,25 @@ def validate_chat_request(body: dict[str, Any]) -> ChatRequest:
             passthrough[name] = body[name]
     sim = body.get("sim")
     if sim is not None:
-        _check_sim("sim", sim)
+        sim_check("sim", sim)
     return ChatRequest(model=model, messages=checked, max_tokens=max_tokens, stream=bool(stream),
                        passthrough=passthrough, sim=sim, stream_usage=bool(stream) and stream_usage)
 
 
-def chat_check(ctx: CallerContext, chat: ChatRequest, *, streaming: bool = False) -> None:
-    """What a valid body may still not ask of this caller's pool. Only the
-    synchronous chat path streams (``streaming``); an async job's answer is
-    read later, so a job that asks to stream is refused."""
-    if chat.stream and not streaming:
+def request_check(ctx: CallerContext, api_request: ApiRequest, *, streaming: bool = False) -> None:
+    """What a valid body of any endpoint may still not ask of this caller's
+    pools. Only the synchronous API streams (``streaming``); an async job's
+    answer is read later, so a job that asks to stream is refused."""
+    if api_request.stream and not streaming:
         raise Rejected(reason="stream_unsupported", message="Jobs do not stream: send stream=false and read the "
                        "job's result (or give a callback_url).", status=400, param="stream",
                        error_type="invalid_request_error")
     if ctx.pool_id is None:
         raise no_reservation(on_any_pool=True)
-    if chat.model not in ctx.served_models:
-        raise Rejected(reason="model_not_found", message=f"The model '{chat.model}' does not exist on this workload's pool.",
+    if api_request.model not in ctx.served_models:
+        raise Rejected(reason="model_not_found", message=f"The model '{api_request.model}' does not exist on this workload's pool.",
                        status=404, param="model", error_type="invalid_request_error")
-    if chat.sim is not None and not ctx.sim_controls:
+    if api_request.sim is not None and not ctx.sim_controls:
         # Test switches on a real pool (or with SLUICE_SIM_CONTROLS off) would
         # let one caller inject failures that cut every tenant's capacity.
         raise bad_request("'sim' (the simulated pool's test switches) is not accepted for this workload's pool.",
@@ -513,7 +522,7 @@ def chat_estimate(ctx: CallerContext, chat: ChatRequest) -> Estimate:
 
 def pool_payload(chat: ChatRequest, estimate: Estimate) -> dict[str, Any]:
     """What the pool receives: the caller's body with the applied max_tokens
-    (and the test switches, which chat_check allowed for this pool). A
+    (and the test switches, which request_check allowed for this pool). A
     stream always asks the pool for its usage: settlement needs it, whether
     or not the caller wants the usage chunk (gateway/core/request/streams.py)."""
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from budgets.ledger.pricing import TokenPrice, prices_in_force
-from budgets.selectors.reservations import slices_of_workload
+from budgets.selectors.reservations import callable_models, slices_of_workload
 from tenants.models import Workload
 
 
@@ -153,11 +153,9 @@ def context_for_workload(workload: Workload) -> CallerContext:
     """The caller context of a workload (API keys, jobs, cron schedules), on
     its primary slice."""
     now = timezone.now()
-    slices = tuple(_slice(r, at=now) for r in slices_of_workload(workload=workload) if r.pool.is_active)
+    reservations = slices_of_workload(workload=workload)
+    slices = tuple(_slice(r, at=now) for r in reservations if r.pool.is_active)
     allowed = tuple(workload.allowed_models or ())
-    primary_rank = slices[0].rank if slices else 0
-    callable_models = {m for s in slices if workload.allow_overflow or s.rank == primary_rank
-                       for m in s.served_models if not allowed or m in allowed}
     return CallerContext(
         tenant_id=workload.tenant_id,
         tenant_slug=workload.tenant.slug,
@@ -168,7 +166,7 @@ def context_for_workload(workload: Workload) -> CallerContext:
         max_tokens_cap=workload.max_tokens_cap,
         max_tokens_default=workload.max_tokens_default,
         queue_timeout_s=workload.queue_timeout_s,
-        served_models=tuple(sorted(callable_models)),
+        served_models=callable_models(workload=workload, slices=reservations),
         slices=slices, pool=slices[0] if slices else None,
         allowed_models=allowed, allow_overflow=workload.allow_overflow,
     )

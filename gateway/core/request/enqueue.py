@@ -25,6 +25,7 @@ from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.protection.concurrency import lane_limited
 from gateway.core.request.context import CallerContext
+from gateway.core.request.endpoints import CHAT_COMPLETIONS
 from gateway.core.errors import budget_unavailable
 from gateway.core.protection.held import held_commands
 from gateway.core.lanes import lane_for, queue_for_lane
@@ -53,9 +54,11 @@ def new_request_id() -> str:
 
 def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: dict, estimate: Estimate,
                  admission: Admission, deadline_ms: float, retry_deadline_ms: float, session_id: str = "",
-                 job_id: str = "", fallback_pool_ids: tuple[int, ...] = ()) -> RequestRecord:
-    """The record of a request admitted on ``ctx``'s pool; ``fallback_pool_ids``:
-    the pools after it in its route (gateway/core/request/routing.py)."""
+                 job_id: str = "", fallback_pool_ids: tuple[int, ...] = (),
+                 endpoint: str = CHAT_COMPLETIONS) -> RequestRecord:
+    """The record of a request of ``endpoint`` admitted on ``ctx``'s pool;
+    ``fallback_pool_ids``: the pools after it in its route
+    (gateway/core/request/routing.py)."""
     lane = lane_for(workload_class=ctx.workload_class, estimated_tokens=estimate.total_tokens,
                     borrowed=admission.borrowed)
     price = ctx.prices.get(model)
@@ -71,7 +74,7 @@ def record_build(ctx: CallerContext, *, request_id: str, model: str, payload: di
         price_id=(price.price_id or 0) if price else 0,
         spend_month=admission.spend_month, api_key_id=ctx.api_key_id or 0, held=admission.held,
         overflow=ctx.overflow, fallback_pools=",".join(str(pool_id) for pool_id in fallback_pool_ids),
-        pool_slug=ctx.pool_slug,
+        pool_slug=ctx.pool_slug, endpoint=endpoint,
     )
 
 

@@ -24,6 +24,7 @@ from budgets.ledger.pricing import TokenPrice
 from budgets.ledger.writer import LedgerEntry
 from gateway.core import keys
 from gateway.core.errors import error_body
+from gateway.core.request.endpoints import CHAT_COMPLETIONS
 
 CLAIM = LuaScript(__package__, "claim.lua")
 RECORD_READ = LuaScript(__package__, "record_read.lua")
@@ -91,6 +92,9 @@ class RequestRecord:
     failed_over: bool = False
     fallback_pools: str = ""
     pool_slug: str = ""  # the x-sluice-pool header
+    # The /v1 endpoint it came through: the worker posts to its pool path,
+    # the ledger row names it (gateway/core/request/endpoints.py).
+    endpoint: str = CHAT_COMPLETIONS
 
     @property
     def ledger_price(self) -> tuple[int, Decimal, Decimal] | None:
@@ -149,6 +153,7 @@ class RequestRecord:
             failed_over=data.get("failed_over") == "1",
             fallback_pools=data.get("fallback_pools", ""),
             pool_slug=data.get("pool_slug", ""),
+            endpoint=data.get("endpoint") or CHAT_COMPLETIONS,
         )
 
 
@@ -326,4 +331,5 @@ def ledger_entry(record: RequestRecord, *, status: str, actual_input_tokens: int
         queue_wait_ms=queue_wait_ms, upstream_ms=upstream_ms, total_ms=total_ms, ttft_ms=ttft_ms, attempts=attempts,
         error=error, usage_source=usage_source, price=record.ledger_price, api_key_id=record.api_key_id or None,
         completion_id=completion_id,
+        endpoint=record.endpoint,
     )
