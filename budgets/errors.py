@@ -38,6 +38,10 @@ class Rejected(Exception):
     rate_limits: RateLimitSnapshot | None = None
     # The request's estimate (prompt + max_tokens), for rejection statistics.
     estimated_tokens: int = 0
+    # The limits ``rate_limits`` is a snapshot against (the x-ratelimit-limit-*
+    # numbers of the slice that refused), where the caller's own may differ:
+    # a refusal chosen among several pools of a route.
+    limits: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)

@@ -70,7 +70,7 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
 
     from budgets.admission.estimation import Estimate
     from budgets.errors import Rejected
-    from gateway.core.request.admission import request_admit
+    from gateway.core.request.routing import request_route_admit
 
     contexts = pickle.loads(pickled_contexts)
     estimate = Estimate(input_tokens=input_tokens, output_tokens=output_tokens, max_tokens_requested=output_tokens,
@@ -79,7 +79,8 @@ def request_admit_many(args: tuple) -> list[tuple[int, bool, str]]:
     def attempt(n: int) -> tuple[int, bool, str]:
         ctx = contexts[n % len(contexts)]
         try:
-            request_admit(ctx, request_id=uuid.uuid4().hex, model=model, estimate=estimate, lease_ms=600_000)
+            request_route_admit(ctx.route(model), request_id=uuid.uuid4().hex, model=model, lease_ms=600_000,
+                                estimate_for=lambda _on_pool: estimate)
             return ctx.workload_id, True, ""
         except Rejected as rejected:
             return ctx.workload_id, False, rejected.reason

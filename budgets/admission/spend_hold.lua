@@ -21,7 +21,9 @@
 -- workload's fields it counts in, comma-separated ("12" or "12,O12");
 -- spend_settle.lua and spend_reconcile.lua read the same.
 -- Returns {1, now_ms}                    held
---         {2, now_ms}                    already held (a replay of the same request id)
+--         {2, now_ms}                    already held (a replay of the same request id; with
+--                                        ARGV[8] '1', a hold without the overflow field gets it,
+--                                        within the overflow cap, or the refusal below)
 --         {0, 'spend_budget', wait_ms}   refused: a cap would be passed
 --         {0, 'overflow_spend_budget', wait_ms}  refused: the overflow cap would be
 --         {-1, 'unconfigured'}           caps or month-to-date missing (new month, Redis
@@ -36,7 +38,26 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local rid = ARGV[3]
-if redis.call('HEXISTS', KEYS[3], rid) == 1 then return {2, tostring(now)} end
+local held = redis.call('HGET', KEYS[3], rid)
+if held then
+  -- A replay. Or the same request now admitted on an overflow slice (routing
+  -- moved it past a failing pool, or a worker failed it over): its held
+  -- estimate then also counts against the overflow cap, checked here.
+  local overflow_field = 'O' .. ARGV[2]
+  local fields_part, held_amount, held_month, expires, state = string.match(held, '^([^|]+)|(-?%d+)|([^|]+)|(%d+)|(%a)$')
+  if ARGV[8] == '1' and state == 'e' and held_month == ARGV[5]
+      and not string.find(',' .. fields_part .. ',', ',' .. overflow_field .. ',', 1, true) then
+    local amount = tonumber(held_amount)
+    local cap = tonumber(redis.call('HGET', KEYS[1], overflow_field))
+    if cap ~= nil and (tonumber(redis.call('HGET', KEYS[2], overflow_field)) or 0) + amount > cap then
+      return {0, 'overflow_spend_budget', tostring(math.max(1, tonumber(ARGV[7]) - now))}
+    end
+    redis.call('HINCRBY', KEYS[2], overflow_field, held_amount)
+    redis.call('HSET', KEYS[3], rid, fields_part .. ',' .. overflow_field .. '|' .. held_amount .. '|' .. held_month
+               .. '|' .. expires .. '|e')
+  end
+  return {2, tostring(now)}
+end
 
 local cost = tonumber(ARGV[4])
 local fields = {'T' .. ARGV[1], ARGV[2]}

@@ -21,12 +21,11 @@ def slices_of_workload(*, workload: Workload) -> list[Reservation]:
 
 def callable_models(*, workload: Workload, slices: list[Reservation]) -> tuple[str, ...]:
     """The models the workload may call: every model a pool of its route
-    (``slices``, in route order) serves, overflow pools only where it may
-    overflow, within its allowed models (none listed: any)."""
+    (``slices``) serves, active pools only, within its allowed models (none
+    listed: any). Each model's own route has a primary (its lowest rank), so
+    forbidding overflow never takes a model away."""
     allowed = set(workload.allowed_models or ())
-    active = [s for s in slices if s.pool.is_active]
-    primary_rank = active[0].rank if active else 0
-    return tuple(sorted({model for s in active if workload.allow_overflow or s.rank == primary_rank
+    return tuple(sorted({model for s in slices if s.pool.is_active
                          for model in (s.pool.served_models or ()) if not allowed or model in allowed}))
 
 

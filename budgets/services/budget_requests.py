@@ -268,20 +268,19 @@ def budget_requests_expire(*, today: date | None = None) -> int:
             previous = (approval.details or {}).get("previous_reservation") if approval else None
             reservation = Reservation.objects.select_for_update().filter(workload=request.workload,
                                                                           pool_id=request.pool_id).first()
+            # What the approval granted (a smaller amount than asked, maybe).
+            granted_tpm = ((approval.details or {}).get("approved_reserved_tpm") if approval else None) \
+                or request.reserved_tpm
             unchanged = reservation is not None and (
-                reservation.pool_id, reservation.reserved_tpm, reservation.ceiling_tpm, reservation.rpm
-            ) == (request.pool_id, request.reserved_tpm, request.ceiling_tpm, request.rpm)
+                reservation.reserved_tpm, reservation.ceiling_tpm, reservation.rpm
+            ) == (granted_tpm, request.ceiling_tpm, request.rpm)
             outcome = "superseded by a later change; left as is"
             if unchanged and previous is None:
                 reservation_delete(reservation=reservation)
                 outcome = "reservation removed"
-            elif unchanged and previous["pool_id"] == request.pool_id:
-                outcome = _reservation_restore(reservation=reservation, previous=previous)
             elif unchanged:
-                # It came from another pool: give the slice back rather than
-                # re-checking that pool's headroom without its lock.
-                reservation_delete(reservation=reservation)
-                outcome = "reservation removed (it had moved from another pool)"
+                # The slice of this same pool as it was before (slices are per pool).
+                outcome = _reservation_restore(reservation=reservation, previous=previous)
             request.status = BudgetRequest.Status.EXPIRED
             request.save()
             _event(request=request, action=BudgetRequestEvent.Action.EXPIRED, details={"outcome": outcome})

@@ -3,6 +3,7 @@ these into templates, charts included; the API serializes the same data."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from decimal import Decimal
 from datetime import date, datetime, timedelta, timezone as dt_timezone
@@ -186,6 +187,22 @@ class PoolOverview:
         return sum(sum(v) for v in self.rejections_per_minute.values())
 
 
+# The pool page refreshes its live part every few seconds; each model's
+# share of an hour's traffic moves slowly and sums an hour of the ledger, so
+# a process keeps it this long.
+MODEL_SHARES_KEPT_S = 30.0
+_model_shares_kept: dict[int, tuple[float, list[ModelShare]]] = {}
+
+
+def _model_shares(*, pool: InferencePool, since: datetime) -> list[ModelShare]:
+    kept = _model_shares_kept.get(pool.id)
+    if kept is not None and time.monotonic() < kept[0]:
+        return kept[1]
+    shares = model_shares_of_pool(pool=pool, since=since)
+    _model_shares_kept[pool.id] = (time.monotonic() + MODEL_SHARES_KEPT_S, shares)
+    return shares
+
+
 def pool_overview(*, pool: InferencePool, now: datetime) -> PoolOverview:
     reservations = list(
         Reservation.objects.filter(pool=pool).select_related("workload", "workload__tenant").order_by("-reserved_tpm")
@@ -200,7 +217,7 @@ def pool_overview(*, pool: InferencePool, now: datetime) -> PoolOverview:
         rejection_minutes=minutes,
         rejections_per_minute={r: [by_minute.get(m, {}).get(r, 0) for m in minutes] for r in reasons},
         pending_requests=BudgetRequest.objects.filter(pool=pool, status=BudgetRequest.Status.PENDING).count(),
-        model_shares=model_shares_of_pool(pool=pool, since=minutes[0]),
+        model_shares=_model_shares(pool=pool, since=minutes[0]),
     )
 
 

@@ -47,6 +47,7 @@ def rejected_response(rejected: Rejected, *, limits: dict[str, int] | None = Non
     if rejected.retry_after_ms is not None:
         headers["Retry-After"] = str(rejected.retry_after_s)
         headers["retry-after-ms"] = str(rejected.retry_after_ms)
+    limits = rejected.limits or limits
     if rejected.rate_limits is not None and limits is not None:
         headers.update(ratelimit_headers(limits, rejected.rate_limits))
     return openai_error(status=rejected.status, message=rejected.message, error_type=rejected.error_type,

@@ -214,14 +214,15 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
             throttled += 1
             signals.append(Step("capacity", capacity_signal_call(pool_id=record.pool_id, event="throttle",
                                                                  retry_after_ms=outcome.retry_after_ms or 0)))
-        if deferred is not None and (not retryable or attempts + 1 >= policy.max_attempts):
+        may_move = retryable and bool(record.fallback_pools) and not record.failed_over
+        if deferred is not None and not may_move and (not retryable or attempts + 1 >= policy.max_attempts):
             deferred.extend(signals)
         else:
             RoundTrip(*signals).run()
         upstream_answer_observe(pool_id=record.pool_id, status=_answer_label(outcome))
         attempts += 1
         upstream_ms += outcome.upstream_ms
-        if retryable and record.fallback_pools and not record.failed_over:
+        if may_move:
             moved = _fail_over(record, policy=policy)
             if moved is not None:
                 record = moved

@@ -27,7 +27,7 @@ from budgets.errors import Rejected
 from budgets.ledger.spend import spend_month, spend_month_to_date, spend_reconcile
 from budgets.ledger.writer import usage_record_write
 from budgets.models import ModelPrice, SpendBudget, UsageRecord
-from gateway.core.request.admission import request_admit
+from gateway.core.request.routing import request_route_admit
 from gateway.core.request.context import context_for_workload
 from gateway.core.request.enqueue import record_build
 from gateway.core.request.records import ledger_entry
@@ -55,8 +55,8 @@ def estimate(input_tokens: int = 1_000, output_tokens: int = 1_000) -> Estimate:
 
 
 def try_admit(ctx, request_id: str, *, input_tokens: int = 1_000, output_tokens: int = 1_000):
-    return request_admit(ctx, request_id=request_id, model=MODEL, estimate=estimate(input_tokens, output_tokens),
-                         lease_ms=60_000)
+    return request_route_admit(ctx.route(MODEL), request_id=request_id, model=MODEL, lease_ms=60_000,
+                               estimate_for=lambda _on_pool: estimate(input_tokens, output_tokens)).admission
 
 
 def settle_and_record(ctx, admission, *, input_tokens: int, output_tokens: int, ledger: bool = True):
@@ -286,7 +286,8 @@ def test_a_request_without_a_price_holds_no_spend(make_caller, redis_client):
     caller = make_caller(reserved_tpm=600_000, ceiling_tpm=600_000)
     SpendBudget.objects.create(tenant=caller.tenant, monthly_amount=Decimal("0.000001"), hard_cap=True)
     ctx = context_for_workload(caller.workload)
-    ctx = replace(ctx, pool=replace(ctx.pool, prices={}))
+    unpriced = replace(ctx.pool, prices={})
+    ctx = replace(ctx, pool=unpriced, slices=(unpriced,))
     admission = try_admit(ctx, "unpriced")
     assert admission.spend_month == ""
     assert holds(redis_client, caller.tenant) == {}

@@ -23,7 +23,8 @@ from budgets.admission.estimation import Estimate
 from budgets.redis.clients import get_redis
 from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
-from gateway.core.request.admission import lease_ttl_ms, request_admit
+from gateway.core.request.admission import lease_ttl_ms
+from gateway.core.request.routing import request_route_admit
 from gateway.core.request.context import context_for_workload
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.lanes import HOUSEKEEPING
@@ -49,7 +50,8 @@ def poison_enqueue(workload, *, job_id: str = "") -> RequestRecord:
     ctx = context_for_workload(workload)
     request_id = new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
-    admission = request_admit(ctx, request_id=request_id, model="sim-small", estimate=ESTIMATE, lease_ms=lease_ms)
+    admission = request_route_admit(ctx.route("sim-small"), request_id=request_id, model="sim-small",
+                                    estimate_for=lambda _on_pool: ESTIMATE, lease_ms=lease_ms).admission
     record = record_build(ctx, request_id=request_id, model="sim-small",
                           payload={"model": "sim-small", "messages": POISON, "max_tokens": 30}, estimate=ESTIMATE,
                           admission=admission, deadline_ms=admission.admitted_ms + ctx.queue_timeout_s * 1000,

@@ -15,7 +15,7 @@ import pytest
 
 from budgets.admission.estimation import Estimate
 from gateway.core import keys
-from gateway.core.request.admission import request_admit_async
+from gateway.core.request.routing import request_route_admit_async
 from gateway.core.request.context import context_for_workload
 from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK, call_hint, record_build, record_enqueue_async
 from gateway.core.lanes import queue_for_lane
@@ -40,8 +40,9 @@ def test_the_record_its_metrics_and_its_lane_message_go_in_one_pipeline_after_ad
     ctx = context_for_workload(caller.workload)
     request_id = f"req_{uuid.uuid4().hex}"
     estimate = Estimate(input_tokens=100, output_tokens=50, max_tokens_requested=50, clamped=False)
-    admission = asyncio.run(request_admit_async(ctx, request_id=request_id, model=MODEL, estimate=estimate,
-                                                lease_ms=LEASE_MS))
+    admission = asyncio.run(request_route_admit_async(ctx.route(MODEL), request_id=request_id, model=MODEL,
+                                                      estimate_for=lambda _on_pool: estimate,
+                                                      lease_ms=LEASE_MS)).admission
     record = record_build(ctx, request_id=request_id, model=MODEL, payload={"model": MODEL, "messages": []},
                           estimate=estimate, admission=admission,
                           deadline_ms=admission.admitted_ms + QUEUE_S * 1000,

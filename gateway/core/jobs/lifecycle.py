@@ -42,6 +42,8 @@ PACE = LuaScript(__package__, "pace.lua")
 
 # Reasons a later retry can fix; anything else is final. A pool that does
 # not answer comes back: its jobs wait for it like for budget.
+DELAY_HISTORY_KEPT = 50
+
 DELAYABLE = {"workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
              "pool_saturated", "workload_concurrency", "pool_backoff", "pool_unavailable", "provider_tpm",
              "provider_rpm", "pool_circuit_open"}
@@ -130,8 +132,11 @@ def _delay(job: Job, *, release_ms: float, reason: str, at_submit: bool) -> None
     job.release_at = _ms_to_datetime(release_ms)
     job.reason = reason
     job.delays += 1
+    # The latest DELAY_HISTORY_KEPT waits (``delays`` counts them all): a job
+    # re-delayed every second for days must not grow its row without bound.
     job.delay_history = [*(job.delay_history or []), {
-        "at": timezone.now().isoformat(), "reason": reason, "release_at": job.release_at.isoformat()}]
+        "at": timezone.now().isoformat(), "reason": reason, "release_at": job.release_at.isoformat()}
+    ][-DELAY_HISTORY_KEPT:]
     job.save(update_fields=["status", "release_at", "reason", "delays", "delay_history"])
     parked = Commands().zadd(keys.DELAYED_JOBS, {str(job.id): release_ms})
     pacer_wake_commands(parked)  # it may be due before the pacer's next look

@@ -1,16 +1,18 @@
-"""A request's admission, as the gateway asks for it: its expected spend held
-against its tenant's month-to-date (across every pool of the tenant), its
-lease on the pool's buckets, each config rebuilt once if Redis lost it, and
-Redis being away turned into a clear 503.
+"""A request's admission on one pool, as the gateway asks for it: its
+expected spend held against its tenant's month-to-date (across every pool of
+the tenant), its lease on the pool's buckets, each config rebuilt once if
+Redis lost it. Routing across a workload's pools
+(gateway/core/request/routing.py) runs it on each pool of the route and
+turns Redis being away into a clear 503.
 
 Two atomic steps, because a tenant's spend and a pool's buckets carry
 different Redis Cluster hash tags and no script may touch both
 (budgets/admission/spend_holds.py): admit on the pool, then hold the spend,
 and give the lease back when the spend refuses. Both go in one round trip
 (``RoundTrip``: one script on a single Redis), the hold only if the pool
-admitted. The flow is written once
-(``admission_plan``); the sync caller (jobs: the API and the pacer) and the
-async one (the chat API) run it and differ only in the await."""
+admitted. The flow is written once (``admission_plan``); the routing's sync
+caller (jobs: the API and the pacer) and async one (the /v1 API) run it and
+differ only in the await."""
 
 from __future__ import annotations
 
@@ -25,14 +27,14 @@ from budgets.admission.buckets import Admission, NotConfigured, admit_call, sett
 from budgets.admission.estimation import Estimate
 from budgets.admission.pool_config import pool_config_push
 from budgets.redis.clients import REDIS_UNAVAILABLE
-from budgets.redis.composition import Plan, RoundTrip, Step, answered, plan_run, plan_run_async
+from budgets.redis.composition import Plan, RoundTrip, Step, answered
 from budgets.redis.scripts import ScriptCall, raw_reply
 from budgets.admission.spend_holds import SpendHold, spend_hold_call
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.spend import spend_month, spend_tenant_restore
 from budgets.models import InferencePool
 from gateway.core.request.context import CallerContext
-from gateway.core.errors import budget_unavailable, no_reservation
+from gateway.core.errors import no_reservation
 
 logger = logging.getLogger(__name__)
 
@@ -186,23 +188,3 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
             logger.warning("could not give back the pool lease of %s", request_id, exc_info=True)
         raise
     return replace(admission, spend_month=hold.month)
-
-
-def request_admit(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate, lease_ms: int,
-                  body_digest: str = "") -> Admission:
-    """Admit or raise Rejected (budget refusals, no_reservation, budget_unavailable)."""
-    try:
-        return plan_run(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate, lease_ms=lease_ms,
-                                       body_digest=body_digest))
-    except BudgetUnavailable as exc:
-        raise budget_unavailable() from exc
-
-
-async def request_admit_async(ctx: CallerContext, *, request_id: str, model: str, estimate: Estimate,
-                              lease_ms: int, body_digest: str = "") -> Admission:
-    """``request_admit`` for the async API views."""
-    try:
-        return await plan_run_async(admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
-                                                   lease_ms=lease_ms, body_digest=body_digest))
-    except BudgetUnavailable as exc:
-        raise budget_unavailable() from exc

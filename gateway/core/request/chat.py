@@ -496,9 +496,10 @@ def request_check(ctx: CallerContext, api_request: ApiRequest, *, streaming: boo
     if api_request.model not in ctx.served_models:
         raise Rejected(reason="model_not_found", message=f"The model '{api_request.model}' does not exist on this workload's pool.",
                        status=404, param="model", error_type="invalid_request_error")
-    if api_request.sim is not None and not ctx.sim_controls:
+    if api_request.sim is not None and not all(c.sim_controls for c in ctx.route(api_request.model)):
         # Test switches on a real pool (or with SLUICE_SIM_CONTROLS off) would
-        # let one caller inject failures that cut every tenant's capacity.
+        # let one caller inject failures that cut every tenant's capacity;
+        # every pool the request may be routed to must take them.
         raise bad_request("'sim' (the simulated pool's test switches) is not accepted for this workload's pool.",
                           param="sim", code="sim_controls_disabled")
 

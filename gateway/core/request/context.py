@@ -51,13 +51,16 @@ class CallerContext:
     # The route: every slice on an active pool, by rank.
     slices: tuple[PoolSlice, ...] = ()
     # The slice being admitted on: the primary until routing moves it
-    # (``on_slice``); None without any slice.
+    # (``route``); None without any slice.
     pool: PoolSlice | None = None
     # The API key the request came with (None: a cron firing, a paced job's
     # release); the ledger row records it for the request log and key usage.
     api_key_id: int | None = None
     allowed_models: tuple[str, ...] = ()  # empty: any model its pools serve
     allow_overflow: bool = True
+    # Set by ``route``: the rank of the model's primary slice, against which
+    # the pool above is overflow or not.
+    route_rank: int | None = None
 
     @property
     def pool_id(self) -> int | None:
@@ -112,8 +115,9 @@ class CallerContext:
 
     @property
     def overflow(self) -> bool:
-        """The pool being admitted on is an overflow slice (a rank above the primary)."""
-        return bool(self.pool and self.slices and self.pool.rank > self.slices[0].rank)
+        """The pool being admitted on is an overflow slice of the model's
+        route (a rank above the model's primary)."""
+        return self.pool is not None and self.route_rank is not None and self.pool.rank > self.route_rank
 
     @property
     def limits(self) -> dict[str, int]:
@@ -123,18 +127,19 @@ class CallerContext:
     def route(self, model: str) -> tuple[CallerContext, ...]:
         """The contexts to admit a request for ``model`` on, in route order:
         every slice whose pool serves it, by rank (equal ranks in slice
-        order: gateway/core/request/routing.py orders them by headroom),
-        overflow ranks only where the workload allows them. Empty: no pool
-        of its route serves the model, or the workload may not call it."""
-        if not self.slices or (self.allowed_models and model not in self.allowed_models):
+        order: gateway/core/request/routing.py orders them by headroom). The
+        lowest rank among them is this model's primary; higher ones are its
+        overflow, in the route only where the workload allows overflow.
+        Empty: no pool of its route serves the model, or the workload may
+        not call it."""
+        if self.allowed_models and model not in self.allowed_models:
             return ()
-        primary_rank = self.slices[0].rank
-        return tuple(self.on_slice(s) for s in self.slices
-                     if model in s.served_models and (self.allow_overflow or s.rank == primary_rank))
-
-    def on_slice(self, s: PoolSlice) -> CallerContext:
-        """This context admitted on slice ``s``."""
-        return replace(self, pool=s)
+        serving = [s for s in self.slices if model in s.served_models]
+        if not serving:
+            return ()
+        primary_rank = serving[0].rank
+        return tuple(replace(self, pool=s, route_rank=primary_rank) for s in serving
+                     if self.allow_overflow or s.rank == primary_rank)
 
 
 def _slice(reservation, *, at) -> PoolSlice:

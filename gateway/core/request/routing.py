@@ -59,12 +59,16 @@ class Routed:
 
 
 def route_refused(refusals: list[tuple[CallerContext, Rejected]]) -> Rejected:
-    """Every pool of the route refused: the refusal of the pool that will
-    have room first (the smallest Retry-After; one that never will last),
-    naming every pool's reason."""
-    first_ctx, first = min(refusals, key=lambda r: (r[1].retry_after_ms is None, r[1].retry_after_ms or 0))
+    """Every pool of the route refused: the budget refusal (429) of the
+    pool that will have room first (the smallest Retry-After; one that never
+    will last), or, when none refused for budget (every pool failing or
+    down), the soonest of the others; its x-ratelimit-* numbers are that
+    pool's; every pool's reason is named."""
+    budget = [r for r in refusals if r[1].status == 429] or refusals
+    first_ctx, first = min(budget, key=lambda r: (r[1].retry_after_ms is None, r[1].retry_after_ms or 0))
     reasons = "; ".join(f"{c.pool_slug}: {r.reason}" for c, r in refusals)
     return replace(first, message=f"{first.message} Every pool of this workload's route refused ({reasons}).",
+                   limits=first_ctx.limits,
                    headers={**first.headers, "x-sluice-pool": first_ctx.pool_slug,
                             "x-sluice-route-refusals": reasons})
 
@@ -88,12 +92,15 @@ def routed_admission_plan(route: tuple[CallerContext, ...], *, request_id: str, 
     spend_month = ""
     for position, ctx in enumerate(route):
         last = position == len(route) - 1
-        estimate = estimate_for(ctx)
         try:
+            # Each pool counts with its own tokenizer: a prompt over the cap
+            # there is that pool's refusal, not the route's.
+            estimate = estimate_for(ctx)
             admission = yield from admission_plan(ctx, request_id=request_id, model=model, estimate=estimate,
                                                   lease_ms=lease_ms, body_digest=body_digest)
         except Rejected as rejected:
             rejected.headers = {**rejected.headers, "x-sluice-pool": ctx.pool_slug}
+            rejected.limits = rejected.limits or ctx.limits
             if rejected.reason in WHOLE_WORKLOAD_REASONS or (last and not refusals):
                 yield from _spend_forget(route[0], request_id, spend_month)
                 raise

@@ -29,6 +29,12 @@ def request_take_over(*, record: RequestRecord, claim: Claim, client: SyncRedis 
     """Do what a claim that moved the request away from a lost worker asks."""
     if not claim.changed:
         return  # someone else moved it, and acts on it
+    if record.fallback_pools:
+        # Its worker may have moved it to another pool of its route
+        # (gateway/worker/failover.py): finish it where it is now, with the
+        # record Redis holds, not the one admission built.
+        stored = (client or get_redis()).hgetall(keys.request_record(record.request_id))
+        record = RequestRecord.from_redis(stored) if stored else record
     if claim.verdict == REQUEUE:
         logger.warning("request %s: its worker was lost; delivery %s goes back on lane %s", record.request_id,
                        claim.generation, record.lane)
