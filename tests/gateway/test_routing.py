@@ -258,3 +258,44 @@ def test_an_overflow_spend_cap_stops_spill_over_but_not_the_primary(platform, ma
     assert refused.response.headers["x-sluice-route-refusals"] == (
         f"{primary_pool.slug}: workload_tpm; {overflow_pool.slug}: overflow_spend_budget")
     assert refused.code == "workload_tpm"  # the primary has room first, not next month
+
+
+def test_overflow_is_measured_against_each_models_own_route(platform, make_caller):
+    # given chat on a rank-0 pool and embeddings only on a rank-1 pool
+    chat_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1", served_models=["sim-small"])
+    embed_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1", served_models=["sim-large"])
+    caller = make_caller(pool=chat_pool)
+    add_slice(caller.workload, embed_pool, rank=1)
+    caller.workload.allow_overflow = False
+    caller.workload.save()
+    ctx = context_for_workload(caller.workload)
+    # then the rank-1 pool is sim-large's primary, not overflow, and forbidding overflow keeps it
+    assert [(c.pool_id, c.overflow) for c in ctx.route("sim-large")] == [(embed_pool.id, False)]
+    assert [(c.pool_id, c.overflow) for c in ctx.route("sim-small")] == [(chat_pool.id, False)]
+    assert set(ctx.served_models) == {"sim-small", "sim-large"}
+
+
+def test_a_held_primarys_spend_hold_meets_the_overflow_cap_and_the_refusal_is_a_429(platform, make_caller,
+                                                                                   redis_client, breaker):
+    # given a primary whose circuit is open, an overflow the workload may spend nothing on, and prices
+    primary_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    overflow_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=primary_pool)
+    add_slice(caller.workload, overflow_pool, rank=1)
+    price("sim-small", None, "1", "1")
+    price("sim-small", overflow_pool, "1000", "1000")
+    caller.workload.overflow_monthly_cap = Decimal("0.00")
+    caller.workload.save()
+    for n in range(3):
+        circuit_record(pool_id=primary_pool.id, holder=f"failed-{n}", ok=False, detail="HTTP 503")
+    # when a request comes: the primary holds it (skipped), the overflow's cap refuses it
+    with pytest.raises(openai.RateLimitError) as refused:
+        sdk(platform, caller.api_key).chat.completions.create(model="sim-small", messages=HELLO, max_tokens=5)
+    # then the caller hears the overflow's 429, not the failing primary's 503, with both reasons
+    assert refused.value.code == "overflow_spend_budget"
+    assert refused.value.response.headers["x-sluice-route-refusals"] == (
+        f"{primary_pool.slug}: pool_circuit_open; {overflow_pool.slug}: overflow_spend_budget")
+    # and nothing stays held: no lease on either pool, no spend hold, nothing spent this month
+    assert redis_client.zcard(budget_keys.pool_leases(primary_pool.id)) == 0
+    assert redis_client.zcard(budget_keys.pool_leases(overflow_pool.id)) == 0
+    assert redis_client.hlen(budget_keys.tenant_spend_holds(caller.tenant.id)) == 0
