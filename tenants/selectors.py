@@ -26,6 +26,19 @@ def api_key_hashes_revoked_since(*, since: datetime) -> list[str]:
     return list(ApiKey.objects.filter(revoked_at__gte=since).values_list("key_hash", flat=True))
 
 
+def api_keys_issued_after(*, key_id: int) -> list[tuple[int, str]]:
+    """(id, digest) of the keys issued after ``key_id`` and not revoked (a
+    range on the primary key; every key when 0): what each web process
+    knows Sluice has issued."""
+    return list(ApiKey.objects.filter(pk__gt=key_id, revoked_at__isnull=True).order_by("pk")
+                .values_list("pk", "key_hash"))
+
+
+def api_key_changes(*, revoked_since: datetime, issued_after_id: int) -> tuple[list[str], list[tuple[int, str]]]:
+    """One poll of a web process: keys revoked since, keys issued after."""
+    return (api_key_hashes_revoked_since(since=revoked_since), api_keys_issued_after(key_id=issued_after_id))
+
+
 def tenant_slugs_by_id(*, tenant_ids: set[int]) -> dict[int, str]:
     """Slugs for pages that list rows of several tenants (admins, finance)."""
     return dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("id", "slug")) if tenant_ids else {}

@@ -30,7 +30,9 @@ in a window the address's failures are answered 429 instead of 401. A key is
 always looked at first, so a flood of bad keys from an address shared by
 many callers (a NAT, a load balancer) never locks out the valid keys behind
 it; a bad key this process already knows, or one without Sluice's prefix,
-costs no lookup.
+costs no lookup, and past its throttle an address is looked up only for
+keys Sluice issued (``_Issued``, kept with the revocation poll), so a flood
+of made-up keys cannot turn into a flood of database lookups.
 
 A cache miss is single-flight per key and process: when the cached context
 of a busy key expires, the first caller looks it up and every caller of the
@@ -58,7 +60,7 @@ from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.protection.throttle import api_key_address_budget
 from tenants.keys import KEY_PREFIX
-from tenants.selectors import api_key_hashes_revoked_since, api_key_lookup
+from tenants.selectors import api_key_changes, api_key_lookup
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +134,39 @@ class _Tick:
 _tick = _Tick()
 
 
+class _Issued:
+    """The digests of every key Sluice has issued and not revoked, as this
+    process knows them (loaded at its first poll, then the keys issued since
+    at each poll, revocations dropped): an address over its throttle gets a
+    lookup only for a key Sluice issued, so a flood of made-up keys costs no
+    database lookup at all once its address is throttled, and a valid key
+    from the same address still gets in. None until the first poll
+    succeeds (then every key is looked up, as before)."""
+
+    def __init__(self) -> None:
+        self.digests: set[str] | None = None
+        self.last_id = 0
+
+
+_issued = _Issued()
+# Addresses past their unknown-key throttle (until its retry), as this
+# process last heard from it.
+_throttled = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)
+
+
 def _revocations_apply(hashes: list[str]) -> None:
     for digest in hashes:
         _valid.pop(digest, None)
+        if _issued.digests is not None:
+            _issued.digests.discard(digest)
+
+
+def _issued_apply(issued: list[tuple[int, str]]) -> None:
+    if _issued.digests is None:
+        _issued.digests = set()
+    for key_id, digest in issued:
+        _issued.digests.add(digest)
+        _issued.last_id = max(_issued.last_id, key_id)
 
 
 async def _tick_run(now: float) -> None:
@@ -146,11 +178,12 @@ async def _tick_run(now: float) -> None:
     _tick.next_poll = now + settings.SLUICE_AUTH_REVOCATION_POLL_S
     started = timezone.now()
     try:
-        hashes = await sync_to_async(api_key_hashes_revoked_since, thread_sensitive=False)(
-            since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S))
+        hashes, issued = await sync_to_async(api_key_changes, thread_sensitive=False)(
+            revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S), issued_after_id=_issued.last_id)
     except DatabaseError:
         logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
     else:
+        _issued_apply(issued)
         _revocations_apply(hashes)
         _tick.since = started
 
@@ -258,6 +291,10 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
     # process already found bad costs no lookup.
     if not raw_key.startswith(KEY_PREFIX) or _kept(_unknown, digest):
         return await _failure_count(address), None
+    if _kept(_throttled, address) and _issued.digests is not None and digest not in _issued.digests:
+        # Past its throttle, an address is looked up for keys Sluice issued
+        # only (a key issued since the last poll waits for the next one).
+        return await _failure_count(address), None
     loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
@@ -273,7 +310,10 @@ async def _failure_count(address: str) -> KeyCheck:
     """An unknown or revoked key, counted against its address. Redis away
     raises BudgetUnavailable (a 503): never an unthrottled refusal."""
     taken = await api_key_address_budget().take_call(address).run_async()
-    return KeyCheck(None) if taken.allowed else KeyCheck(None, retry_after_ms=taken.retry_after_ms)
+    if taken.allowed:
+        return KeyCheck(None)
+    _keep(_throttled, address, True, taken.retry_after_ms / 1000)
+    return KeyCheck(None, retry_after_ms=taken.retry_after_ms)
 
 
 def bearer_key(authorization: str | None) -> str | None:

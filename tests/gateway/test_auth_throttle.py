@@ -292,3 +292,30 @@ def test_the_sign_in_throttle_ignores_x_forwarded_for_from_an_untrusted_peer(pla
                         for n in range(1, 5)]
     # then all count against this peer's own address: the fourth is refused
     assert statuses == [400, 400, 400, 429]
+
+
+def test_past_its_throttle_an_address_costs_no_lookup_for_keys_sluice_never_issued(settings, make_caller,
+                                                                                    small_caches, monkeypatch):
+    # given a valid key, known to this process's poll of issued keys, and an address at its limit
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
+    caller = make_caller()
+    monkeypatch.setattr(auth, "_issued", auth._Issued())
+    monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
+    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
+    check(caller.api_key, address="198.51.100.9")  # the first poll loads the issued keys
+    monkeypatch.setattr(auth._tick, "next_poll", float("inf"))
+    assert auth._issued.digests is not None and auth._issued.last_id >= 1
+    lookups = _counted_lookups(monkeypatch)
+    for n in range(4):
+        check(f"sk-sluice-made-up-{n}", address="203.0.113.5")
+    # each looked up until the address is refused once (the fourth: 429)
+    assert len(lookups) == 4
+    before = len(lookups)
+    # when the flood goes on past the limit
+    answers = [check(f"sk-sluice-made-up-more-{n}", address="203.0.113.5") for n in range(20)]
+    # then none of it reaches the database, and each is a 429
+    assert len(lookups) == before
+    assert all(a.context is None and a.retry_after_ms for a in answers)
+    # and the valid key from the same address is looked up and gets in
+    valid = check(caller.api_key, address="203.0.113.5")
+    assert valid.context is not None and valid.context.workload_id == caller.workload.id
