@@ -48,7 +48,7 @@ from gateway.core.request.settlement import SETTLED, request_settle, settlement_
 from gateway.core.request.takeover import request_take_over
 from gateway.worker.failover import request_fail_over
 from gateway.worker.heartbeat import HEARTBEATS
-from gateway.worker.lane_slot import GateAsked, call_gate_steps, lane_signal_steps, lane_slot
+from gateway.worker.lane_slot import CircuitOpen, GateAsked, call_gate_steps, lane_signal_steps, lane_slot
 from gateway.worker.pool_client import pool_call_inline, pool_client, pool_post, pool_requests_sent
 from gateway.worker.pool_errors import pool_error_message
 from gateway.worker.retry import RETRYABLE_STATUSES, RetryPolicy, retry_budget_earn_call, retry_budget_spend
@@ -182,8 +182,9 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
               asked: GateAsked | None = None) -> tuple[Outcome, RequestRecord]:
     """Call the pool, retrying only as the policy and the budgets allow, and
     feed every answer to the pool's adaptive capacity. A call that failed
-    before its first token moves once to the next pool of its route, within
-    the retry budget (gateway/worker/failover.py): returns the outcome and
+    before its first token, or found its pool's circuit open, moves once to
+    the next pool of its route, within the retry budget
+    (gateway/worker/failover.py): returns the outcome and
     the record as it ends (naming the pool that served). ``deferred``: a list
     the caller runs after (``_answer_keep_settled``'s ``signals``, one round trip
     fewer): an attempt that is surely the last (its answer is not retried, or
@@ -196,9 +197,22 @@ def pool_call(record: RequestRecord, *, policy: RetryPolicy | None = None, rng: 
     attempts = 0
     upstream_ms = 0
     throttled = 0
+    stay = False  # no other pool admitted it: wait for this one's circuit
     while True:
-        with lane_slot(record, taken=taken, asked=asked) as slot:
-            outcome, retryable = _single_call(record, mark=slot.mark)
+        try:
+            # A pool whose circuit opened after admission is left for the
+            # next of the route, not waited for (gateway/worker/failover.py).
+            with lane_slot(record, taken=taken, asked=asked,
+                           move_if_open=not stay and bool(record.fallback_pools) and not record.failed_over) as slot:
+                outcome, retryable = _single_call(record, mark=slot.mark)
+        except CircuitOpen:
+            taken = asked = None
+            moved = _fail_over(record, policy=policy)
+            if moved is not None:
+                record = moved
+            else:
+                stay = True
+            continue
         taken = asked = None  # a retry takes its own
         # What the answer tells the circuit, the lane limits and the pool's
         # capacity (and, on the first attempt, the pool's retry budget): one

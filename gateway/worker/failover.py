@@ -1,7 +1,7 @@
 """Fail-over: a call that failed before its first output token (the pool
-refused the connection, answered 5xx or its provider's 429) moves once to
-the next pool of its route that admits it (docs/architecture.md, "Routing
-across pools").
+refused the connection, answered 5xx or its provider's 429), or that finds
+its pool's circuit opened since its admission, moves once to the next pool
+of its route that admits it (docs/architecture.md, "Routing across pools").
 
 Moving is an admission on the next pool (budgets/admission/admit.lua, its
 own atomic step under that pool's hash tag, with the request's id), then the

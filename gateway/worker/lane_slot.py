@@ -63,6 +63,11 @@ def slot_wait(*, pool_id: int, lane: str, holder: str, deadline_ms: float,
         delay = min(POLL_MAX_S, delay * 2)
 
 
+class CircuitOpen(Exception):
+    """The pool's circuit said wait, and the request has another pool of
+    its route to move to (gateway/worker/failover.py) instead of waiting."""
+
+
 @dataclass
 class SlotHold:
     """One pool call's slot: whether it got one, and how many of the lane's
@@ -101,18 +106,19 @@ def _take_call(*, pool_id: int, tokens: int, lane: str, borrowed: bool) -> Scrip
 
 
 @contextmanager
-def lane_slot(record: RequestRecord, *, taken: SentMark | None = None,
-              asked: GateAsked | None = None) -> Iterator[SlotHold]:
+def lane_slot(record: RequestRecord, *, taken: SentMark | None = None, asked: GateAsked | None = None,
+              move_if_open: bool = False) -> Iterator[SlotHold]:
     """Hold one of the record's lane slots on its pool during a pool call
     (nothing for lanes that are not limited). ``taken``: the mark of the
     provider's room already taken for this call (a held request's release);
-    ``asked``: its gate and take already asked (a lane that is not limited)."""
+    ``asked``: its gate and take already asked (a lane that is not limited);
+    ``move_if_open``: raise CircuitOpen instead of waiting for the circuit."""
     hold = SlotHold()
     if lane_limited(record.lane):
         hold.held = slot_wait(pool_id=record.pool_id, lane=record.lane, holder=record.request_id,
                               deadline_ms=record.deadline_ms)
     try:
-        hold.mark = call_gate_wait(record, taken=taken, asked=asked)
+        hold.mark = call_gate_wait(record, taken=taken, asked=asked, move_if_open=move_if_open)
         yield hold
     finally:
         if hold.held:
@@ -125,7 +131,7 @@ SHEDDABLE_LANES = (BATCH.name, SCHEDULED.name)
 
 
 def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
-                   asked: GateAsked | None = None) -> SentMark | None:
+                   asked: GateAsked | None = None, move_if_open: bool = False) -> SentMark | None:
     """The circuit's gate and the provider's room, asked in one round trip
     (the room taken only if the gate said go); whichever says wait is then
     waited for as ``circuit_wait`` and ``provider_room_wait`` wait. Returns
@@ -137,6 +143,8 @@ def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
     if taken is not None:
         if circuit_gate(pool_id=record.pool_id, holder=record.request_id).go:
             return taken
+        if move_if_open:
+            raise CircuitOpen(record.request_id)
         circuit_wait(record)
         return provider_room_wait(record)
     if asked is None:
@@ -145,6 +153,8 @@ def call_gate_wait(record: RequestRecord, *, taken: SentMark | None = None,
             lane=record.lane, borrowed=record.borrowed, holder=record.request_id)).run()
         asked = GateAsked(verdict=answers["gate"], take=answers["take"])
     if not asked.verdict.go:
+        if move_if_open:
+            raise CircuitOpen(record.request_id)
         circuit_wait(record)
         return provider_room_wait(record)
     return provider_room_wait(record, first=asked.take)

@@ -299,3 +299,41 @@ def test_a_held_primarys_spend_hold_meets_the_overflow_cap_and_the_refusal_is_a_
     assert redis_client.zcard(budget_keys.pool_leases(primary_pool.id)) == 0
     assert redis_client.zcard(budget_keys.pool_leases(overflow_pool.id)) == 0
     assert redis_client.hlen(budget_keys.tenant_spend_holds(caller.tenant.id)) == 0
+
+
+def test_a_request_whose_pool_opens_its_circuit_while_it_waits_moves_instead_of_waiting(platform, make_caller,
+                                                                                       redis_client, breaker):
+    from budgets.admission.estimation import Estimate
+    from gateway.core.request.admission import lease_ttl_ms
+    from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
+    from gateway.core.request.records import Outcome
+    from gateway.core.request.routing import request_route_admit
+
+    # given a request admitted on its primary while the circuit was closed, with a replica behind it
+    primary_pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    replica = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=primary_pool)
+    add_slice(caller.workload, replica, rank=1)
+    ctx = context_for_workload(caller.workload)
+    estimate = Estimate(input_tokens=10, output_tokens=5, max_tokens_requested=5, clamped=False)
+    request_id, lease_ms = new_request_id(), lease_ttl_ms(queue_s=ctx.queue_timeout_s)
+    routed = request_route_admit(ctx.route("sim-small"), request_id=request_id, model="sim-small",
+                                 estimate_for=lambda _on_pool: estimate, lease_ms=lease_ms)
+    assert routed.ctx.pool_id == primary_pool.id and routed.fallback_pool_ids == (replica.id,)
+    record = record_build(routed.ctx, request_id=request_id, model="sim-small",
+                          payload={"model": "sim-small", "messages": HELLO, "max_tokens": 5}, estimate=estimate,
+                          admission=routed.admission, deadline_ms=routed.admission.admitted_ms + 600_000,
+                          retry_deadline_ms=routed.admission.admitted_ms + 600_000,
+                          fallback_pool_ids=routed.fallback_pool_ids)
+    # when the primary's circuit opens (for ten minutes) before a worker takes it
+    for n in range(3):
+        circuit_record(pool_id=primary_pool.id, holder=f"failed-{n}", ok=False, detail="HTTP 503")
+    record_enqueue(record, lease_ms=lease_ms)
+    popped = redis_client.blpop([gateway_keys.request_result(request_id)], timeout=20)
+    # then it is answered by the replica at once, without a call to the primary
+    assert popped is not None
+    outcome = Outcome.from_json(popped[1])
+    assert (outcome.status, outcome.pool) == ("ok", replica.slug)
+    row = ledger_row(request_id)
+    assert (row.pool_id, row.failed_over, row.attempts) == (replica.id, True, 1)
+    assert redis_client.zcard(budget_keys.pool_leases(primary_pool.id)) == 0
