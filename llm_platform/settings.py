@@ -384,9 +384,12 @@ SLUICE_LANE_LIMIT_MEMORY_MS = env_int("SLUICE_LANE_LIMIT_MEMORY_MS", 60_000)
 SLUICE_CIRCUIT_FAILURES = env_int("SLUICE_CIRCUIT_FAILURES", 5)
 # Seconds the circuit stays open before one trial call (half-open) may go.
 SLUICE_CIRCUIT_OPEN_S = env_float("SLUICE_CIRCUIT_OPEN_S", 1.0)
-# Each failed trial doubles that, up to this: a long outage costs a trial call
-# every few seconds, not every second, and recovery is still seen within it.
-SLUICE_CIRCUIT_OPEN_MAX_S = env_float("SLUICE_CIRCUIT_OPEN_MAX_S", 4.0)
+# Each failed trial doubles that, up to this (at most: SLUICE_CIRCUIT_OPEN_S,
+# no doubling). Above it, a long outage costs a trial call every few seconds
+# instead of every second, but a recovery is seen that much later, and work
+# held through the outage (gateway/core/protection/held.py) gets its trials
+# that much less often: more of it reaches its queue timeout.
+SLUICE_CIRCUIT_OPEN_MAX_S = env_float("SLUICE_CIRCUIT_OPEN_MAX_S", 1.0)
 # Work held through an outage (gateway/core/protection/held.py): the seconds over which
 # the rate of fresh arrivals is averaged, and how many seconds of the
 # provider's spare rate held work may take at once when it is released.

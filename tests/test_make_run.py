@@ -214,7 +214,7 @@ def test_ctrl_c_with_calls_in_flight_loses_no_ledger_row_and_the_next_run_finish
         thread.join(timeout=30)
     stops = [line.split(" in ")[0] for line in run.output().splitlines() if line.startswith("[sluice] stopped ")]
     assert stops == ["[sluice] stopped web", "[sluice] stopped " + ", ".join(f"worker-{lane}" for lane in LANE_NAMES),
-                     "[sluice] stopped beat", "[sluice] stopped pacer", "[sluice] stopped sim",
+                     "[sluice] stopped beat", "[sluice] stopped pacer", "[sluice] stopped sim, sim-overflow",
                      "[sluice] stopped redis"]
     assert [r.status_code for r in answers[16]] == [200] * 4
     assert not any(isinstance(r, httpx.Response) and r.status_code == 200 for r in answers[18])

@@ -10,9 +10,9 @@
 --         pool); the trial's success closes the circuit at once, so the
 --         whole backlog goes as soon as the provider accepts again (no
 --         additive climb from a floor); its failure opens it again, for
---         twice as long as the last time (ARGV[7] at most): through a long
---         outage the trials, each a failed call, thin out instead of
---         costing one per open period; the first close resets it.
+--         twice as long as the last time, ARGV[7] at most (ARGV[7] no more
+--         than ARGV[5]: always the same): through a long outage the trials,
+--         each a failed call, may thin out; the first close resets it.
 --
 -- KEYS: 1 circuit hash (state, failures, open_until_ms, trial_until_ms,
 --       trial_holder, opened, last_change_ms, why), 2 the pool's capacity
