@@ -92,14 +92,16 @@ SEED_SQL = """
 INSERT INTO budgets_usagerecord (
     request_id, created_at, tenant_id, workload_id, pool_id, model, lane, status, borrowed,
     estimated_input_tokens, estimated_output_tokens, actual_input_tokens, actual_output_tokens, cost,
-    queue_wait_ms, upstream_ms, total_ms, attempts, error, api_key_id, usage_source)
+    queue_wait_ms, upstream_ms, total_ms, attempts, error, api_key_id, usage_source, overflow, failed_over,
+    completion_id, endpoint)
 SELECT 'req_bench_' || g,
        %(end)s::timestamptz - (g::bigint * %(step_us)s::bigint) * interval '1 microsecond',
        t.tenant_id, t.workload_id, %(pool)s, 'sim-small',
        (ARRAY['interactive', 'interactive', 'interactive', 'batch', 'interactive-long'])[1 + g %% 5],
        CASE WHEN g %% 100 = 7 THEN 'upstream_error' WHEN g %% 100 = 13 THEN 'queue_timeout' ELSE 'ok' END,
        g %% 17 = 0, 200 + g %% 800, 64, 200 + g %% 800, g %% 64, (200 + g %% 800) * 0.00000015,
-       g %% 50, 100 + g %% 900, 150 + g %% 950, 1, '', t.key_id, 'pool'
+       g %% 50, 100 + g %% 900, 150 + g %% 950, 1, '', t.key_id, 'pool', false, false, '',
+       '/v1/chat/completions'
 FROM generate_series(1, %(rows)s) AS g
 JOIN bench_slots t ON t.slot = g %% %(slots)s
 """
