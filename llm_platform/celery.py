@@ -46,8 +46,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     # Celery's Django fixup closes the task thread's database connection
     # before and after every task unless this is set: a new PostgreSQL
-    # connection per request (psycopg's connect was among the lane worker's
-    # top entries in a profile). Kept instead, like any Django
+    # connection (a connect and its authentication) per request. Kept instead, like any Django
     # connection (CONN_MAX_AGE); execute_request replaces a broken one
     # (close_old_connections) and retries on DATABASE_AWAY.
     CELERY_DB_REUSE_MAX=1_000,
