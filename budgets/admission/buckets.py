@@ -160,6 +160,13 @@ def settle_call(*, pool_id: int, workload_id: int, request_id: str, actual_input
     )
 
 
+def lease_give_back_call(*, pool_id: int, workload_id: int, request_id: str) -> ScriptCall[Settlement]:
+    """Give an admission's lease back whole: the pool was never called with
+    it (its spend refused, or routing moved the request to another pool)."""
+    return settle_call(pool_id=pool_id, workload_id=workload_id, request_id=request_id, actual_input_tokens=0,
+                       actual_output_tokens=0, pool_called=False)
+
+
 def admit(**kwargs) -> Admission:
     """``admit_call(...).run()``: for synchronous callers and tests."""
     return admit_call(**kwargs).run()

@@ -30,16 +30,15 @@ from dataclasses import replace
 
 from django.db import DatabaseError
 
-from budgets.admission.buckets import NotConfigured, admit_call, settle_call
+from budgets.admission.buckets import NotConfigured, admit_call, lease_give_back_call, settle_call
 from budgets.admission.estimation import Estimate
-from budgets.admission.pool_config import pool_config_push
 from budgets.admission.spend_holds import spend_hold_call
 from budgets.errors import Rejected
 from budgets.models import InferencePool
 from budgets.redis.clients import get_redis, redis_now_ms
 from gateway.core import keys
 from gateway.core.metrics import arrival_commands
-from gateway.core.request.admission import lease_ttl_ms, spend_hold_for
+from gateway.core.request.admission import lease_ttl_ms, pool_config_rebuild, spend_hold_for
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.request.records import RequestRecord
 from tenants.models import Workload
@@ -58,8 +57,7 @@ def _route_of(record: RequestRecord) -> dict[int, CallerContext]:
 
 
 def _give_back(record: RequestRecord, pool_id: int) -> None:
-    settle_call(pool_id=pool_id, workload_id=record.workload_id, request_id=record.request_id,
-                actual_input_tokens=0, actual_output_tokens=0, pool_called=False).run()
+    lease_give_back_call(pool_id=pool_id, workload_id=record.workload_id, request_id=record.request_id).run()
 
 
 def _admitted_on(record: RequestRecord, target: CallerContext) -> bool | None:
@@ -75,12 +73,9 @@ def _admitted_on(record: RequestRecord, target: CallerContext) -> bool | None:
         try:
             admission = call.run()
         except NotConfigured:
-            pool = InferencePool.objects.filter(pk=target.pool_id).first()
-            if pool is None:
-                return None
-            pool_config_push(pool=pool)  # Redis lost the pool's config: rebuilt once
+            pool_config_rebuild(target.pool_id)  # Redis lost the pool's config: rebuilt once
             admission = call.run()
-    except (Rejected, NotConfigured) as refused:
+    except (Rejected, NotConfigured, InferencePool.DoesNotExist) as refused:
         logger.info("request %s: %s did not admit its fail-over (%s)", record.request_id, target.pool_slug,
                     getattr(refused, "reason", refused))
         return None

@@ -23,7 +23,7 @@ from functools import partial
 
 from django.conf import settings
 
-from budgets.admission.buckets import Admission, NotConfigured, admit_call, settle_call
+from budgets.admission.buckets import Admission, NotConfigured, admit_call, lease_give_back_call
 from budgets.admission.estimation import Estimate
 from budgets.admission.pool_config import pool_config_push
 from budgets.redis.clients import REDIS_UNAVAILABLE
@@ -182,8 +182,7 @@ def admission_plan(ctx: CallerContext, *, request_id: str, model: str, estimate:
         # exist, so neither does its lease. If Redis is away this fails too,
         # and the lease expires by itself.
         try:
-            yield settle_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                              actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+            yield lease_give_back_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id)
         except Exception:  # noqa: BLE001 - the refusal is what the caller must hear
             logger.warning("could not give back the pool lease of %s", request_id, exc_info=True)
         raise

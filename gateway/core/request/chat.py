@@ -522,14 +522,19 @@ def chat_estimate(ctx: CallerContext, chat: ChatRequest) -> Estimate:
 
 
 def pool_payload(chat: ChatRequest, estimate: Estimate) -> dict[str, Any]:
-    """What the pool receives: the caller's body with the applied max_tokens
-    (and the test switches, which request_check allowed for this pool). A
-    stream always asks the pool for its usage: settlement needs it, whether
-    or not the caller wants the usage chunk (gateway/core/request/streams.py)."""
+    """What the pool receives: the caller's body with the applied max_tokens."""
     payload = {"model": chat.model, "messages": chat.messages, "max_tokens": estimate.output_tokens, **chat.passthrough}
-    if chat.stream:
+    return pool_payload_finish(payload, stream=chat.stream, sim=chat.sim)
+
+
+def pool_payload_finish(payload: dict[str, Any], *, stream: bool, sim: dict[str, Any] | None) -> dict[str, Any]:
+    """Every endpoint's pool body, finished: a stream always asks the pool
+    for its usage (settlement needs it, whether or not the caller wants the
+    usage chunk: gateway/core/request/streams.py), and the test switches go
+    along where request_check allowed them."""
+    if stream:
         payload["stream"] = True
         payload["stream_options"] = {"include_usage": True}
-    if chat.sim is not None:
-        payload["sim"] = chat.sim
+    if sim is not None:
+        payload["sim"] = sim
     return payload

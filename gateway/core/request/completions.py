@@ -17,7 +17,7 @@ from typing import Any
 from budgets.admission.estimation import Estimate, input_tokens_each, max_tokens_applied
 from gateway.core.errors import bad_request
 from gateway.core.request.chat import (ABSURD_MAX_TOKENS, PASSTHROUGH, boolean_check, integer_check, is_int,
-                                       object_check, sim_check)
+                                       object_check, pool_payload_finish, sim_check)
 from gateway.core.request.context import CallerContext
 from gateway.core.request.endpoints import COMPLETIONS, EMBEDDINGS
 
@@ -122,13 +122,7 @@ class CompletionRequest:
     def pool_payload(self, estimate: Estimate) -> dict[str, Any]:
         payload = {"model": self.model, "prompt": self.prompt, "max_tokens": estimate.output_tokens // len(self.prompts),
                    **self.passthrough}
-        if self.stream:
-            # Settlement needs the usage, whatever the caller asked (as chat's).
-            payload["stream"] = True
-            payload["stream_options"] = {"include_usage": True}
-        if self.sim is not None:
-            payload["sim"] = self.sim
-        return payload
+        return pool_payload_finish(payload, stream=self.stream, sim=self.sim)
 
 
 def validate_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -193,10 +187,8 @@ class EmbeddingRequest:
         return Estimate(input_tokens=sum(counts), output_tokens=0, max_tokens_requested=None, clamped=False)
 
     def pool_payload(self, estimate: Estimate) -> dict[str, Any]:
-        payload = {"model": self.model, "input": self.input, **self.passthrough}
-        if self.sim is not None:
-            payload["sim"] = self.sim
-        return payload
+        return pool_payload_finish({"model": self.model, "input": self.input, **self.passthrough}, stream=False,
+                                   sim=self.sim)
 
 
 def validate_embedding_request(body: dict[str, Any]) -> EmbeddingRequest:

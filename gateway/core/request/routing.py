@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from budgets.admission.buckets import Admission, settle_call
+from budgets.admission.buckets import Admission, lease_give_back_call
 from budgets.admission.estimation import Estimate
 from budgets.admission.headroom import headroom_call
 from budgets.admission.spend_holds import spend_settle_call
@@ -76,8 +76,7 @@ def route_refused(refusals: list[tuple[CallerContext, Rejected]]) -> Rejected:
 def _held_skip(ctx: CallerContext, request_id: str) -> Plan[None]:
     """Give back the lease a held admission took on a pool whose circuit is
     not closed (the spend hold stays for the next pool of the route)."""
-    yield settle_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id,
-                      actual_input_tokens=0, actual_output_tokens=0, pool_called=False)
+    yield lease_give_back_call(pool_id=ctx.pool_id, workload_id=ctx.workload_id, request_id=request_id)
 
 
 def routed_admission_plan(route: tuple[CallerContext, ...], *, request_id: str, model: str,
