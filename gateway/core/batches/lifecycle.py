@@ -487,13 +487,15 @@ def batch_view(batch: Batch, counts: dict[str, int] | None = None) -> dict:
 
 
 def batch_usage(batch_id: str) -> dict:
-    """Tokens the ledger holds for the batch's lines (what it is billed for)."""
+    """Tokens the ledger holds for the batch's lines (what it is billed for),
+    in OpenAI's batch ``usage`` shape, and their cost."""
     totals = UsageRecord.objects.filter(request_id__in=Job.objects.filter(batch_id=batch_id).exclude(request_id="")
                                         .values("request_id")).aggregate(
         input_tokens=Sum("actual_input_tokens"), output_tokens=Sum("actual_output_tokens"), cost=Sum("cost"))
     input_tokens, output_tokens = totals["input_tokens"] or 0, totals["output_tokens"] or 0
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens,
-            "cost": str(totals["cost"] or 0)}
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens, "cost": str(totals["cost"] or 0)}
 
 
 def batch_of_workload(*, batch_id: str, workload_id: int) -> Batch | None:
