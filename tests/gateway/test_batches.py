@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import json
 import time
 from datetime import timedelta
@@ -310,3 +311,49 @@ def test_the_plan_says_at_creation_when_the_budget_cannot_finish_within_the_wind
     assert plan["fits_window"] == "no" and plan["basis"] == "file size"
     assert "Cannot finish within the completion window" in plan["note"]
     client.batches.cancel(batch.id)
+
+
+def test_a_batch_survives_its_pacer_and_its_worker_being_killed_and_runs_no_line_twice(
+        platform, batcher, redis_client, tmp_path):
+    from llm_platform import processes
+    from tests.platform_harness import Process
+
+    client = sdk(platform, batcher.api_key)
+    count = 200
+    batch = submit(client, jsonl([slow_line(f"r-{i:03d}") for i in range(count)]))
+    batch_wait(client, batch.id, until=("in_progress",))
+
+    def completed() -> int:
+        return client.batches.retrieve(batch.id).request_counts.completed
+
+    deadline = time.monotonic() + 60
+    while completed() < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # when the pacer dies without a chance to clean up, and comes back
+    platform.pacer.kill()
+    time.sleep(1.0)
+    platform.start_pacer()
+    # and the batch lane's worker dies mid-call, replaced by one whose broker
+    # hands unacknowledged messages back after 6 s
+    env = {**platform.env, "SLUICE_VISIBILITY_TIMEOUT_S": "6", "SLUICE_TASK_TIME_LIMIT_S": "5",
+           "SLUICE_UNACKED_RESTORE_INTERVAL_S": "1"}
+    platform.workers["batch"].kill()
+    platform.workers.pop("batch")
+    redis_client.hdel("sluice:workers:ready", f"batch@{socket.gethostname()}")
+    replacement = Process("batch-replacement", processes.worker_command(lane="batch", concurrency=8), env,
+                          tmp_path).start()
+    try:
+        done = batch_wait(client, batch.id, timeout_s=240)
+    finally:
+        replacement.stop()
+        platform.start_worker("batch")
+        platform.wait_workers_ready(["batch"])
+    # then every line ran and was billed once
+    assert done.status == "completed", done.request_counts
+    output = lines_of(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == [f"r-{i:03d}" for i in range(count)]
+    rows = UsageRecord.objects.filter(workload=batcher.workload, status="ok")
+    assert rows.count() == count
+    assert sorted(r.request_id for r in rows) == sorted(line["response"]["request_id"] for line in output)
+    assert done.usage.total_tokens == sum(line["response"]["body"]["usage"]["total_tokens"] for line in output)
