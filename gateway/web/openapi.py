@@ -18,7 +18,7 @@ ERROR_CODES = {
     400: ["invalid_request", "unknown_parameter", "invalid_string", "context_length_exceeded",
           "sim_controls_disabled", "invalid_callback_url", "invalid_idempotency_key", "invalid_status",
           "invalid_limit", "invalid_cursor", "invalid_purpose", "missing_required_parameter", "empty_file",
-          "invalid_endpoint", "invalid_completion_window", "invalid_metadata", "invalid_input_file"],
+          "invalid_endpoint", "invalid_completion_window", "invalid_metadata", "invalid_input_file", "invalid_upload"],
     401: ["missing_api_key", "invalid_api_key"],
     403: ["no_reservation"],
     404: ["job_not_found", "model_not_found", "file_not_found", "batch_not_found"],

@@ -219,6 +219,12 @@ def test_uploads_are_checked(platform, batcher):
     headers = {"Authorization": f"Bearer {batcher.api_key}"}
     missing = httpx.post(f"{platform.base_url}/v1/files", data={"purpose": "batch"}, headers=headers, timeout=30)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
+    broken = httpx.post(f"{platform.base_url}/v1/files", content=b"--x\r\nContent-Disposition: form-data; na",
+                        headers={**headers, "Content-Type": "multipart/form-data; boundary=x"}, timeout=30)
+    assert broken.status_code == 400 and broken.json()["error"]["param"] in ("file", "purpose")
+    no_boundary = httpx.post(f"{platform.base_url}/v1/files", content=b"abc", timeout=30,
+                             headers={**headers, "Content-Type": "multipart/form-data"})
+    assert no_boundary.status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
 

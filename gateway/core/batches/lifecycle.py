@@ -379,9 +379,11 @@ def _output_line(job: Job) -> bytes:
     answer (or the refusal a direct call would get) as ``response``; a line
     that never ran as ``error``."""
     line_id = "batch_req_" + uuid.UUID(str(job.id)).hex
-    if job.status in (Job.Status.CANCELLED, Job.Status.EXPIRED) and job.reason in ("batch_cancelled", "batch_expired"):
+    if job.status in (Job.Status.CANCELLED, Job.Status.EXPIRED) and job.result_status is None:
+        # It never reached the pool: cancelled, or its window (or its budget's wait) ran out.
         item = {"id": line_id, "custom_id": job.custom_id, "response": None,
-                "error": {"code": job.reason, "message": (job.result or {}).get("error", {}).get("message", "")}}
+                "error": {"code": job.reason or "batch_expired",
+                          "message": (job.result or {}).get("error", {}).get("message", EXPIRED_MESSAGE)}}
     else:
         status_code = job.result_status or (200 if job.status == Job.Status.SUCCEEDED else 500)
         item = {"id": line_id, "custom_id": job.custom_id,
