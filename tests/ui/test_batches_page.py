@@ -295,6 +295,9 @@ def test_another_tenants_file_is_not_found(login, world):
     assert client.get(f"/t/{world.tenant_b.slug}/files/{theirs.id}/content").status_code == 404
     assert client.get(f"/t/{world.tenant_a.slug}/files/file-nope/content").status_code == 404
     assert client.get(f"/t/{world.tenant_a.slug}/files/{ours.id}/content").status_code == 200
+    client.logout()
+    anonymous = client.get(f"/t/{world.tenant_a.slug}/files/{ours.id}/content")
+    assert anonymous.status_code == 302 and anonymous["Location"].startswith("/accounts/login/")
 
 
 def test_the_tenant_and_jobs_pages_link_to_the_batches(login, world):

@@ -141,8 +141,8 @@ def _usage_by_batch(batch_ids: list[str]) -> dict[str, BatchUsage]:
               .annotate(line_batch=line_batch).values("line_batch")
               .annotate(input_tokens=Sum("actual_input_tokens"), output_tokens=Sum("actual_output_tokens"),
                         cost=Sum("cost")))
-    return {row["line_batch"]: BatchUsage(input_tokens=row["input_tokens"] or 0, output_tokens=row["output_tokens"] or 0,
-                                          cost=row["cost"] or Decimal(0))
+    return {row["line_batch"]: BatchUsage(input_tokens=row["input_tokens"] or 0,
+                                          output_tokens=row["output_tokens"] or 0, cost=row["cost"] or Decimal(0))
             for row in totals}
 
 
