@@ -305,3 +305,21 @@ def test_the_tenant_and_jobs_pages_link_to_the_batches(login, world):
     link = f'href="/t/{world.tenant_a.slug}/workloads/{world.wl_a.slug}/batches"'
     assert link in page_of(client, f"/t/{world.tenant_a.slug}/")
     assert link in page_of(client, f"/t/{world.tenant_a.slug}/workloads/{world.wl_a.slug}/jobs")
+
+
+def test_a_page_of_batches_costs_the_same_queries_however_many_it_shows(login, world):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def queries_for_page(client) -> int:
+        with CaptureQueriesContext(connection) as captured:
+            page_of(client, batches_url(world))
+        return len(captured.captured_queries)
+
+    client = login(world.member_a)
+    for _ in range(2):
+        billed_line(world, make_batch(world.wl_a, total=1), 1)
+    with_two = queries_for_page(client)
+    for _ in range(6):
+        billed_line(world, make_batch(world.wl_a, total=1), 1)
+    assert queries_for_page(client) == with_two
