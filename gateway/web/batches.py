@@ -108,6 +108,13 @@ async def file_content(request: HttpRequest, file_id: str):
     stored = await off_loop(file_of_workload, thread_sensitive=False)(file_id=file_id, workload_id=auth.workload_id)
     if stored is None:
         return _file_missing()
+    return await file_streamed(stored)
+
+
+async def file_streamed(stored: BatchFile) -> StreamingHttpResponse:
+    """A stored file as an attachment, read a chunk at a time off the event
+    loop (an async iterator: under ASGI a plain one would be read whole
+    first). The web UI's download answers with it too."""
     handle = await off_loop(stored.content.open, thread_sensitive=False)("rb")
 
     async def chunks() -> AsyncIterator[bytes]:

@@ -14,7 +14,8 @@ from rest_framework.test import APIClient
 
 from budgets.services.budget_requests import budget_request_submit
 from budgets.models import AlertSettings, SpendBudget, UsageRecord
-from gateway.models import Job
+from gateway.core.batches.files import file_write
+from gateway.models import Batch, BatchFile, Job
 from budgets.ledger.rejections import rejection_count
 from tenants.models import ApiKey
 from tests.people import ledger_add
@@ -39,8 +40,9 @@ def _names(resolver=None, prefix=""):
 
 
 @pytest.fixture
-def seeded(world):
-    """Tenant A has a request, a key, a spend budget, usage and a rejection."""
+def seeded(world, settings, tmp_path):
+    """Tenant A has a request, a key, a spend budget, usage, a rejection, a job and a batch."""
+    settings.MEDIA_ROOT = tmp_path / "files"
     now = timezone.now()
     request_a = budget_request_submit(tenant=world.tenant_a, user=world.member_a, pool=world.pool, workload=world.wl_a,
                                       reserved_tpm=1_000, ceiling_tpm=150_000, rpm=10, justification="secret plan A")
@@ -53,6 +55,10 @@ def seeded(world):
                                  events=["spend_soft"])
     Job.objects.create(tenant=world.tenant_a, workload=world.wl_a, status="queued", body={}, body_sha256="0" * 64,
                        deadline=now + timedelta(hours=1))
+    batch_input = file_write(tenant_id=world.tenant_a.id, workload_id=world.wl_a.id, purpose=BatchFile.Purpose.BATCH,
+                             filename="in.jsonl", lines=iter([b'{"custom_id": "secret plan A"}\n']))
+    Batch.objects.create(tenant=world.tenant_a, workload=world.wl_a, endpoint="/v1/chat/completions",
+                         status=Batch.Status.IN_PROGRESS, input_file=batch_input, expires_at=now + timedelta(hours=24))
     return world, request_a, ApiKey.objects.get(workload=world.wl_a)
 
 
@@ -73,6 +79,15 @@ def page_cases(world, request_a, key_a):
         "tenant-alerts": [("get", f"/t/{a}/alerts", {}), ("post", f"/t/{a}/alerts", {"email_recipients": "x@y.test"})],
         "tenant-alerts-test": [("post", f"/t/{a}/alerts/test", {})],
         "workload-jobs": [("get", f"/t/{a}/workloads/{world.wl_a.slug}/jobs", {})],
+        "workload-batches": [("get", f"/t/{a}/workloads/{world.wl_a.slug}/batches", {}),
+                             ("get", f"/t/{b}/workloads/{world.wl_a.slug}/batches", {})],
+        "batch-detail": [("get", f"/t/{a}/batches/{_batch_a(world)}", {}),
+                         ("get", f"/t/{b}/batches/{_batch_a(world)}", {})],
+        "batch-cancel": [("get", f"/t/{a}/batches/{_batch_a(world)}/cancel", {}),
+                         ("post", f"/t/{a}/batches/{_batch_a(world)}/cancel", {"confirm": "cancel"}),
+                         ("post", f"/t/{b}/batches/{_batch_a(world)}/cancel", {"confirm": "cancel"})],
+        "batch-file-content": [("get", f"/t/{a}/files/{_file_a(world)}/content", {}),
+                               ("get", f"/t/{b}/files/{_file_a(world)}/content", {})],
         "callback-secret-rotate": [("post", f"/t/{a}/callback-secret/rotate", {})],
         "pool-list": [("get", "/ops/pools/", {})],
         "pool-detail": [("get", f"/ops/pools/{world.pool.slug}/", {})],
@@ -95,6 +110,14 @@ def page_cases(world, request_a, key_a):
 
 def _job_a(world) -> str:
     return str(Job.objects.filter(workload=world.wl_a).values_list("id", flat=True).first() or "none")
+
+
+def _batch_a(world) -> str:
+    return Batch.objects.filter(workload=world.wl_a).values_list("id", flat=True).first() or "batch_none"
+
+
+def _file_a(world) -> str:
+    return BatchFile.objects.filter(workload=world.wl_a).values_list("id", flat=True).first() or "file-none"
 
 
 def api_cases(world, request_a, key_a):
@@ -156,6 +179,7 @@ def test_another_tenants_member_gets_404_or_403_on_every_page(client, seeded):
     key_a.refresh_from_db()
     assert request_a.status == "pending" and key_a.revoked_at is None
     assert AlertSettings.objects.get(tenant=world.tenant_a).recipients == [f"ops@{world.tenant_a.slug}.test"]
+    assert Batch.objects.get(workload=world.wl_a).status == Batch.Status.IN_PROGRESS
 
 
 def test_another_tenants_member_gets_404_or_403_on_every_api_endpoint(seeded):

@@ -113,6 +113,7 @@ def _page_parameters(world) -> dict[str, list[str]]:
         f"/t/{a}/alerts": times, f"/t/{a}/requests/new": ["workload"], f"/ops/pools/{world.pool.slug}/": times,
         "/ops/pools/": times, "/ops/requests/": ["status"], "/finance/": finance, "/finance/ledger.csv": finance,
         f"/t/{a}/workloads/{world.wl_a.slug}/jobs": ["status", "after", "limit"],
+        f"/t/{a}/workloads/{world.wl_a.slug}/batches": ["status", "after", "limit"],
     }
 
 

@@ -33,21 +33,48 @@ OVERFLOW_JS = """() => {
 }"""
 
 
-def _pages(world, *, budget_request, request_id: str, key_id: int, refusal_id: str) -> dict[str, list[str]]:
+def _pages(world, *, budget_request, request_id: str, key_id: int, refusal_id: str,
+           batch_id: str) -> dict[str, list[str]]:
     a, wl = world.tenant_a.slug, world.wl_a.slug
     member = ["/", "/t/", f"/t/{a}/", f"/t/{a}/requests/new", f"/t/{a}/requests/{budget_request.pk}/",
               f"/t/{a}/alerts", f"/t/{a}/log/?range=7d", f"/t/{a}/log/{request_id}/", f"/t/{a}/log/{refusal_id}/",
-              f"/t/{a}/keys/{key_id}/revoke", f"/t/{a}/workloads/{wl}/jobs", f"/t/{a}/?range=30d"]
+              f"/t/{a}/keys/{key_id}/revoke", f"/t/{a}/workloads/{wl}/jobs", f"/t/{a}/?range=30d",
+              f"/t/{a}/workloads/{wl}/batches", f"/t/{a}/batches/{batch_id}", f"/t/{a}/batches/{batch_id}/cancel"]
     finance = ["/", "/t/", f"/t/{a}/", "/finance/", "/finance/?period=last_30_days&group_by=workload",
                "/finance/?period=last_hour&group_by=day", "/log/?range=7d", f"/log/{request_id}/", f"/log/{refusal_id}/",
-               f"/t/{a}/log/"]
+               f"/t/{a}/log/", f"/t/{a}/workloads/{wl}/batches", f"/t/{a}/batches/{batch_id}"]
     admin = sorted(set(member + finance) | {
         "/ops/pools/", f"/ops/pools/{world.pool.slug}/", f"/ops/pools/{world.pool.slug}/?range=7d", "/ops/requests/",
         f"/ops/requests/{budget_request.pk}/"})
     return {"member": member, "finance": finance, "admin": admin}
 
 
-def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world):  # noqa: F811
+def _batch_with_errors(world) -> str:
+    """A running batch with a long plan note, validation-style errors, metadata and failed lines."""
+    from django.utils import timezone
+
+    from gateway.core.batches.files import file_write
+    from gateway.core.batches.lifecycle import batch_plan
+    from gateway.models import Batch, BatchFile, Job
+
+    stored = file_write(tenant_id=world.tenant_a.id, workload_id=world.wl_a.id, purpose=BatchFile.Purpose.BATCH,
+                        filename="in.jsonl", lines=iter([b'{"custom_id": "a"}\n'] * 3))
+    plan = batch_plan(type("Ctx", (), {"slices": []})(), tokens=10_000, requests=3, window_s=86400, basis="file size")
+    batch = Batch.objects.create(
+        tenant=world.tenant_a, workload=world.wl_a, endpoint="/v1/chat/completions", status=Batch.Status.IN_PROGRESS,
+        input_file=stored, expires_at=timezone.now() + timedelta(hours=24), total=3, plan=plan,
+        metadata={"description": "nightly re-index of the whole document store " * 4},
+        errors=[{"code": "invalid_json_line", "message": "Line 2 is not JSON: " + "x" * 200, "param": None, "line": 2}])
+    for line, status in ((1, Job.Status.REJECTED), (2, Job.Status.PENDING), (3, Job.Status.QUEUED)):
+        Job.objects.create(tenant=world.tenant_a, workload=world.wl_a, batch=batch, line=line,
+                           custom_id="custom-" + "y" * 120 + str(line), status=status, body={}, body_sha256="",
+                           deadline=batch.expires_at, result_status=400 if line == 1 else None,
+                           result={"error": {"message": "This model's maximum context length is 2000 tokens " * 3,
+                                             "code": "context_length_exceeded"}} if line == 1 else None)
+    return batch.id
+
+
+def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world, settings, tmp_path):  # noqa: F811
     from django.utils import timezone
 
     from budgets.models import RejectionSample
@@ -67,8 +94,9 @@ def test_no_page_scrolls_sideways_at_390_or_1400_px(live_server, browser, world)
         sample_id="req_" + "f" * 32, at=now - timedelta(minutes=1), tenant=world.tenant_a, workload=world.wl_a,
         pool=world.pool, reason="context_length_exceeded", estimated_tokens=9008, retry_after_ms=None,
         message="This model's maximum context length is 2000 tokens; your prompt resulted in 9008 tokens.")
+    settings.MEDIA_ROOT = tmp_path / "files"
     pages = _pages(world, budget_request=budget_request, request_id=request_id, key_id=key_id,
-                   refusal_id=refusal.sample_id)
+                   refusal_id=refusal.sample_id, batch_id=_batch_with_errors(world))
     people = {"member": world.member_a, "admin": world.admin, "finance": world.finance}
 
     failures, visited = [], 0

@@ -96,6 +96,14 @@ def seconds(ms) -> str:
 
 
 @register.filter
+def duration(value) -> str:
+    """Seconds (a batch plan's time to run) as a human duration."""
+    if value is None or value == "":
+        return "—"
+    return human_duration(max(0.0, float(value)))
+
+
+@register.filter
 def get_item(mapping, key):
     if not isinstance(mapping, dict):
         return None

@@ -391,10 +391,11 @@ def batches_step() -> int:
 
 # --- finishing -----------------------------------------------------------------------------
 
-def _output_line(job: Job) -> bytes:
+def output_line_item(job: Job) -> dict:
     """One line of the output or error file, in OpenAI's format: the pool's
     answer (or the refusal a direct call would get) as ``response``; a line
-    that never ran as ``error``."""
+    that never ran as ``error``. The web UI's error table reads lines
+    through it too, so the page and the file never disagree."""
     line_id = "batch_req_" + uuid.UUID(str(job.id)).hex
     if job.status in (Job.Status.CANCELLED, Job.Status.EXPIRED) and job.result_status is None:
         # It never reached the pool: cancelled, or its window (or its budget's wait) ran out.
@@ -407,7 +408,11 @@ def _output_line(job: Job) -> bytes:
                 "response": {"status_code": status_code, "request_id": job.request_id or None,
                              "body": job.result or {}},
                 "error": None}
-    return json.dumps(item, separators=(",", ":")).encode() + b"\n"
+    return item
+
+
+def _output_line(job: Job) -> bytes:
+    return json.dumps(output_line_item(job), separators=(",", ":")).encode() + b"\n"
 
 
 def _lines_of(batch: Batch, *, ok: bool) -> Iterator[bytes]:
@@ -485,9 +490,6 @@ def batch_view(batch: Batch, counts: dict[str, int] | None = None) -> dict:
     """OpenAI's batch object, with Sluice's plan (``sluice``)."""
     if counts is None:
         counts = batch_counts(batch.id) if batch.status != Batch.Status.VALIDATING else {}
-    completed = counts.get(Job.Status.SUCCEEDED, 0)
-    failed = sum(n for status, n in counts.items()
-                 if status in (Job.Status.FAILED, Job.Status.REJECTED, Job.Status.EXPIRED, Job.Status.CANCELLED))
     return {
         "id": batch.id, "object": "batch", "endpoint": batch.endpoint,
         "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
@@ -498,11 +500,21 @@ def batch_view(batch: Batch, counts: dict[str, int] | None = None) -> dict:
         "completed_at": _unix(batch.completed_at), "failed_at": _unix(batch.failed_at),
         "expired_at": _unix(batch.expired_at), "cancelling_at": _unix(batch.cancelling_at),
         "cancelled_at": _unix(batch.cancelled_at),
-        "request_counts": {"total": batch.total, "completed": completed, "failed": failed},
+        "request_counts": request_counts(batch, counts),
         "metadata": batch.metadata, "usage": batch_usage(batch.id),
         "sluice": {"workload": batch.workload.slug, "plan": batch.plan,
                    "lines": {status: n for status, n in sorted(counts.items())}},
     }
+
+
+LINE_FAILED = (Job.Status.FAILED, Job.Status.REJECTED, Job.Status.EXPIRED, Job.Status.CANCELLED)
+
+
+def request_counts(batch: Batch, counts: dict[str, int]) -> dict[str, int]:
+    """OpenAI's ``request_counts`` from the batch's lines by status: a line
+    that ended any other way than succeeded is failed (it is in the error file)."""
+    return {"total": batch.total, "completed": counts.get(Job.Status.SUCCEEDED, 0),
+            "failed": sum(n for status, n in counts.items() if status in LINE_FAILED)}
 
 
 def batch_usage(batch_id: str) -> dict:
