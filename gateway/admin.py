@@ -1,7 +1,7 @@
 from django import forms
 from django.contrib import admin
 
-from gateway.models import Job, JobCallbackDelivery, JobSchedule
+from gateway.models import Batch, BatchFile, Job, JobCallbackDelivery, JobSchedule
 from gateway.core.jobs.schedules import schedule_delete, schedule_sync
 
 
@@ -58,6 +58,9 @@ class JobAdmin(admin.ModelAdmin):
     def has_change_permission(self, request, obj=None):
         return False
 
+    def has_delete_permission(self, request, obj=None):
+        return False  # DELETE /v1/files removes the content with the row
+
 
 @admin.register(JobCallbackDelivery)
 class JobCallbackDeliveryAdmin(admin.ModelAdmin):
@@ -75,4 +78,43 @@ class JobCallbackDeliveryAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request, obj=None):
+        return False  # DELETE /v1/files removes the content with the row
+
+    def has_delete_permission(self, request, obj=None):
         return False
+
+
+@admin.register(Batch)
+class BatchAdmin(admin.ModelAdmin):
+    """Read-only: a batch changes through the Batch API and the pacer, never by hand."""
+
+    list_display = ("id", "workload", "endpoint", "status", "total", "created_at", "expires_at")
+    list_filter = ("status", "endpoint")
+    search_fields = ("id",)
+    readonly_fields = [f.name for f in Batch._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # DELETE /v1/files removes the content with the row
+
+
+@admin.register(BatchFile)
+class BatchFileAdmin(admin.ModelAdmin):
+    list_display = ("id", "workload", "purpose", "filename", "bytes", "lines", "created_at")
+    list_filter = ("purpose",)
+    search_fields = ("id", "filename")
+    readonly_fields = [f.name for f in BatchFile._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False  # DELETE /v1/files removes the content with the row

@@ -30,6 +30,9 @@ class Job(models.Model):
         CANCELLED = "cancelled", "Cancelled with its batch"
 
     FINAL = {Status.SUCCEEDED, Status.FAILED, Status.REJECTED, Status.EXPIRED, Status.CANCELLED}
+    # What a job (not a batch's line) can be: GET /v1/jobs and the jobs page filter on these.
+    JOB_STATUS_CHOICES = [choice for choice in Status.choices if choice[0] not in ("pending", "cancelled")]
+    JOB_STATUSES = [choice[0] for choice in JOB_STATUS_CHOICES]
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")

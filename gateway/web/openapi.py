@@ -117,7 +117,7 @@ JOB_BODY = {"allOf": [CHAT_BODY, {"type": "object", "properties": {
 }}]}
 JOB = {"type": "object", "properties": {
     "id": {"type": "string", "format": "uuid"}, "object": {"type": "string", "enum": ["job"]},
-    "status": {"type": "string", "enum": list(Job.Status.values)}, "workload": {"type": "string"},
+    "status": {"type": "string", "enum": list(Job.JOB_STATUSES)}, "workload": {"type": "string"},
     "created_at": {"type": "string", "format": "date-time"}, "deadline": {"type": "string", "format": "date-time"},
     "release_at": {"type": "string", "format": "date-time", "nullable": True,
                    "description": "A delayed job: when the pacer plans to release it."},
@@ -155,7 +155,7 @@ def v1_paths() -> dict:
     limits = (f"Bodies up to {settings.SLUICE_MAX_BODY_BYTES:,} bytes; prompts up to the workload's cap; "
               "max_tokens clamped to its cap. Unknown or revoked keys count against the caller's address.")
     query = [
-        {"name": "status", "in": "query", "required": False, "schema": {"type": "string", "enum": list(Job.Status.values)}},
+        {"name": "status", "in": "query", "required": False, "schema": {"type": "string", "enum": list(Job.JOB_STATUSES)}},
         {"name": "after", "in": "query", "required": False, "schema": {"type": "string", "format": "uuid"},
          "description": "The last id of the previous page (keyset paging)."},
         {"name": "limit", "in": "query", "required": False,

@@ -40,13 +40,13 @@ def workload_jobs(request, slug: str, workload_slug: str):
         page = jobs_of_workload(workload_id=workload.id, status=status, after=after, limit=limit)
     except Rejected as rejected:
         return render(request, "gateway/jobs.html", {"tenant": tenant, "workload": workload, "error": rejected.message,
-                                                      "statuses": Job.Status.choices}, status=400)
+                                                      "statuses": Job.JOB_STATUS_CHOICES}, status=400)
     # Each job's ledger row (one query for the page): its tokens, cost and a link to its request's page.
     request_ids = [job.request_id for job in page.jobs if job.request_id]
     rows = {row.request_id: row for row in UsageRecord.objects.filter(tenant=tenant, request_id__in=request_ids)}
     return render(request, "gateway/jobs.html", {
         "tenant": tenant, "workload": workload, "running": jobs_running(jobs=page.jobs), "has_more": page.has_more,
-        "status": status, "statuses": Job.Status.choices, "next_after": page.jobs[-1].id if page.has_more else None,
+        "status": status, "statuses": Job.JOB_STATUS_CHOICES, "next_after": page.jobs[-1].id if page.has_more else None,
         "jobs": [(job, rows.get(job.request_id)) for job in page.jobs], "currency": price_table_currency(),
     })
 

@@ -1,5 +1,5 @@
 """The pacer's feed of running batches, step by step against the real
-database and Redis (no workers): a workload's lines in flight are bounded
+database and Redis (the platform's own pacer stopped meanwhile): a workload's lines in flight are bounded
 across all its batches, oldest batch first; another workload has its own
 room; a delayed line the delayed set lost is put back; a pending line is
 made due exactly once however many pacers feed at once."""
@@ -41,10 +41,16 @@ def _by_status(batch: Batch) -> dict[str, int]:
 
 
 @pytest.fixture
-def flushed(redis_client):
+def flushed(platform, redis_client):
+    """The delayed set empty, and the session platform's pacer stopped: these
+    tests are the pacer (it shares their database and Redis)."""
+    platform.pacer.stop()
     redis_client.delete(keys.DELAYED_JOBS)
-    yield redis_client
-    redis_client.delete(keys.DELAYED_JOBS)
+    try:
+        yield redis_client
+    finally:
+        redis_client.delete(keys.DELAYED_JOBS)
+        platform.start_pacer()
 
 
 def test_a_workloads_lines_in_flight_are_bounded_across_its_batches_oldest_first(make_caller, flushed, settings):

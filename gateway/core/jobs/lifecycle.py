@@ -358,8 +358,8 @@ def job_list_params(*, status: str | None, after: str | None, limit: str | None)
     """GET /v1/jobs's query checked: (status, after, limit). Raises Rejected
     (a 400 in OpenAI's shape) for anything else."""
     status = status or ""
-    if status and status not in Job.Status.values:
-        raise bad_request(f"'status' must be one of {', '.join(Job.Status.values)}.", param="status",
+    if status and status not in Job.JOB_STATUSES:
+        raise bad_request(f"'status' must be one of {', '.join(Job.JOB_STATUSES)}.", param="status",
                           code="invalid_status")
     after = after or ""
     if after:
