@@ -55,8 +55,9 @@ SIM_ARGS = ["--slots", str(POOL_SLOTS), "--tpm", str(POOL_TPM), "--rpm", str(POO
 CHAT = dict(reserved_tpm=40_000, ceiling_tpm=40_000, rpm=1_500)
 CHAT_LOAD = 0.6  # of its reservation, by estimate
 CHAT_MAX_TOKENS = 64
-# The batch may use the whole pool budget: only chat's load bounds it.
-BATCH = dict(reserved_tpm=10_000, ceiling_tpm=round(POOL_BUDGET_TPM), rpm=round(POOL_BUDGET_RPM))
+# The batch's ceiling is the whole pool budget: only chat's load bounds its
+# tokens. Request rates are reserved too, so its RPM is what chat's leaves.
+BATCH = dict(reserved_tpm=10_000, ceiling_tpm=round(POOL_BUDGET_TPM), rpm=round(POOL_BUDGET_RPM) - CHAT["rpm"])
 # A line: summarize a ~150-token passage (output median 60 tokens, at most 96).
 LINE_PROMPT_TOKENS, LINE_MAX_TOKENS, LINE_MEDIAN = 150, 96, 60
 FULL_LINES, QUICK_LINES = 5_000, 300
