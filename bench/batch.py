@@ -74,7 +74,7 @@ class Sizes:
 
 
 def sizes_for(*, quick: bool, lines: int | None) -> Sizes:
-    return Sizes(lines=lines or (QUICK_LINES if quick else FULL_LINES), solo_s=40.0 if quick else 120.0,
+    return Sizes(lines=lines or (QUICK_LINES if quick else FULL_LINES), solo_s=40.0 if quick else 200.0,
                  warm_s=5.0 if quick else 10.0)
 
 
