@@ -20,20 +20,23 @@ class Job(models.Model):
     unless the wait would outlive the job's deadline."""
 
     class Status(models.TextChoices):
+        PENDING = "pending", "Pending (a batch line waiting for its turn)"
         DELAYED = "delayed", "Delayed (waiting for budget)"
         QUEUED = "queued", "Queued on its lane"
         SUCCEEDED = "succeeded", "Succeeded"
         FAILED = "failed", "Failed upstream"
         REJECTED = "rejected", "Rejected"
         EXPIRED = "expired", "Deadline passed"
+        CANCELLED = "cancelled", "Cancelled with its batch"
 
-    FINAL = {Status.SUCCEEDED, Status.FAILED, Status.REJECTED, Status.EXPIRED}
+    FINAL = {Status.SUCCEEDED, Status.FAILED, Status.REJECTED, Status.EXPIRED, Status.CANCELLED}
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
     workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="jobs")
     status = models.CharField(max_length=16, choices=Status.choices, db_index=True)
-    body = models.JSONField(help_text="The validated chat-completions body.")
+    body = models.JSONField(help_text="The validated request body (of ``endpoint``).")
+    endpoint = models.CharField(max_length=32, default="/v1/chat/completions")
     body_sha256 = models.CharField(max_length=64)
     idempotency_key = models.CharField(max_length=255, blank=True)
     callback_url = models.URLField(max_length=1000, blank=True)
@@ -56,13 +59,26 @@ class Job(models.Model):
     api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     # Each time it was sent back to wait: {"at", "reason", "release_at"} (ISO times).
     delay_history = models.JSONField(default=list, blank=True)
+    # A line of a Batch API batch (gateway/core/batches): its batch, its
+    # place in the input file and its custom_id; the pool's HTTP status for
+    # the output file's line.
+    batch = models.ForeignKey("Batch", null=True, blank=True, on_delete=models.CASCADE, related_name="lines")
+    line = models.PositiveIntegerField(null=True, blank=True)
+    custom_id = models.CharField(max_length=512, blank=True)
+    result_status = models.PositiveSmallIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
         # GET /v1/jobs and the jobs page: a workload's jobs newest first,
         # keyset-paged on (created_at, id): one index range per page.
-        indexes = [models.Index(fields=["workload", "-created_at", "-id"], name="job_workload_newest")]
+        indexes = [models.Index(fields=["workload", "-created_at", "-id"], name="job_workload_newest"),
+                   # A batch's lines by state, in file order: the feeder's next lines and the counts.
+                   models.Index(fields=["batch", "status", "line"], name="job_batch_status_line")]
         constraints = [
+            models.UniqueConstraint(fields=["batch", "line"], condition=models.Q(batch__isnull=False),
+                                    name="uniq_batch_line"),
+            models.UniqueConstraint(fields=["batch", "custom_id"], condition=models.Q(batch__isnull=False),
+                                    name="uniq_batch_custom_id"),
             models.UniqueConstraint(
                 fields=["workload", "idempotency_key"],
                 condition=~models.Q(idempotency_key=""),
@@ -139,3 +155,92 @@ class JobSchedule(models.Model):
                 callback_url_check(url=self.callback_url)
             except CallbackRefused as refused:
                 raise ValidationError({"callback_url": refused.message}) from None
+
+
+def _file_id() -> str:
+    return "file-" + uuid.uuid4().hex
+
+
+def _batch_id() -> str:
+    return "batch_" + uuid.uuid4().hex
+
+
+class BatchFile(models.Model):
+    """A file of the Files API: a batch's input (``batch``), written by a
+    caller, or its output and error files, written by Sluice. The content
+    lives in Django's storage (a directory under the var dir for make run);
+    the row is scoped to one workload: only its keys see it."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch", "Batch input"
+        BATCH_OUTPUT = "batch_output", "Batch output"
+        BATCH_ERROR = "batch_error", "Batch errors"
+
+    id = models.CharField(primary_key=True, max_length=40, default=_file_id, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batch_files")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="batch_files")
+    purpose = models.CharField(max_length=16, choices=Purpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.PositiveBigIntegerField(default=0)
+    lines = models.PositiveIntegerField(default=0)
+    content = models.FileField(upload_to="batch_files/%Y/%m/%d", max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["workload", "-created_at"], name="batchfile_workload_newest")]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.purpose}, {self.bytes} bytes)"
+
+
+class Batch(models.Model):
+    """A Batch API batch: an input file's lines run as jobs on the batch lane
+    (gateway/core/batches/lifecycle.py), within its completion window."""
+
+    class Status(models.TextChoices):
+        VALIDATING = "validating", "Validating"
+        FAILED = "failed", "Failed validation"
+        IN_PROGRESS = "in_progress", "In progress"
+        FINALIZING = "finalizing", "Finalizing"
+        COMPLETED = "completed", "Completed"
+        EXPIRED = "expired", "Expired"
+        CANCELLING = "cancelling", "Cancelling"
+        CANCELLED = "cancelled", "Cancelled"
+
+    FINAL = {Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED}
+
+    id = models.CharField(primary_key=True, max_length=40, default=_batch_id, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="batches")
+    workload = models.ForeignKey(Workload, on_delete=models.CASCADE, related_name="batches")
+    api_key = models.ForeignKey("tenants.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    endpoint = models.CharField(max_length=32)
+    completion_window = models.CharField(max_length=8, default="24h")
+    metadata = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.VALIDATING, db_index=True)
+    input_file = models.ForeignKey(BatchFile, null=True, on_delete=models.SET_NULL, related_name="+")
+    output_file = models.ForeignKey(BatchFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    error_file = models.ForeignKey(BatchFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Validation's errors, in OpenAI's shape: [{"code", "message", "param", "line"}].
+    errors = models.JSONField(null=True, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    estimated_tokens = models.PositiveBigIntegerField(default=0)
+    # Whether the workload's budget lets it finish within its window, and why not.
+    plan = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name_plural = "batches"
+        indexes = [models.Index(fields=["workload", "-created_at", "-id"], name="batch_workload_newest")]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.status})"

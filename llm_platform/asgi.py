@@ -23,7 +23,8 @@ django_application = get_asgi_application()
 from adapters.django import MiddlewareFreeASGIHandler  # noqa: E402  (after django.setup())
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
-from gateway.web.body_limit import body_limit  # noqa: E402
+from django.conf import settings  # noqa: E402
+from gateway.web.body_limit import MULTIPART_ROOM, body_limit, body_limit_streamed  # noqa: E402
 from gateway.web.edge import api_answered, as_openai_error  # noqa: E402
 from llm_platform.api_input import api_too_large_body  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
@@ -37,14 +38,21 @@ API_PATHS = {"/v1", "/healthz", "/readyz", "/metrics"}
 MANAGEMENT_PREFIX = "/api/"
 
 # The body is read (at most SLUICE_MAX_BODY_BYTES of it) before Django sees it.
-api_application = body_limit(MiddlewareFreeASGIHandler(
-    answer=api_answered, observe=api_observed, observed_prefixes=API_PREFIXES, request_error=as_openai_error))
+api_handler = MiddlewareFreeASGIHandler(
+    answer=api_answered, observe=api_observed, observed_prefixes=API_PREFIXES, request_error=as_openai_error)
+api_application = body_limit(api_handler)
+# A file upload is the one /v1 body allowed past that: streamed, to its own limit.
+FILES_PATH = "/v1/files"
+files_application = body_limit_streamed(api_handler,
+                                        limit=lambda: settings.SLUICE_BATCH_FILE_MAX_BYTES + MULTIPART_ROOM)
 # The management API's bodies are bounded the same way (its JSON guards:
 # llm_platform/api_input.py); Django alone would spool any body to disk first.
 management_application = body_limit(django_application, refusal=api_too_large_body)
 
 
 async def application(scope, receive, send):
+    if scope["type"] == "http" and scope["path"] == FILES_PATH and scope.get("method") == "POST":
+        return await files_application(scope, receive, send)
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
     if scope["type"] == "http" and scope["path"].startswith(MANAGEMENT_PREFIX):

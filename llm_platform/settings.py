@@ -226,6 +226,21 @@ SLUICE_REDIS_BUSY_WAIT_S = env_float("SLUICE_REDIS_BUSY_WAIT_S", 3.0)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
+# --- the Batch API (gateway/core/batches) --------------------------------------------------
+# Files live in Django's default storage: a directory under the var dir here,
+# any storage backend in a deployment (STORAGES["default"]).
+MEDIA_ROOT = Path(os.environ.get("SLUICE_FILES_DIR", VAR_DIR / "files"))
+# An uploaded file's limit (streamed to storage, never held whole in memory),
+# one line's, and a batch's lines (OpenAI's: 200 MB, 50,000 requests).
+SLUICE_BATCH_FILE_MAX_BYTES = env_int("SLUICE_BATCH_FILE_MAX_BYTES", 200 * 1024 * 1024)
+SLUICE_BATCH_LINE_MAX_BYTES = env_int("SLUICE_BATCH_LINE_MAX_BYTES", 1024 * 1024)
+SLUICE_BATCH_MAX_LINES = env_int("SLUICE_BATCH_MAX_LINES", 50_000)
+# Lines of one batch waiting for budget or on the batch lane at once: the
+# feeder (the pacer) gives a batch its next lines as these finish.
+SLUICE_BATCH_LINES_IN_FLIGHT = env_int("SLUICE_BATCH_LINES_IN_FLIGHT", 64)
+# How long an admitted line may wait on the lane before it goes back to the
+# batch's pending lines (it never ran: the claim makes sure).
+SLUICE_BATCH_LINE_QUEUE_S = env_float("SLUICE_BATCH_LINE_QUEUE_S", 600.0)
 # --- job callbacks (gateway/core/jobs/callbacks.py) -----------------------------------------
 # Callbacks go to https URLs on public addresses only. Plain http, and private
 # or loopback receivers (a test listener, a receiver inside your own network),

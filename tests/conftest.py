@@ -159,6 +159,8 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         "SLUICE_POOL_PROBE_INTERVAL_S": "0",
         # Health details for the tests that read them (gateway/web/health.py).
         "SLUICE_HEALTH_TOKEN": HEALTH_TOKEN,
+        # The Batch API's files: one directory the web process and the workers share.
+        "SLUICE_FILES_DIR": str(log_dir / "files"),
     })
     # The session's workers keep the threads they start with (8: start_worker),
     # whatever the pools tests create: tests that fill a lane count on it.

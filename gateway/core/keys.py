@@ -108,6 +108,13 @@ BLPOP on it wakes at once (gateway/core/pacer_wake.py). Single-key commands
 only, no hash tag needed."""
 
 
+def batch_task(batch_id: str, step: str) -> str:
+    """String, set NX with a TTL when a batch's validation or finalization
+    task is published: the pacer publishes it again only once it expires (a
+    lost task, gateway/core/batches/lifecycle.py)."""
+    return f"sluice:batch:{batch_id}:{step}"
+
+
 # --- attempt throttles ------------------------------------------------------------------
 
 

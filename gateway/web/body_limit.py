@@ -79,3 +79,46 @@ def body_limit(app, *, refusal: Callable[[int], dict] = too_large_body):
         return await app(scope, replay, send)
 
     return limited
+
+
+# Room for the multipart envelope (boundaries, part headers, the purpose field) around the file.
+MULTIPART_ROOM = 64 * 1024
+
+
+def body_limit_streamed(app, *, limit: Callable[[], int]):
+    """For uploads (POST /v1/files): the body goes to ``app`` as it arrives
+    (Django spools it to a temporary file past FILE_UPLOAD_MAX_MEMORY_SIZE),
+    counted on the way; past ``limit()`` the read stops and the caller gets
+    a 413. Nothing holds the whole body in memory."""
+
+    async def limited(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        most = limit()
+        declared = _declared_length(scope)
+        if declared is not None and declared > most:
+            return await _send_json(send, 413, too_large_body(most))
+        size = 0
+        over = False
+        started = False
+
+        async def counted():
+            nonlocal size, over
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > most:
+                    over = True
+                    return {"type": "http.disconnect"}  # Django stops reading and answers nothing
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            started = True
+            await send(message)
+
+        await app(scope, counted, watched_send)
+        if over and not started:
+            await _send_json(send, 413, too_large_body(most))
+
+    return limited

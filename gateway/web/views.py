@@ -72,7 +72,7 @@ def _header(request: HttpRequest, meta_name: str) -> str:
     return request.META.get(meta_name, "")
 
 
-async def _authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
+async def caller_authenticate(request: HttpRequest) -> CallerContext | JsonResponse:
     raw_key = bearer_key(_header(request, "HTTP_AUTHORIZATION"))
     if raw_key is None:
         return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
@@ -108,7 +108,7 @@ async def _rejection(request: HttpRequest, ctx: CallerContext, rejected: Rejecte
     return rejected_response(rejected, limits=ctx.limits)
 
 
-def _read_body(request: HttpRequest) -> dict:
+def json_body_read(request: HttpRequest) -> dict:
     try:
         length = int(_header(request, "CONTENT_LENGTH") or 0)
     except ValueError:
@@ -159,13 +159,13 @@ async def _through_the_door(request: HttpRequest, validate: Callable[[dict], Api
         return openai_error(status=405, message="Use POST.", error_type="invalid_request_error", code="method_not_allowed",
                             headers={"Allow": "POST"})
     started = time.monotonic()
-    auth = await _authenticate(request)
+    auth = await caller_authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     ctx = auth
     idem_key = ""
     try:
-        body = _read_body(request)
+        body = json_body_read(request)
         api_request = validate(body)
         request_check(ctx, api_request, streaming=True)
         idem_key = _idempotency_key(request)
@@ -254,7 +254,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
         return openai_error(status=405, message="Use GET or POST.", error_type="invalid_request_error",
                             code="method_not_allowed", headers={"Allow": "GET, HEAD, POST"})
-    auth = await _authenticate(request)
+    auth = await caller_authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     ctx = auth
@@ -262,7 +262,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
     # would leave a job that runs and is billed (get_host() refuses a bad Host).
     base_url = f"{request.scheme}://{request.get_host()}"
     try:
-        body = _read_body(request)
+        body = json_body_read(request)
         callback_url, deadline = _job_fields(body)
         chat = validate_chat_request(body)
         request_check(ctx, chat)
@@ -294,7 +294,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
 
 
 async def _jobs_list(request: HttpRequest) -> JsonResponse:
-    auth = await _authenticate(request)
+    auth = await caller_authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     base_url = f"{request.scheme}://{request.get_host()}"
@@ -311,7 +311,7 @@ async def _jobs_list(request: HttpRequest) -> JsonResponse:
         return rejected_response(rejected)
 
 
-def _get_only(request: HttpRequest) -> JsonResponse | None:
+def get_only(request: HttpRequest) -> JsonResponse | None:
     if request.method in ("GET", "HEAD"):
         return None
     return openai_error(status=405, message="Use GET.", error_type="invalid_request_error", code="method_not_allowed",
@@ -320,9 +320,9 @@ def _get_only(request: HttpRequest) -> JsonResponse | None:
 
 @redis_unavailable_is_503
 async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
-    if (refused := _get_only(request)) is not None:
+    if (refused := get_only(request)) is not None:
         return refused
-    auth = await _authenticate(request)
+    auth = await caller_authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     def load():
@@ -338,9 +338,9 @@ async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
 
 @redis_unavailable_is_503
 async def models(request: HttpRequest) -> JsonResponse:
-    if (refused := _get_only(request)) is not None:
+    if (refused := get_only(request)) is not None:
         return refused
-    auth = await _authenticate(request)
+    auth = await caller_authenticate(request)
     if isinstance(auth, JsonResponse):
         return auth
     return JsonResponse({

@@ -38,6 +38,7 @@ from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
 
 from gateway.core import keys
+from gateway.core.batches.lifecycle import FEED_EVERY_S, batches_step
 from gateway.core.jobs.callbacks import callback_retries_release
 from gateway.core.request.enqueue import lane_publish
 from gateway.core.protection.held import held_release_call, mark_text
@@ -60,10 +61,15 @@ PAUSE_SLICE_S = 0.05
 # listens until this much before the head is due and sleeps the rest itself.
 REDIS_TICK_S = 0.1
 _held_next = 0.0
+# Whether the last step found running batches: then the pacer looks again
+# within FEED_EVERY_S (gateway/core/batches/lifecycle.py).
+_batches_active = False
 
 
 def pacer_step() -> int:
-    """Release every job and callback retry due now; returns how many this pacer released."""
+    """Release every job and callback retry due now, and feed running
+    batches their next lines; returns how many this pacer released."""
+    global _batches_active
     client = get_redis()
     now_ms = redis_now_ms(client)
     due = client.zrangebyscore(keys.DELAYED_JOBS, "-inf", now_ms, start=0, num=BATCH)
@@ -77,7 +83,9 @@ def pacer_step() -> int:
                 # Put it back a second later rather than lose it.
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
-    return released + callback_retries_release(now_ms=now_ms) + _held_step_due(client)
+    released += callback_retries_release(now_ms=now_ms) + _held_step_due(client)
+    _batches_active = batches_step() > 0
+    return released
 
 
 def _held_step_due(client) -> int:
@@ -149,6 +157,8 @@ def pacer_wait(client=None) -> PacerWait:
         if head_ms is not None:
             seconds = min(seconds, (head_ms - now_ms) / 1000)
     held = int(held_pools) > 0
+    if _batches_active:
+        seconds = min(seconds, FEED_EVERY_S)
     if held:
         seconds = min(seconds, _held_next - time.monotonic())
     return PacerWait(seconds=max(0.0, seconds), held=held)

@@ -13,6 +13,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from budgets.models import InferencePool
+from gateway.core.batches.lifecycle import FINALIZE_TASK, VALIDATE_TASK, batch_finalize, batch_validate
 from gateway.core.jobs.callbacks import DELIVER_CALLBACK_TASK
 from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK, CallHint
 from gateway.core.protection.held import mark_parse
@@ -108,3 +109,17 @@ def deliver_callback(job_id: str, attempt: int = 1) -> str:
     """One attempt at a finished job's callback (queue: the housekeeping lane)."""
     close_old_connections()
     return callback_deliver(job_id=job_id, attempt=attempt)
+
+
+# A batch's validation and finalization: each runs under its batch row's
+# lock and does nothing once done, so a redelivery is harmless.
+@shared_task(name=VALIDATE_TASK, max_retries=10, **IDEMPOTENT_TASK)
+def validate_batch(batch_id: str) -> str:
+    close_old_connections()
+    return batch_validate(batch_id=batch_id)
+
+
+@shared_task(name=FINALIZE_TASK, max_retries=10, **IDEMPOTENT_TASK)
+def finalize_batch(batch_id: str) -> str:
+    close_old_connections()
+    return batch_finalize(batch_id=batch_id)

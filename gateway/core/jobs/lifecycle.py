@@ -28,7 +28,9 @@ from gateway.core.pacer_wake import pacer_wake_commands
 from gateway.core.request.admission import lease_ttl_ms
 from gateway.core.request.routing import request_route_admit
 from gateway.core.jobs.callbacks import CallbackRefused, callback_enqueue, callback_url_check
-from gateway.core.request.chat import ChatRequest, body_digest, request_check, chat_estimate, pool_payload, validate_chat_request
+from gateway.core.request.bodies import request_validate
+from gateway.core.request.chat import ChatRequest, body_digest, request_check
+from gateway.core.request.endpoints import ApiRequest
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.errors import bad_request, budget_unavailable, error_body
@@ -82,7 +84,7 @@ def job_submit(*, ctx: CallerContext, chat: ChatRequest, body: dict, callback_ur
             if existing.body_sha256 != digest:
                 raise IdempotencyConflict(idempotency_key)
             return Submitted(job=existing, created=False)
-    estimate = chat_estimate(ctx, chat)
+    estimate = chat.estimate(ctx)
     deadline_s = deadline_s if deadline_s is not None else settings.SLUICE_JOB_DEADLINE_S
     job = Job(
         tenant_id=ctx.tenant_id, workload_id=ctx.workload_id, status=Job.Status.DELAYED, body=body,
@@ -149,10 +151,12 @@ def _leaky_release_ms(ctx: CallerContext, estimate: Estimate) -> float:
                       args=[ctx.workload_id, estimate.total_tokens, rate_per_ms], parse=float).run()
 
 
-def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Estimate, paced: bool = False,
+def job_start(*, job: Job, ctx: CallerContext, chat: ApiRequest, estimate: Estimate, paced: bool = False,
               at_submit: bool = False) -> None:
     """Admit the job now and put it on its lane, or park it until the budget
-    says it fits. Scheduled workloads first pass their leaky bucket."""
+    says it fits. Scheduled workloads first pass their leaky bucket. A batch
+    line waits on its lane at most SLUICE_BATCH_LINE_QUEUE_S (then it goes
+    back to its batch's pending lines: gateway/core/batches/lifecycle.py)."""
     now_ms = redis_now_ms()
     if ctx.workload_class == "scheduled" and not paced:
         release_ms = _leaky_release_ms(ctx, estimate)
@@ -160,6 +164,8 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Esti
             _delay(job, release_ms=release_ms, reason="paced", at_submit=at_submit)
             return
     deadline_ms = job.deadline.timestamp() * 1000
+    if job.batch_id:
+        deadline_ms = min(deadline_ms, now_ms + settings.SLUICE_BATCH_LINE_QUEUE_S * 1000)
     request_id = new_request_id()
     lease_ms = lease_ttl_ms(queue_s=max(0.0, (deadline_ms - now_ms) / 1000))
     try:
@@ -172,10 +178,10 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ChatRequest, estimate: Esti
             _delay(job, release_ms=now_ms + rejected.retry_after_ms, reason=rejected.reason, at_submit=at_submit)
             return
         raise
-    record = record_build(routed.ctx, request_id=request_id, model=chat.model, payload=pool_payload(chat, estimate),
+    record = record_build(routed.ctx, request_id=request_id, model=chat.model, payload=chat.pool_payload(estimate),
                           estimate=estimate, admission=routed.admission, deadline_ms=deadline_ms,
                           retry_deadline_ms=deadline_ms, session_id=job.session_id, job_id=str(job.id),
-                          fallback_pool_ids=routed.fallback_pool_ids)
+                          fallback_pool_ids=routed.fallback_pool_ids, endpoint=chat.endpoint)
     job.request_id = request_id
     job.status = Job.Status.QUEUED
     job.released_at = timezone.now()
@@ -196,14 +202,17 @@ def job_release(*, job_id: str) -> str:
         job.save(update_fields=["status", "reason", "finished_at"])
         _callback(job)
         return "expired"
-    # The key that submitted it (or its schedule's): the ledger row carries it.
+    # The key that submitted it (or its schedule's): the ledger row carries
+    # it. A batch's line runs on the batch lane, whatever its workload's class.
     ctx = replace(context_for_workload(job.workload), api_key_id=job.api_key_id)
+    if job.batch_id:
+        ctx = replace(ctx, workload_class="batch")
     try:
         # Again at release: the pool or its settings may have changed since.
-        chat = validate_chat_request(job.body)
+        chat = request_validate(job.endpoint, job.body)
         request_check(ctx, chat)
         estimate = Estimate(input_tokens=job.estimated_input_tokens, output_tokens=job.estimated_output_tokens,
-                            max_tokens_requested=chat.max_tokens, clamped=False)
+                            max_tokens_requested=getattr(chat, "max_tokens", None), clamped=False)
         job_start(job=job, ctx=ctx, chat=chat, estimate=estimate, paced=True)
     except Rejected as rejected:
         job.status = Job.Status.REJECTED
@@ -211,22 +220,47 @@ def job_release(*, job_id: str) -> str:
         job.finished_at = timezone.now()
         job.result = error_body(message=rejected.message, error_type=rejected.error_type, param=rejected.param,
                                 code=rejected.reason)
-        job.save(update_fields=["status", "reason", "finished_at", "result"])
+        job.result_status = rejected.status
+        job.save(update_fields=["status", "reason", "finished_at", "result", "result_status"])
         _callback(job)
     return job.status
 
 
 def job_complete(*, job_id: str, outcome: Outcome) -> None:
-    """Called by the worker once the job's request is settled and in the ledger."""
+    """Called by the worker once the job's request is settled and in the
+    ledger. A batch line that timed out on its lane never ran (the claim
+    decided it): it goes back to its batch's pending lines."""
+    if outcome.status == "queue_timeout" and batch_line_requeue(job_id=job_id):
+        return
     status = {"ok": Job.Status.SUCCEEDED, "queue_timeout": Job.Status.EXPIRED}.get(outcome.status, Job.Status.FAILED)
     updated = Job.objects.filter(pk=job_id).exclude(status__in=Job.FINAL).update(
-        status=status, result=outcome.body, finished_at=timezone.now(),
+        status=status, result=outcome.body, finished_at=timezone.now(), result_status=outcome.http_status,
         reason="" if outcome.status == "ok" else outcome.status,
     )
+    if updated and batch_line_finished(job_id=job_id):
+        return
     if updated:
         job = Job.objects.filter(pk=job_id).only("id", "callback_url").first()
         if job is not None:
             _callback(job)
+
+
+def batch_line_requeue(*, job_id: str) -> bool:
+    """A batch line back to pending (its batch still running); False for
+    any other job."""
+    return bool(Job.objects.filter(pk=job_id, batch__isnull=False, status=Job.Status.QUEUED,
+                                   batch__status="in_progress").update(status=Job.Status.PENDING, reason=""))
+
+
+def batch_line_finished(*, job_id: str) -> bool:
+    """A batch line reached its end: the pacer, which feeds batches their
+    next lines, looks now rather than at its next tick. False for a job."""
+    if not Job.objects.filter(pk=job_id, batch__isnull=False).exists():
+        return False
+    wake = Commands()
+    pacer_wake_commands(wake)
+    wake.run()
+    return True
 
 
 def _callback(job: Job) -> None:
@@ -326,7 +360,8 @@ def jobs_of_workload(*, workload_id: int, status: str = "", after: str = "", lim
     so a page costs one index range, however deep, and jobs created meanwhile
     never shift what the next page shows. An ``after`` that is not one of
     this workload's jobs is refused (400), never used to probe other ids."""
-    jobs = Job.objects.filter(workload_id=workload_id).select_related("workload")
+    # A batch's lines are the Batch API's (GET /v1/batches), not jobs.
+    jobs = Job.objects.filter(workload_id=workload_id, batch__isnull=True).select_related("workload")
     if status:
         jobs = jobs.filter(status=status)
     if after:
