@@ -134,7 +134,7 @@ def test_a_made_up_run_is_judged_against_its_bound_and_its_ledger(tmp_path):
     assert data["time_ratio"] == pytest.approx(20.0 / data["bound"]["seconds"])
     assert data["chat"]["p99_ratio"] == pytest.approx(1.0)
     assert data["chat"]["beside"]["errors"] == {"workload_tpm": 1}
-    assert data["met"] == {"chat_p99": True, "batch_time": False, "tokens": True}
+    assert data["met"] == {"chat_p99": True, "chat_refused": False, "batch_time": False, "tokens": True}
     assert data["checks"]["batch_lane"] and data["ledger"]["output_request_ids_in_ledger"] == 4
     body = batch.summarize(data)
     assert "| chat short p99 beside the batch / alone | **1.00** | ≤ 1.10 | met |" in body
@@ -147,4 +147,17 @@ def test_a_slower_chat_or_a_token_mismatch_is_missed():
     data = batch._analyse(run, **kwargs)
     assert data["chat"]["p99_ratio"] == pytest.approx(1.25)
     assert data["met"]["chat_p99"] is False and data["met"]["tokens"] is False
-    assert [t["met"] for t in batch.targets(data)] == [False, False, False]
+    assert [t["met"] for t in batch.targets(data)] == [False, False, False, False]
+
+
+def test_a_run_without_refusals_inside_its_bound_meets_every_target():
+    # 40,000 tokens in the ledger and the output, 24 s sim; chat at 3,600 TPM
+    # leaves 116,400: the bound is 20.6 s, the ratio 1.16
+    run, kwargs = _made_up_run(beside_latency=0.2, took_real_s=24 / F, output_tokens=40_000)
+    run["chat"] = [c for c in run["chat"] if c.ok]
+    for row in run["ledger"]["batch_rows"]:
+        row["actual_input_tokens"], row["actual_output_tokens"] = 7_000, 3_000
+    data = batch._analyse(run, **kwargs)
+    assert data["time_ratio"] == pytest.approx(24 / (60 * 40_000 / 116_400))
+    assert all(data["met"].values()), data["met"]
+    assert "| met |" in batch.summarize(data) and "missed" not in batch.summarize(data)
