@@ -45,6 +45,7 @@ from bench.load import Call, Sampler, calls_to_json, lane_depths, open_loop, tim
 from bench.platform import Platform, Services, time_scaled_env
 from bench.seed import config_push, scaled_pool, scaled_workload
 from bench.workload import long_call, short_call
+from inference_sim.config import SimConfig
 
 NAME = "batch"
 SCALE = TimeScale(4.0)
@@ -385,6 +386,8 @@ def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, ch
         "batch_lane": {r["lane"] for r in batch_rows} <= {"batch"},
     }
     p99_ratio = ratio(beside["p99"], solo["p99"])
+    engine = _engine_load(run["samples"], solo=(sizes.warm_s, sizes.solo_s), beside=(created_s, ended_s),
+                          prefill_tokens_per_s=(out["prompt_tokens"] / took if took > 0 else 0.0))
     time_ratio = took / bound.seconds if bound.seconds not in (0, float("inf")) else None
     return {
         "scenario": NAME, "seed": seed, "quick": quick, "time_scale": f, "sizes": asdict(sizes),
@@ -405,6 +408,7 @@ def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, ch
                   "binding": bound.binding},
         "expected_bound": {**asdict(expected), "idle_tpm": expected.idle_tpm, "seconds": expected.seconds},
         "time_ratio": time_ratio,
+        "engine": engine,
         "ledger": {"job_request_ids": ledger["job_request_ids"], "batch_rows": len(batch_rows),
                    "batch_rows_ok": sum(1 for r in batch_rows if r["status"] == "ok"), "batch_tokens": batch_tokens,
                    "batch_workload_rows": len(batch_workload_rows),
@@ -424,6 +428,39 @@ def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, ch
         "chat_rows_at": [[round((r["created_at"] - t0_epoch) * f, 3), _tokens(r)] for r in chat_rows],
         "calls": {"chat": calls_to_json(run["chat"])},
         "samples": run["samples"],
+    }
+
+
+def _engine_load(samples: list[dict], *, solo: tuple[float, float], beside: tuple[float, float],
+                 prefill_tokens_per_s: float) -> dict:
+    """What the simulated GPU did to chat's time per token, from its
+    sequences running at once (sampled) and its own cost model: a decode
+    step takes ``decode_base_ms + decode_per_seq_ms x running``, and each
+    prompt's prefill stalls the steps for ``prefill_ms_per_token`` a token.
+    The modelled ratio is how much slower a chat token was beside the batch;
+    ``room_for_1_10`` the sequences beyond chat alone's that keep the step
+    within 1.10x (where a scheduler aiming at the target would hold it)."""
+    engine = SimConfig()
+    f = SCALE.factor
+
+    def mean_running(lo: float, hi: float) -> float | None:
+        running = [s["sim_running"] for s in samples if "error" not in s and lo <= s["t"] * f < hi]
+        return sum(running) / len(running) if running else None
+
+    alone, with_batch = mean_running(*solo), mean_running(*beside)
+    if alone is None or with_batch is None:
+        return {"running_alone": alone, "running_beside": with_batch}
+
+    def step_ms(running: float) -> float:
+        return engine.decode_base_ms + engine.decode_per_seq_ms * running
+
+    prefill_share = prefill_tokens_per_s * engine.prefill_ms_per_token / 1000.0
+    return {
+        "running_alone": alone, "running_beside": with_batch, "decode_base_ms": engine.decode_base_ms,
+        "decode_per_seq_ms": engine.decode_per_seq_ms, "prefill_ms_per_token": engine.prefill_ms_per_token,
+        "batch_prefill_share": prefill_share,
+        "modelled_token_time_ratio": step_ms(with_batch) / step_ms(alone) * (1 + prefill_share),
+        "room_for_1_10": 0.10 * step_ms(alone) / engine.decode_per_seq_ms,
     }
 
 
@@ -510,10 +547,25 @@ def summarize(data: dict) -> str:
             ["lanes and endpoints of the batch's rows", f"{led['lanes']}; {led['endpoints']}"],
         ]),
         "",
+        _engine_text(data.get("engine") or {}),
+        "",
         md_table(["target", "measured", "target value", "verdict"],
                  [[t["what"], f"**{t['value']}**", t["target"], _verdict(t["met"])] for t in targets(data)]),
     ]
     return "\n".join(lines)
+
+
+def _engine_text(engine: dict) -> str:
+    if "modelled_token_time_ratio" not in engine:
+        return "The simulator's load was not sampled in both phases."
+    return (f"**The simulated GPU.** It ran {engine['running_alone']:.1f} sequences at once on average with chat "
+            f"alone and {engine['running_beside']:.1f} beside the batch; a decode step costs "
+            f"{engine['decode_base_ms']:g} ms + {engine['decode_per_seq_ms']:g} ms per running sequence, and the "
+            f"batch's prompts stalled the engine {engine['batch_prefill_share']:.1%} of the time (prefill "
+            f"{engine['prefill_ms_per_token']:g} ms a token), so its cost model makes each chat token "
+            f"{engine['modelled_token_time_ratio']:.2f}x as slow beside the batch. A chat p99 within 1.10x leaves "
+            f"room for about {engine['room_for_1_10']:.0f} batch sequences beyond chat's own: the latency target's "
+            "idle capacity, far below the tokens the admission bound counts.")
 
 
 def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:

@@ -161,3 +161,19 @@ def test_a_run_without_refusals_inside_its_bound_meets_every_target():
     assert data["time_ratio"] == pytest.approx(24 / (60 * 40_000 / 116_400))
     assert all(data["met"].values()), data["met"]
     assert "| met |" in batch.summarize(data) and "missed" not in batch.summarize(data)
+
+
+def test_the_engine_model_turns_running_sequences_into_chat_slowdown():
+    # given 4 sequences at once with chat alone, 24 beside the batch, and the
+    # batch prefilling 500 tokens a simulated second
+    samples = [{"t": t / F, "sim_running": 4, "sim_queued": 0} for t in range(10, 40)]
+    samples += [{"t": t / F, "sim_running": 24, "sim_queued": 0} for t in range(40, 80)]
+    samples.append({"t": 50 / F, "error": "timeout"})
+    engine = batch._engine_load(samples, solo=(10, 40), beside=(40, 80), prefill_tokens_per_s=500)
+    # then (20 + 0.5 x 24) / (20 + 0.5 x 4) x (1 + 500 x 0.1 / 1000): 32 / 22 x 1.05
+    assert (engine["running_alone"], engine["running_beside"]) == (4, 24)
+    assert engine["batch_prefill_share"] == pytest.approx(0.05)
+    assert engine["modelled_token_time_ratio"] == pytest.approx(32 / 22 * 1.05)
+    assert engine["room_for_1_10"] == pytest.approx(0.1 * 22 / 0.5)
+    assert "32 / 22" not in batch._engine_text(engine) and "1.53x as slow" in batch._engine_text(engine)
+    assert batch._engine_load([], solo=(0, 1), beside=(1, 2), prefill_tokens_per_s=0)["running_alone"] is None
