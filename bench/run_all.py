@@ -239,11 +239,13 @@ the recovery succeeds, closes the circuit and brings the route back to the prima
 ordered by headroom (`budgets/admission/headroom.lua`: the least used of bucket, in-flight and
 provider room) at each admission.""",
     "batch": """**Reading it.** The batch's lines are jobs on the batch lane: admission delays a line
-(never rejects it) until the pool has room beside chat's protected reservation, so the batch
-takes what chat leaves and chat is never refused for it. The bound is an admission bound (tokens
-and requests a minute); what the simulated GPU does with a fuller decode batch (each running
-sequence adds to every step's time, each prefill stalls a step) is what chat's p99 ratio
-measures.""",
+(never rejects it) until the pool has room beside chat's protected reservation; the output file's
+usage and the ledger rows of the batch's lines are the same tokens. The bound counts tokens and
+requests a minute only. Two limits it leaves out are what chat feels: the pool's in-flight limit,
+which an admitted line holds from admission to settlement (a batch keeps up to
+SLUICE_BATCH_LINES_IN_FLIGHT lines admitted or waiting, 64 by default, on a pool of 32 here), so
+chat finds it full and is refused `pool_saturated`; and the simulated GPU, where each running
+sequence adds to every decode step and each prompt stalls one (the paragraph above the targets).""",
     "calibration": """**Reading it.** Three engine parameters (`decode_base_ms`, `decode_per_seq_ms`,
 `prefill_ms_per_token`) plus the KV-cache size reproduce the published throughput curve (linear
 gain, knee, plateau when the KV cache is full) and the inter-token latency rise up to the knee.
