@@ -229,14 +229,14 @@ SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)
 # --- the Batch API (gateway/core/batches) --------------------------------------------------
 # Files live in Django's default storage: a directory under the var dir here,
 # any storage backend in a deployment (STORAGES["default"]).
-MEDIA_ROOT = Path(os.environ.get("SLUICE_FILES_DIR", VAR_DIR / "files"))
+MEDIA_ROOT = Path(os.environ.get("SLUICE_FILES_DIR") or VAR_DIR / "files")
 # An uploaded file's limit (streamed to storage, never held whole in memory),
 # one line's, and a batch's lines (OpenAI's: 200 MB, 50,000 requests).
 SLUICE_BATCH_FILE_MAX_BYTES = env_int("SLUICE_BATCH_FILE_MAX_BYTES", 200 * 1024 * 1024)
 SLUICE_BATCH_LINE_MAX_BYTES = env_int("SLUICE_BATCH_LINE_MAX_BYTES", 1024 * 1024)
 SLUICE_BATCH_MAX_LINES = env_int("SLUICE_BATCH_MAX_LINES", 50_000)
-# Lines of one batch waiting for budget or on the batch lane at once: the
-# feeder (the pacer) gives a batch its next lines as these finish.
+# Lines of one workload's batches waiting for budget or on the batch lane at
+# once: the feeder (the pacer) gives its batches their next lines as these finish.
 SLUICE_BATCH_LINES_IN_FLIGHT = env_int("SLUICE_BATCH_LINES_IN_FLIGHT", 64)
 # How long an admitted line may wait on the lane before it goes back to the
 # batch's pending lines (it never ran: the claim makes sure).

@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from asgiref.sync import sync_to_async
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from budgets.errors import Rejected
 from gateway.core.batches.files import READ_CHUNK, file_delete, file_of_workload, file_store, file_view
+from gateway.core.errors import bad_request
 from gateway.core.batches.lifecycle import batch_cancel, batch_create, batch_list, batch_of_workload, batch_view
 from gateway.models import BatchFile
 from gateway.web.responses import openai_error, rejected_response
@@ -57,8 +60,12 @@ async def files(request: HttpRequest) -> JsonResponse:
     """POST /v1/files (multipart: ``file``, ``purpose=batch``); GET /v1/files."""
     if request.method == "POST":
         def store(ctx):
-            return file_view(file_store(ctx=ctx, upload=request.FILES.get("file"),
-                                        purpose=request.POST.get("purpose", "")))
+            try:
+                upload, purpose = request.FILES.get("file"), request.POST.get("purpose", "")
+            except (MultiPartParserError, RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent) as exc:
+                raise bad_request(f"The upload is not acceptable multipart/form-data: {exc}", param="file",
+                                  code="invalid_upload") from None
+            return file_view(file_store(ctx=ctx, upload=upload, purpose=purpose))
         return await _answer(request, store)
     if request.method in ("GET", "HEAD"):
         def listed(ctx):

@@ -17,13 +17,14 @@ V1_TAG = "OpenAI-compatible API (/v1)"
 ERROR_CODES = {
     400: ["invalid_request", "unknown_parameter", "invalid_string", "context_length_exceeded",
           "sim_controls_disabled", "invalid_callback_url", "invalid_idempotency_key", "invalid_status",
-          "invalid_limit", "invalid_cursor"],
+          "invalid_limit", "invalid_cursor", "invalid_purpose", "missing_required_parameter", "empty_file",
+          "invalid_endpoint", "invalid_completion_window", "invalid_metadata", "invalid_input_file", "invalid_upload"],
     401: ["missing_api_key", "invalid_api_key"],
     403: ["no_reservation"],
-    404: ["job_not_found", "model_not_found"],
+    404: ["job_not_found", "model_not_found", "file_not_found", "batch_not_found"],
     405: ["method_not_allowed"],
     409: ["idempotency_key_reused"],
-    413: ["body_too_large", "request_too_large"],
+    413: ["body_too_large", "request_too_large", "file_too_large"],
     429: ["workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
           "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "overflow_spend_budget",
           "deadline_unreachable", "too_many_invalid_api_keys", "provider_tpm", "provider_rpm"],
@@ -211,9 +212,91 @@ def v1_paths() -> dict:
     }
 
 
+FILE = {"type": "object", "description": "OpenAI's file object.", "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["file"]}, "bytes": {"type": "integer"},
+    "created_at": {"type": "integer"}, "filename": {"type": "string"},
+    "purpose": {"type": "string", "enum": ["batch", "batch_output", "batch_error"]}, "status": {"type": "string"}}}
+BATCH = {"type": "object", "description": "OpenAI's batch object; `sluice` adds the workload, the plan (whether "
+         "its budget lets it finish within the window) and its lines by state.", "properties": {
+    "id": {"type": "string"}, "object": {"type": "string", "enum": ["batch"]}, "endpoint": {"type": "string"},
+    "status": {"type": "string", "enum": ["validating", "failed", "in_progress", "finalizing", "completed",
+                                          "expired", "cancelling", "cancelled"]},
+    "input_file_id": {"type": "string"}, "output_file_id": {"type": "string", "nullable": True},
+    "error_file_id": {"type": "string", "nullable": True}, "errors": {"type": "object", "nullable": True},
+    "request_counts": {"type": "object", "properties": {
+        "total": {"type": "integer"}, "completed": {"type": "integer"}, "failed": {"type": "integer"}}},
+    "usage": {"type": "object"}, "metadata": {"type": "object", "nullable": True}, "sluice": {"type": "object"}}}
+BATCH_BODY = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"], "properties": {
+    "input_file_id": {"type": "string"},
+    "endpoint": {"type": "string", "enum": ["/v1/chat/completions", "/v1/embeddings", "/v1/completions"]},
+    "completion_window": {"type": "string", "enum": ["24h"]},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 512}, "maxProperties": 16}}}
+
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _path_id(name: str) -> list[dict]:
+    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def batch_paths() -> dict:
+    """The Files and Batch APIs (gateway/web/batches.py)."""
+    listing = {"type": "object", "properties": {"object": {"type": "string"}, "data": {"type": "array"},
+                                                 "has_more": {"type": "boolean"}}}
+    upload = {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"], "properties": {
+            "file": {"type": "string", "format": "binary",
+                     "description": f"JSONL, up to {settings.SLUICE_BATCH_FILE_MAX_BYTES:,} bytes."},
+            "purpose": {"type": "string", "enum": ["batch"]}}}}}}
+    upload_op = _op("v1_files_create", "Upload a batch input file",
+                    "Streamed to storage, scoped to the key's workload.",
+                    {"200": _json("The file.", FILE), **_errors(400, 401, 405, 413, 503)})
+    upload_op["requestBody"] = upload
+    return {
+        "/v1/files": {
+            "post": upload_op,
+            "get": _op("v1_files_list", "The workload's files", "Newest first.",
+                       {"200": _json("The files.", listing), **_errors(401, 405, 503)}),
+        },
+        "/v1/files/{file_id}": {
+            "get": _op("v1_files_retrieve", "A file", "Its file object.",
+                       {"200": _json("The file.", FILE), **_errors(401, 404, 405, 503)},
+                       parameters=_path_id("file_id")),
+            "delete": _op("v1_files_delete", "Delete a file", "Its content and its record.",
+                          {"200": _json("Deleted.", {"type": "object"}), **_errors(401, 404, 405, 503)},
+                          parameters=_path_id("file_id")),
+        },
+        "/v1/files/{file_id}/content": {"get": _op(
+            "v1_files_content", "A file's content", "The bytes, streamed (JSONL).",
+            {"200": {"description": "The content.", "content": {"application/jsonl": {"schema": {"type": "string"}}}},
+             **_errors(401, 404, 405, 503)}, parameters=_path_id("file_id"))},
+        "/v1/batches": {
+            "post": _op("v1_batches_create", "Create a batch",
+                        "Its lines run as jobs on the batch lane, delayed (never rejected) by the workload's budget, "
+                        "within the completion window.",
+                        {"200": _json("The batch, validating.", BATCH), **_errors(400, 401, 404, 405, 413, 503)},
+                        body=BATCH_BODY),
+            "get": _op("v1_batches_list", "The workload's batches", "Newest first; `after` and `limit` page.",
+                       {"200": _json("One page.", listing), **_errors(400, 401, 405, 503)},
+                       parameters=[{"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+                                   {"name": "limit", "in": "query", "required": False,
+                                    "schema": {"type": "integer", "minimum": 1, "maximum": 100}}]),
+        },
+        "/v1/batches/{batch_id}": {"get": _op(
+            "v1_batches_retrieve", "A batch", "Its status, request counts, files and usage (from the ledger).",
+            {"200": _json("The batch.", BATCH), **_errors(401, 404, 405, 503)}, parameters=_path_id("batch_id"))},
+        "/v1/batches/{batch_id}/cancel": {"post": _op(
+            "v1_batches_cancel", "Cancel a batch", "No new line starts; lines already running finish and are billed.",
+            {"200": _json("The batch, cancelling.", BATCH), **_errors(401, 404, 405, 503)},
+            parameters=_path_id("batch_id"))},
+    }
+
+
 def add_v1_paths(result: dict, generator, request, public) -> dict:
     """drf-spectacular postprocessing hook: the /v1 API beside /api."""
-    result.setdefault("paths", {}).update(v1_paths())
+    result.setdefault("paths", {}).update({**v1_paths(), **batch_paths()})
     components = result.setdefault("components", {})
     components.setdefault("securitySchemes", {})["SluiceApiKey"] = {
         "type": "http", "scheme": "bearer", "description": "A workload's API key (sk-sluice-...), as with the openai SDK."}

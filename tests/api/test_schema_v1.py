@@ -16,7 +16,10 @@ def test_v1_is_in_the_schema_with_its_errors_and_headers():
     schema = Client().get("/api/schema/?format=json").json()
     v1 = {path: sorted(ops) for path, ops in schema["paths"].items() if path.startswith("/v1")}
     assert v1 == {"/v1/chat/completions": ["post"], "/v1/completions": ["post"], "/v1/embeddings": ["post"],
-                  "/v1/jobs": ["get", "post"], "/v1/jobs/{job_id}": ["get"], "/v1/models": ["get"]}
+                  "/v1/jobs": ["get", "post"], "/v1/jobs/{job_id}": ["get"], "/v1/models": ["get"],
+                  "/v1/files": ["get", "post"], "/v1/files/{file_id}": ["delete", "get"],
+                  "/v1/files/{file_id}/content": ["get"], "/v1/batches": ["get", "post"],
+                  "/v1/batches/{batch_id}": ["get"], "/v1/batches/{batch_id}/cancel": ["post"]}
     embeddings = schema["paths"]["/v1/embeddings"]["post"]
     body = embeddings["requestBody"]["content"]["application/json"]["schema"]
     assert body["required"] == ["model", "input"]

@@ -8,8 +8,9 @@ budget delays them, never rejects them. The life of a batch:
   row per request (``pending``; a refused request is written final, for the
   error file) or fails the batch with the file's errors.
 - ``in_progress``: the pacer feeds the batch (``batches_step``): while fewer
-  than SLUICE_BATCH_LINES_IN_FLIGHT of its lines are delayed or queued, the
-  next pending lines (in file order) become delayed jobs due now, and the
+  than SLUICE_BATCH_LINES_IN_FLIGHT lines of its workload's batches are
+  delayed or queued, the next pending lines (in file order, older batches
+  first) become delayed jobs due now, and the
   pacer's usual release admits them or parks them until the budget has room.
   A line that finishes wakes the pacer, so the next one follows at once.
 - ``finalizing``: every line is final; a housekeeping task writes the output
@@ -269,19 +270,22 @@ def batch_counts(batch_id: str) -> dict[str, int]:
                 .values_list("status", "n"))
 
 
-def _feed(batch: Batch, counts: dict[str, int]) -> int:
-    """Make the next pending lines due now, up to the in-flight limit."""
-    room = settings.SLUICE_BATCH_LINES_IN_FLIGHT - sum(counts.get(s, 0) for s in IN_FLIGHT)
-    if room <= 0 or not counts.get(Job.Status.PENDING):
+def _feed(batch: Batch, counts: dict[str, int], room: dict[int, int]) -> int:
+    """Make the batch's next pending lines due now, within its workload's
+    room (``room``: lines each workload may still have delayed or queued,
+    spent here)."""
+    free = room.get(batch.workload_id, 0)
+    if free <= 0 or not counts.get(Job.Status.PENDING):
         return 0
     ids = list(Job.objects.filter(batch=batch, status=Job.Status.PENDING).order_by("line")
-               .values_list("id", flat=True)[:room])
+               .values_list("id", flat=True)[:free])
     now = timezone.now()
     fed = []
     for job_id in ids:  # one conditional UPDATE each: a line another pacer took is skipped
         if Job.objects.filter(pk=job_id, status=Job.Status.PENDING).update(
                 status=Job.Status.DELAYED, release_at=now, reason="batch"):
             fed.append(str(job_id))
+    room[batch.workload_id] = free - len(fed)
     if fed:
         due_ms = redis_now_ms()
         Commands().zadd(keys.DELAYED_JOBS, {job_id: due_ms for job_id in fed}).run()
@@ -327,9 +331,10 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 CANCELLED_MESSAGE = "This request was not executed: its batch was cancelled."
 
 
-def batch_step(batch: Batch) -> None:
-    """One look at a running batch: feed it, end what its cancel or its
-    window ends, and hand it to finalization once no line is in flight."""
+def batch_step(batch: Batch, room: dict[int, int]) -> None:
+    """One look at a running batch: feed it (within ``room``, see _feed),
+    end what its cancel or its window ends, and hand it to finalization
+    once no line is in flight."""
     if batch.status == Batch.Status.VALIDATING:
         _task_publish(batch.id, VALIDATE_TASK, step="validate", force=False)
         return
@@ -346,7 +351,7 @@ def batch_step(batch: Batch) -> None:
         _delayed_end(batch, status=ending[0], reason=ending[1], message=ending[2])
     counts = batch_counts(batch.id)
     if ending is None:
-        if _feed(batch, counts):
+        if _feed(batch, counts, room):
             return
         _lost_lines_restore(batch)
     if any(counts.get(s, 0) for s in (*IN_FLIGHT, Job.Status.PENDING)):
@@ -359,14 +364,26 @@ def batch_step(batch: Batch) -> None:
     _task_publish(batch.id, FINALIZE_TASK, step="finalize", force=False)
 
 
+def workload_room(batches: list[Batch]) -> dict[int, int]:
+    """Per workload, how many more of its batches' lines may be delayed or
+    queued (SLUICE_BATCH_LINES_IN_FLIGHT across all its batches, so a tenant
+    with a hundred batches costs the pacer no more than one with one)."""
+    ids = [b.id for b in batches if b.status == Batch.Status.IN_PROGRESS]
+    busy = dict(Job.objects.filter(batch_id__in=ids, status__in=IN_FLIGHT).values_list("workload_id")
+                .annotate(n=Count("id")).values_list("workload_id", "n")) if ids else {}
+    limit = settings.SLUICE_BATCH_LINES_IN_FLIGHT
+    return {b.workload_id: limit - busy.get(b.workload_id, 0) for b in batches}
+
+
 def batches_step() -> int:
-    """The pacer's look at every active batch, each step (while any is
-    active it steps at least every FEED_EVERY_S). Returns how many it
-    looked at."""
-    batches = list(Batch.objects.filter(status__in=ACTIVE).select_related("workload"))
+    """The pacer's look at every active batch, oldest first (a workload's
+    batches run in the order they were made), each step; while any is
+    active it steps at least every FEED_EVERY_S. Returns how many it looked at."""
+    batches = list(Batch.objects.filter(status__in=ACTIVE).select_related("workload").order_by("created_at"))
+    room = workload_room(batches)
     for batch in batches:
         try:
-            batch_step(batch)
+            batch_step(batch, room)
         except Exception:  # one batch's trouble must not stop the others'
             logger.exception("batch %s: step failed", batch.id)
     return len(batches)
@@ -379,9 +396,11 @@ def _output_line(job: Job) -> bytes:
     answer (or the refusal a direct call would get) as ``response``; a line
     that never ran as ``error``."""
     line_id = "batch_req_" + uuid.UUID(str(job.id)).hex
-    if job.status in (Job.Status.CANCELLED, Job.Status.EXPIRED) and job.reason in ("batch_cancelled", "batch_expired"):
+    if job.status in (Job.Status.CANCELLED, Job.Status.EXPIRED) and job.result_status is None:
+        # It never reached the pool: cancelled, or its window (or its budget's wait) ran out.
         item = {"id": line_id, "custom_id": job.custom_id, "response": None,
-                "error": {"code": job.reason, "message": (job.result or {}).get("error", {}).get("message", "")}}
+                "error": {"code": job.reason or "batch_expired",
+                          "message": (job.result or {}).get("error", {}).get("message", EXPIRED_MESSAGE)}}
     else:
         status_code = job.result_status or (200 if job.status == Job.Status.SUCCEEDED else 500)
         item = {"id": line_id, "custom_id": job.custom_id,
@@ -487,13 +506,15 @@ def batch_view(batch: Batch, counts: dict[str, int] | None = None) -> dict:
 
 
 def batch_usage(batch_id: str) -> dict:
-    """Tokens the ledger holds for the batch's lines (what it is billed for)."""
+    """Tokens the ledger holds for the batch's lines (what it is billed for),
+    in OpenAI's batch ``usage`` shape, and their cost."""
     totals = UsageRecord.objects.filter(request_id__in=Job.objects.filter(batch_id=batch_id).exclude(request_id="")
                                         .values("request_id")).aggregate(
         input_tokens=Sum("actual_input_tokens"), output_tokens=Sum("actual_output_tokens"), cost=Sum("cost"))
     input_tokens, output_tokens = totals["input_tokens"] or 0, totals["output_tokens"] or 0
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens,
-            "cost": str(totals["cost"] or 0)}
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens, "cost": str(totals["cost"] or 0)}
 
 
 def batch_of_workload(*, batch_id: str, workload_id: int) -> Batch | None:

@@ -8,6 +8,7 @@ past visibility_timeout is delivered a second time."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone as dt_timezone
@@ -190,6 +191,26 @@ def job_start(*, job: Job, ctx: CallerContext, chat: ApiRequest, estimate: Estim
     record_enqueue(record, lease_ms=lease_ms)
 
 
+# The pacer releases a batch's lines by the hundred, all of one workload:
+# each reads its workload's slices and prices once a second, not once a line
+# (a changed slice or price reaches released jobs within that second).
+RELEASE_CONTEXT_FRESH_S = 1.0
+RELEASE_CONTEXTS_KEPT = 1024
+_release_contexts: dict[int, tuple[float, CallerContext]] = {}
+
+
+def _release_context(workload) -> CallerContext:
+    now = time.monotonic()
+    kept = _release_contexts.get(workload.id)
+    if kept is not None and now - kept[0] < RELEASE_CONTEXT_FRESH_S:
+        return kept[1]
+    if len(_release_contexts) >= RELEASE_CONTEXTS_KEPT:
+        _release_contexts.clear()
+    ctx = context_for_workload(workload)
+    _release_contexts[workload.id] = (now, ctx)
+    return ctx
+
+
 def job_release(*, job_id: str) -> str:
     """The pacer's step for one due job: start it, or park it again."""
     job = Job.objects.select_related("workload", "workload__tenant").filter(pk=job_id).first()
@@ -204,7 +225,7 @@ def job_release(*, job_id: str) -> str:
         return "expired"
     # The key that submitted it (or its schedule's): the ledger row carries
     # it. A batch's line runs on the batch lane, whatever its workload's class.
-    ctx = replace(context_for_workload(job.workload), api_key_id=job.api_key_id)
+    ctx = replace(_release_context(job.workload), api_key_id=job.api_key_id)
     if job.batch_id:
         ctx = replace(ctx, workload_class="batch")
     try:

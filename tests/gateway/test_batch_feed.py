@@ -1,0 +1,109 @@
+"""The pacer's feed of running batches, step by step against the real
+database and Redis (no workers): a workload's lines in flight are bounded
+across all its batches, oldest batch first; another workload has its own
+room; a delayed line the delayed set lost is put back; a pending line is
+made due exactly once however many pacers feed at once."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import close_old_connections
+from django.utils import timezone
+
+from gateway.core import keys
+from gateway.core.batches.lifecycle import LOST_LINE_S, batches_step
+from gateway.models import Batch, Job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def _batch(caller, lines: int, *, created_ago_s: float = 0) -> Batch:
+    batch = Batch.objects.create(tenant=caller.tenant, workload=caller.workload, endpoint="/v1/chat/completions",
+                                 status=Batch.Status.IN_PROGRESS, total=lines,
+                                 expires_at=timezone.now() + timedelta(hours=24))
+    Batch.objects.filter(pk=batch.pk).update(created_at=timezone.now() - timedelta(seconds=created_ago_s))
+    Job.objects.bulk_create([
+        Job(tenant=caller.tenant, workload=caller.workload, batch=batch, line=i + 1, custom_id=f"c{i}",
+            status=Job.Status.PENDING, body={"model": "sim-small", "messages": [{"role": "user", "content": "x"}]},
+            deadline=batch.expires_at)
+        for i in range(lines)])
+    return batch
+
+
+def _by_status(batch: Batch) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for status in Job.objects.filter(batch=batch).values_list("status", flat=True):
+        counts[status] = counts.get(status, 0) + 1
+    return counts
+
+
+@pytest.fixture
+def flushed(redis_client):
+    redis_client.delete(keys.DELAYED_JOBS)
+    yield redis_client
+    redis_client.delete(keys.DELAYED_JOBS)
+
+
+def test_a_workloads_lines_in_flight_are_bounded_across_its_batches_oldest_first(make_caller, flushed, settings):
+    settings.SLUICE_BATCH_LINES_IN_FLIGHT = 10
+    caller = make_caller()
+    older, newer = _batch(caller, 8, created_ago_s=60), _batch(caller, 8)
+    other = _batch(make_caller(pool=caller.pool), 15)
+    batches_step()
+    assert _by_status(older) == {"delayed": 8}
+    assert _by_status(newer) == {"delayed": 2, "pending": 6}  # what the older one left of the 10
+    assert _by_status(other) == {"delayed": 10, "pending": 5}  # its own room
+    assert flushed.zcard(keys.DELAYED_JOBS) == 20
+    # a step with nothing finished feeds nothing more
+    batches_step()
+    assert flushed.zcard(keys.DELAYED_JOBS) == 20
+    # three of the older batch's lines finish: three more start, in file order
+    done = list(Job.objects.filter(batch=older).order_by("line")[:3])
+    Job.objects.filter(pk__in=[j.pk for j in done]).update(status=Job.Status.SUCCEEDED)
+    batches_step()
+    assert _by_status(newer) == {"delayed": 5, "pending": 3}
+    assert list(Job.objects.filter(batch=newer, status="delayed").order_by("line").values_list("line", flat=True)) \
+        == [1, 2, 3, 4, 5]
+
+
+def test_a_delayed_line_the_delayed_set_lost_is_put_back(make_caller, flushed):
+    caller = make_caller()
+    batch = _batch(caller, 3)
+    batches_step()
+    assert flushed.zcard(keys.DELAYED_JOBS) == 3
+    # Redis loses the set; the lines have waited longer than LOST_LINE_S
+    flushed.delete(keys.DELAYED_JOBS)
+    Job.objects.filter(batch=batch).update(release_at=timezone.now() - timedelta(seconds=LOST_LINE_S + 1))
+    batches_step()
+    assert flushed.zcard(keys.DELAYED_JOBS) == 3
+    assert set(flushed.zrange(keys.DELAYED_JOBS, 0, -1)) == {str(j) for j in Job.objects.filter(batch=batch)
+                                                            .values_list("id", flat=True)}
+
+
+def test_pacers_feeding_at_once_make_each_line_due_once(make_caller, flushed, settings):
+    settings.SLUICE_BATCH_LINES_IN_FLIGHT = 1000
+    caller = make_caller()
+    batch = _batch(caller, 300)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def pacer():
+        try:
+            start.wait()
+            batches_step()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=pacer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert _by_status(batch) == {"delayed": 300}
+    assert flushed.zcard(keys.DELAYED_JOBS) == 300
