@@ -24,8 +24,10 @@ PLOTS_DIR = BENCH_DIR / "plots"
 QUICK_DIR = OUT_DIR / "quick"
 
 _T0 = time.monotonic()
-# wait_http polls with httpx, which logs every request at INFO.
+# wait_http polls with httpx, and the openai SDK's client (httpx2) is as
+# chatty: each logs every request at INFO.
 logging.getLogger("httpx").setLevel(logging.WARNING)
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 
 # The machine's speed, stated beside every CPU figure: the seconds this

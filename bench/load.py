@@ -111,9 +111,11 @@ async def timed_stream(client: httpx.AsyncClient, url: str, body: dict, headers:
 
 
 async def open_loop(rate_per_s: float, duration_s: float, fire: Callable[[int], Awaitable[Any]], *,
-                    poisson: bool = False, rng: random.Random | None = None, max_requests: int = 1_000_000) -> int:
+                    poisson: bool = False, rng: random.Random | None = None, max_requests: int = 1_000_000,
+                    stop: asyncio.Event | None = None) -> int:
     """Start ``fire(i)`` at ``rate_per_s`` for ``duration_s`` (uniform or
-    Poisson spacing), without waiting for answers; then wait for all of them."""
+    Poisson spacing), or until ``stop`` is set, without waiting for answers;
+    then wait for all of them."""
     rng = rng or random.Random(0)
     tasks: set[asyncio.Task] = set()
     start = time.monotonic()
@@ -121,7 +123,7 @@ async def open_loop(rate_per_s: float, duration_s: float, fire: Callable[[int], 
     i = 0
     while i < max_requests:
         now = time.monotonic()
-        if now - start >= duration_s:
+        if now - start >= duration_s or (stop is not None and stop.is_set()):
             break
         if next_at > now:
             await asyncio.sleep(next_at - now)

@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 
-from . import (accuracy, admission_scale, brownout, burst, calibration, cost, mixed, overhead, request_log,
+from . import (accuracy, admission_scale, batch, brownout, burst, calibration, cost, mixed, overhead, request_log,
                retry_storm, routing, runaway, streaming)
 from .common import (OUT_DIR, fmt, git_revision, log, machine_speed, read_result, report_paths, speed_line,
                      speed_scaled, write_result)
@@ -41,11 +41,12 @@ SCENARIOS = [
     ("brownout", brownout, "3. Brownout"),
     ("retry_storm", retry_storm, "4. Retry storm"),
     ("routing", routing, "12. Routing across pools: spill-over, fail-over, replicas"),
+    ("batch", batch, "13. Batch API in idle capacity, beside chat"),
     ("accuracy", accuracy, "6. Budget accuracy"),
     ("request_log", request_log, "8. Request log at scale"),
 ]
 REPORT_ORDER = ["mixed", "runaway", "brownout", "retry_storm", "overhead", "accuracy", "streaming", "request_log",
-                "cost", "admission_scale", "burst", "routing", "calibration"]
+                "cost", "admission_scale", "burst", "routing", "batch", "calibration"]
 
 
 def _machine(speed: dict[str, float] | None) -> str:
@@ -237,6 +238,14 @@ the attempts per operation are higher within the outage than over the run; the f
 the recovery succeeds, closes the circuit and brings the route back to the primary. Replicas are
 ordered by headroom (`budgets/admission/headroom.lua`: the least used of bucket, in-flight and
 provider room) at each admission.""",
+    "batch": """**Reading it.** The batch's lines are jobs on the batch lane: admission delays a line
+(never rejects it) until the pool has room beside chat's protected reservation; the output file's
+usage and the ledger rows of the batch's lines are the same tokens. The bound counts tokens and
+requests a minute only. Two limits it leaves out are what chat feels: the pool's in-flight limit,
+which an admitted line holds from admission to settlement (a batch keeps up to
+SLUICE_BATCH_LINES_IN_FLIGHT lines admitted or waiting, 64 by default, on a pool of 32 here), so
+chat finds it full and is refused `pool_saturated`; and the simulated GPU, where each running
+sequence adds to every decode step and each prompt stalls one (the paragraph above the targets).""",
     "calibration": """**Reading it.** Three engine parameters (`decode_base_ms`, `decode_per_seq_ms`,
 `prefill_ms_per_token`) plus the KV-cache size reproduce the published throughput curve (linear
 gain, knee, plateau when the KV cache is full) and the inter-token latency rise up to the knee.
@@ -338,6 +347,13 @@ def _summary_table() -> str:
     if d and "spill" in d:
         checks = routing.targets(d)
         rows.append(["12 routing (spill-over, fail-over, replicas)", "; ".join(t["what"] for t in checks),
+                     "; ".join(f"**{t['value']}**" for t in checks), "; ".join(t["target"] for t in checks),
+                     "met" if all(t["met"] for t in checks) else
+                     f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])
+    d = get("batch")
+    if d and "bound" in d:
+        checks = batch.targets(d)
+        rows.append([f"13 Batch API ({d['sizes']['lines']:,} lines beside chat)", "; ".join(t["what"] for t in checks),
                      "; ".join(f"**{t['value']}**" for t in checks), "; ".join(t["target"] for t in checks),
                      "met" if all(t["met"] for t in checks) else
                      f"missed {sum(not t['met'] for t in checks)} of {len(checks)}"])

@@ -275,6 +275,10 @@ class UsageRecord(models.Model):
     # The /v1 endpoint the request came through (every row before this
     # column existed was a chat completion).
     CHAT_COMPLETIONS = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    EMBEDDINGS = "/v1/embeddings"
+    # Each endpoint and the short name pages show it by.
+    ENDPOINT_LABELS = {CHAT_COMPLETIONS: "chat/completions", COMPLETIONS: "completions", EMBEDDINGS: "embeddings"}
     endpoint = models.CharField(max_length=64, default=CHAT_COMPLETIONS)
 
     objects = UsageRecordQuerySet.as_manager()

@@ -49,6 +49,7 @@ class LogFilters:
     reason: str | None = None  # a rejection reason (rejections only)
     lane: str | None = None
     model: str | None = None
+    endpoint: str | None = None  # a /v1 path (UsageRecord.ENDPOINT_LABELS)
 
     @property
     def wants_ledger(self) -> bool:
@@ -56,8 +57,9 @@ class LogFilters:
 
     @property
     def wants_rejections(self) -> bool:
-        # Rejections have no lane or model (refused before any was chosen).
-        return self.status in (None, "", REJECTED) and not self.lane and not self.model
+        # Rejections have no lane or model (refused before any was chosen),
+        # and their samples do not record the endpoint.
+        return self.status in (None, "", REJECTED) and not self.lane and not self.model and not self.endpoint
 
     def ledger_q(self) -> Q:
         q = Q(created_at__gte=self.start, created_at__lt=self.end)
@@ -73,6 +75,8 @@ class LogFilters:
             q &= Q(lane=self.lane)
         if self.model:
             q &= Q(model=self.model)
+        if self.endpoint:
+            q &= Q(endpoint=self.endpoint)
         return q
 
     def rejection_q(self) -> Q:

@@ -360,23 +360,46 @@ def tokens_by_workload_bucket(*, workload_ids: list[int], start: datetime, end: 
 
 
 @dataclass(frozen=True)
+class EndpointUsage:
+    endpoint: str  # a /v1 path (UsageRecord.ENDPOINT_LABELS)
+    requests: int
+    tokens: int
+    cost: Decimal
+
+    @property
+    def label(self) -> str:
+        return UsageRecord.ENDPOINT_LABELS.get(self.endpoint, self.endpoint)
+
+
+@dataclass(frozen=True)
 class KeyUsage:
     api_key_id: int
     requests: int
     tokens: int
     cost: Decimal
+    by_endpoint: tuple[EndpointUsage, ...] = ()  # most requests first
 
 
 def usage_by_api_key(*, tenant_ids: frozenset[int] | None, start: datetime, end: datetime) -> dict[int, KeyUsage]:
-    """Requests, tokens and cost per API key in [start, end) (ledger, through
-    its (api_key, created_at, id) index)."""
+    """Requests, tokens and cost per API key in [start, end), in all and per
+    /v1 endpoint (ledger, through its (api_key, created_at, id) index)."""
     rows = UsageRecord.objects.filter(api_key__isnull=False, created_at__gte=start, created_at__lt=end)
     if tenant_ids is not None:
         rows = rows.filter(tenant_id__in=tenant_ids)
-    rows = rows.order_by().values("api_key_id").annotate(
+    rows = rows.order_by().values("api_key_id", "endpoint").annotate(
         n=Count("id"), tokens=Sum(F("actual_input_tokens") + F("actual_output_tokens")), spent=Sum("cost"))
-    return {r["api_key_id"]: KeyUsage(api_key_id=r["api_key_id"], requests=r["n"], tokens=r["tokens"] or 0,
-                                      cost=cost_exact(r["spent"])) for r in rows}
+    per_key: dict[int, list[EndpointUsage]] = defaultdict(list)
+    for r in rows:
+        per_key[r["api_key_id"]].append(EndpointUsage(endpoint=r["endpoint"], requests=r["n"], tokens=r["tokens"] or 0,
+                                                      cost=cost_exact(r["spent"])))
+    return {key_id: _key_usage_of(key_id, parts) for key_id, parts in per_key.items()}
+
+
+def _key_usage_of(api_key_id: int, parts: list[EndpointUsage]) -> KeyUsage:
+    parts.sort(key=lambda p: (-p.requests, p.endpoint))
+    return KeyUsage(api_key_id=api_key_id, requests=sum(p.requests for p in parts),
+                    tokens=sum(p.tokens for p in parts), cost=sum((p.cost for p in parts), Decimal(0)),
+                    by_endpoint=tuple(parts))
 
 
 @dataclass(frozen=True)

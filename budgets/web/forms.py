@@ -264,6 +264,7 @@ class RequestLogForm(forms.Form):
     lane = forms.RegexField(regex=r"^[a-z0-9_.-]{1,32}$", required=False,
                             error_messages={"invalid": "A lane is lower-case letters, digits, _, . and -."})
     model = forms.CharField(max_length=200, required=False)
+    endpoint = forms.ChoiceField(choices=[("", "any"), *UsageRecord.ENDPOINT_LABELS.items()], required=False)
 
     def __init__(self, *args, tenant_ids: frozenset[int] | None, **kwargs):
         super().__init__(*args, **kwargs)

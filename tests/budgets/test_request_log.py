@@ -21,7 +21,7 @@ from budgets.selectors.latency import (
     latency_by_workload_lane,
     percentile,
 )
-from budgets.selectors.request_log import REJECTED, Cursor, LogFilters, request_log_page
+from budgets.selectors.request_log import PAGE_SIZE, REJECTED, Cursor, LogFilters, request_log_page
 from tenants.models import ApiKey
 from tests.people import ledger_add, world  # noqa: F401 (fixture)
 
@@ -277,6 +277,69 @@ def test_bad_filters_are_a_400_in_the_page_never_a_500(world, client):
         assert response.status_code == 400, params
     assert client.get(url, {"after": "garbage"}).status_code == 200  # a bad cursor starts at the top
     assert client.get(reverse("tenant-request-detail", args=[world.tenant_a.slug, "req_nope"])).status_code == 404
+
+
+def test_the_log_filters_by_endpoint_and_keeps_the_filter_in_its_paging_link(world, client):
+    # given three embeddings, a legacy completion and a chat in the last
+    # hour, another tenant's embedding and a rejection (no endpoint recorded)
+    now = datetime.now(tz=dt_timezone.utc)
+    embedded = [ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=5 - i),
+                           output_tokens=0, endpoint=UsageRecord.EMBEDDINGS) for i in range(3)]
+    completed = ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(minutes=1),
+                           endpoint=UsageRecord.COMPLETIONS)
+    chatted = ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(seconds=30))
+    ledger_add(workload=world.wl_b, pool=world.pool, at=now - timedelta(minutes=2), endpoint=UsageRecord.EMBEDDINGS)
+    sample(world, at=now - timedelta(seconds=10))
+    base = dict(start=now - timedelta(hours=1), end=now + timedelta(seconds=1), tenant_ids=frozenset({world.tenant_a.id}))
+
+    def ids(**kw):
+        return [e.request_id for e in request_log_page(filters=LogFilters(**base, **kw)).entries]
+
+    # then the selector keeps only that endpoint's ledger rows
+    assert ids(endpoint=UsageRecord.EMBEDDINGS) == embedded[::-1]
+    assert ids(endpoint=UsageRecord.COMPLETIONS) == [completed]
+    assert ids(endpoint=UsageRecord.CHAT_COMPLETIONS) == [chatted]
+    assert len(ids()) == 6
+    # and the page pages through it two at a time with the filter kept
+    client.force_login(world.member_a)
+    url = reverse("tenant-request-log", args=[world.tenant_a.slug])
+    first = client.get(url, {"range": "1h", "endpoint": UsageRecord.EMBEDDINGS})
+    assert first.status_code == 200
+    assert [e.request_id for e in first.context["page"].entries][:3] == embedded[::-1]
+    assert '<option value="/v1/embeddings" selected>embeddings</option>' in first.content.decode()
+    assert "endpoint=%2Fv1%2Fembeddings" in first.context["query"]
+    latency = first.context["latency"]
+    assert sum(row.requests for row in latency) == 3 and sum(row.rejections for row in latency) == 0
+
+
+def test_the_log_pages_an_endpoint_filter_through_its_next_link(world, client):
+    # given one page and one row of embeddings, chats interleaved
+    now = datetime.now(tz=dt_timezone.utc)
+    embedded = [ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(seconds=200 - 2 * i),
+                           output_tokens=0, endpoint=UsageRecord.EMBEDDINGS) for i in range(PAGE_SIZE + 1)]
+    for i in range(5):
+        ledger_add(workload=world.wl_a, pool=world.pool, at=now - timedelta(seconds=199 - 2 * i))
+    client.force_login(world.member_a)
+    url = reverse("tenant-request-log", args=[world.tenant_a.slug])
+    # when the first page's "Older requests" link is followed
+    first = client.get(url, {"range": "1h", "endpoint": UsageRecord.EMBEDDINGS})
+    body = first.content.decode()
+    link = body[body.index('id="next-page" href="') + len('id="next-page" href="'):].split('"')[0].replace("&amp;", "&")
+    second = client.get(url + link)
+    # then the two pages hold every embedding once, and nothing else
+    assert "endpoint=%2Fv1%2Fembeddings" in link
+    got = [e.request_id for e in first.context["page"].entries + second.context["page"].entries]
+    assert got == embedded[::-1]
+    assert second.context["page"].next_cursor is None
+
+
+def test_an_unknown_endpoint_filter_is_a_400_in_the_page(world, client):
+    client.force_login(world.member_a)
+    url = reverse("tenant-request-log", args=[world.tenant_a.slug])
+    for value in ("/v1/files", "embeddings", "x" * 500):
+        response = client.get(url, {"endpoint": value})
+        assert response.status_code == 400, value
+        assert "endpoint:" in response.content.decode()
 
 
 def test_the_log_and_the_request_page_name_each_requests_endpoint(world, client):

@@ -33,14 +33,14 @@ NOW = datetime(2026, 11, 20, 15, 30, 20, tzinfo=dt_timezone.utc)
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def write(world, *, at, workload=None, tokens=(100, 50), key=None) -> str:
+def write(world, *, at, workload=None, tokens=(100, 50), key=None, endpoint=UsageRecord.CHAT_COMPLETIONS) -> str:
     workload = workload or world.wl_a
     request_id = "req_" + uuid.uuid4().hex
     usage_record_write(entry=LedgerEntry(
         request_id=request_id, created_at=at, tenant_id=workload.tenant_id, workload_id=workload.id,
         pool_id=world.pool.id, model="sim-small", lane="interactive", status="ok", borrowed=False,
         estimated_input_tokens=tokens[0], estimated_output_tokens=64, actual_input_tokens=tokens[0],
-        actual_output_tokens=tokens[1], api_key_id=key.id if key else None))
+        actual_output_tokens=tokens[1], api_key_id=key.id if key else None, endpoint=endpoint))
     return request_id
 
 
@@ -209,6 +209,41 @@ def test_usage_per_key_is_summed_from_the_ledger_in_range(world):
     assert list(usage) == [key.id]
     assert (usage[key.id].requests, usage[key.id].tokens, str(usage[key.id].cost)) == (2, 3000, "0.00090000")
     assert usage_by_api_key(tenant_ids=frozenset({world.tenant_b.id}), start=NOW - timedelta(days=5), end=NOW) == {}
+
+
+@pytest.mark.django_db
+def test_usage_per_key_is_split_by_endpoint_and_adds_up_to_its_total(world):
+    # given one key's chat, embeddings and legacy completions in range, and
+    # an embedding outside it
+    key = ApiKey.objects.get(workload=world.wl_a)
+    for _ in range(2):
+        write(world, at=NOW - timedelta(minutes=5), key=key, tokens=(1000, 500))
+    for _ in range(3):
+        write(world, at=NOW - timedelta(minutes=4), key=key, tokens=(300, 0), endpoint=UsageRecord.EMBEDDINGS)
+    write(world, at=NOW - timedelta(minutes=3), key=key, tokens=(200, 100), endpoint=UsageRecord.COMPLETIONS)
+    write(world, at=NOW - timedelta(days=3), key=key, tokens=(9000, 0), endpoint=UsageRecord.EMBEDDINGS)
+    # when
+    usage = usage_by_api_key(tenant_ids=frozenset({world.tenant_a.id}), start=NOW - timedelta(hours=24), end=NOW)[key.id]
+    # then most-used first, each with its own requests, tokens and cost
+    # (sim-small: 0.15 in, 0.60 out per million), summing to the key's total
+    parts = [(p.label, p.requests, p.tokens, str(p.cost)) for p in usage.by_endpoint]
+    assert parts == [("embeddings", 3, 900, "0.00013500"), ("chat/completions", 2, 3000, "0.00090000"),
+                     ("completions", 1, 300, "0.00009000")]
+    assert (usage.requests, usage.tokens, str(usage.cost)) == (6, 4200, "0.00112500")
+
+
+@pytest.mark.django_db
+def test_the_keys_table_shows_each_keys_usage_by_endpoint(world, client):
+    key = ApiKey.objects.get(workload=world.wl_a)
+    now = timezone.now()
+    write(world, at=now - timedelta(minutes=10), key=key, tokens=(1000, 500))
+    write(world, at=now - timedelta(minutes=9), key=key, tokens=(400, 0), endpoint=UsageRecord.EMBEDDINGS)
+    write(world, at=now - timedelta(minutes=9), key=key, tokens=(400, 0), endpoint=UsageRecord.EMBEDDINGS)
+    client.force_login(world.member_a)
+    body = client.get(reverse("tenant-detail", args=[world.tenant_a.slug]), {"range": "1h"}).content.decode()
+    assert 'data-endpoint="/v1/embeddings" data-requests="2" data-tokens="800">embeddings: 2 req, 800 tok' in body
+    assert 'data-endpoint="/v1/chat/completions" data-requests="1" data-tokens="1500">chat/completions: 1 req' in body
+    assert 'data-endpoint="/v1/completions"' not in body
 
 
 # --- rejection samples ---------------------------------------------------------------

@@ -53,6 +53,7 @@ def _log(request, *, tenant, tenant_ids: frozenset[int] | None):
         workload_id=data["workload"].id if data.get("workload") else None,
         api_key_id=data["key"].id if data.get("key") else None, status=data.get("status") or None,
         reason=data.get("reason") or None, lane=data.get("lane") or None, model=data.get("model") or None,
+        endpoint=data.get("endpoint") or None,
     )
     raw_cursor = request.GET.get("after") or ""
     cursor = Cursor.decode(raw_cursor) if raw_cursor else None

@@ -16,8 +16,8 @@ from budgets.models import UsageRecord
 
 # The ledger's default: every row from before endpoints were recorded was one.
 CHAT_COMPLETIONS = UsageRecord.CHAT_COMPLETIONS
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
+COMPLETIONS = UsageRecord.COMPLETIONS
+EMBEDDINGS = UsageRecord.EMBEDDINGS
 
 # Each endpoint's path on the pool, relative to its base URL (which ends in /v1).
 POOL_PATHS = {
