@@ -238,6 +238,9 @@ SLUICE_BATCH_MAX_LINES = env_int("SLUICE_BATCH_MAX_LINES", 50_000)
 # Lines of one workload's batches waiting for budget or on the batch lane at
 # once: the feeder (the pacer) gives its batches their next lines as these finish.
 SLUICE_BATCH_LINES_IN_FLIGHT = env_int("SLUICE_BATCH_LINES_IN_FLIGHT", 64)
+# The share of a pool's in-flight limit that batch lines (every workload's
+# whose primary pool it is) may hold at once; interactive calls keep the rest.
+SLUICE_BATCH_POOL_SHARE = env_float("SLUICE_BATCH_POOL_SHARE", 0.25)
 # How long an admitted line may wait on the lane before it goes back to the
 # batch's pending lines (it never ran: the claim makes sure).
 SLUICE_BATCH_LINE_QUEUE_S = env_float("SLUICE_BATCH_LINE_QUEUE_S", 600.0)

@@ -91,7 +91,8 @@ def test_a_delayed_line_the_delayed_set_lost_is_put_back(make_caller, flushed):
 
 def test_pacers_feeding_at_once_make_each_line_due_once(make_caller, flushed, settings):
     settings.SLUICE_BATCH_LINES_IN_FLIGHT = 1000
-    caller = make_caller()
+    settings.SLUICE_BATCH_POOL_SHARE = 1.0
+    caller = make_caller(pool=make_caller.pool(max_concurrency=1000))
     batch = _batch(caller, 300)
     errors: list[BaseException] = []
     start = threading.Barrier(4)
@@ -113,3 +114,21 @@ def test_pacers_feeding_at_once_make_each_line_due_once(make_caller, flushed, se
     assert not errors
     assert _by_status(batch) == {"delayed": 300}
     assert flushed.zcard(keys.DELAYED_JOBS) == 300
+
+
+def test_batch_lines_take_at_most_their_share_of_a_pools_in_flight_limit(make_caller, flushed, settings):
+    settings.SLUICE_BATCH_POOL_SHARE = 0.25
+    shared = make_caller.pool(max_concurrency=20)  # a share of 5 for every batch on it
+    first, second = make_caller(pool=shared, rpm=100), make_caller(pool=shared, rpm=100)
+    a, b = _batch(first, 10, created_ago_s=60), _batch(second, 10)
+    elsewhere = _batch(make_caller(pool=make_caller.pool(max_concurrency=8)), 10)  # a share of 2
+    batches_step()
+    assert _by_status(a) == {"delayed": 5, "pending": 5}  # the older batch fed first
+    assert _by_status(b) == {"pending": 10}
+    assert _by_status(elsewhere) == {"delayed": 2, "pending": 8}
+    # two of the first workload's lines finish: the pool's share has two places again
+    Job.objects.filter(pk__in=list(Job.objects.filter(batch=a, status="delayed").values_list("pk", flat=True)[:2])) \
+        .update(status=Job.Status.SUCCEEDED)
+    batches_step()
+    assert _by_status(a) == {"delayed": 5, "pending": 3, "succeeded": 2}
+    assert _by_status(b) == {"pending": 10}

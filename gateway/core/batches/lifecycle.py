@@ -46,7 +46,7 @@ from django.db import transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from budgets.models import UsageRecord
+from budgets.models import Reservation, UsageRecord
 from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
 from gateway.core import keys
@@ -270,11 +270,9 @@ def batch_counts(batch_id: str) -> dict[str, int]:
                 .values_list("status", "n"))
 
 
-def _feed(batch: Batch, counts: dict[str, int], room: dict[int, int]) -> int:
-    """Make the batch's next pending lines due now, within its workload's
-    room (``room``: lines each workload may still have delayed or queued,
-    spent here)."""
-    free = room.get(batch.workload_id, 0)
+def _feed(batch: Batch, counts: dict[str, int], room: Room) -> int:
+    """Make the batch's next pending lines due now, within its room (spent here)."""
+    free = room.free(batch.workload_id)
     if free <= 0 or not counts.get(Job.Status.PENDING):
         return 0
     ids = list(Job.objects.filter(batch=batch, status=Job.Status.PENDING).order_by("line")
@@ -285,7 +283,7 @@ def _feed(batch: Batch, counts: dict[str, int], room: dict[int, int]) -> int:
         if Job.objects.filter(pk=job_id, status=Job.Status.PENDING).update(
                 status=Job.Status.DELAYED, release_at=now, reason="batch"):
             fed.append(str(job_id))
-    room[batch.workload_id] = free - len(fed)
+    room.spend(batch.workload_id, len(fed))
     if fed:
         due_ms = redis_now_ms()
         Commands().zadd(keys.DELAYED_JOBS, {job_id: due_ms for job_id in fed}).run()
@@ -331,7 +329,7 @@ EXPIRED_MESSAGE = "This request could not be executed before the completion wind
 CANCELLED_MESSAGE = "This request was not executed: its batch was cancelled."
 
 
-def batch_step(batch: Batch, room: dict[int, int]) -> None:
+def batch_step(batch: Batch, room: Room) -> None:
     """One look at a running batch: feed it (within ``room``, see _feed),
     end what its cancel or its window ends, and hand it to finalization
     once no line is in flight."""
@@ -364,15 +362,49 @@ def batch_step(batch: Batch, room: dict[int, int]) -> None:
     _task_publish(batch.id, FINALIZE_TASK, step="finalize", force=False)
 
 
-def workload_room(batches: list[Batch]) -> dict[int, int]:
-    """Per workload, how many more of its batches' lines may be delayed or
-    queued (SLUICE_BATCH_LINES_IN_FLIGHT across all its batches, so a tenant
-    with a hundred batches costs the pacer no more than one with one)."""
+@dataclass
+class Room:
+    """How many more batch lines may be delayed or queued: per workload
+    (SLUICE_BATCH_LINES_IN_FLIGHT across all its batches, so a tenant with a
+    hundred batches costs the pacer no more than one with one) and per pool
+    (SLUICE_BATCH_POOL_SHARE of its in-flight limit across every workload's
+    batch lines whose primary pool it is). An admitted line holds a place in
+    the pool's in-flight limit until it settles, and each sequence a GPU adds
+    slows every other's decode step: batch lines take at most that share and
+    interactive calls keep the rest (docs/architecture.md, "The Batch API")."""
+
+    workload: dict[int, int]
+    pool: dict[int, int]
+    pool_of: dict[int, int]
+
+    def free(self, workload_id: int) -> int:
+        free = self.workload.get(workload_id, 0)
+        pool_id = self.pool_of.get(workload_id)
+        return min(free, self.pool[pool_id]) if pool_id is not None else free
+
+    def spend(self, workload_id: int, lines: int) -> None:
+        self.workload[workload_id] = self.workload.get(workload_id, 0) - lines
+        pool_id = self.pool_of.get(workload_id)
+        if pool_id is not None:
+            self.pool[pool_id] -= lines
+
+
+def batch_room(batches: list[Batch]) -> Room:
     ids = [b.id for b in batches if b.status == Batch.Status.IN_PROGRESS]
     busy = dict(Job.objects.filter(batch_id__in=ids, status__in=IN_FLIGHT).values_list("workload_id")
                 .annotate(n=Count("id")).values_list("workload_id", "n")) if ids else {}
-    limit = settings.SLUICE_BATCH_LINES_IN_FLIGHT
-    return {b.workload_id: limit - busy.get(b.workload_id, 0) for b in batches}
+    workloads = {b.workload_id for b in batches}
+    room = Room(workload={wid: settings.SLUICE_BATCH_LINES_IN_FLIGHT - busy.get(wid, 0) for wid in workloads},
+                pool={}, pool_of={})
+    primary = (Reservation.objects.filter(workload_id__in=workloads, pool__is_active=True, pool__max_concurrency__gt=0)
+               .order_by("workload_id", "rank", "id").values_list("workload_id", "pool_id", "pool__max_concurrency"))
+    for wid, pool_id, conc in primary:
+        if wid in room.pool_of:
+            continue  # its primary came first
+        room.pool_of[wid] = pool_id
+        room.pool.setdefault(pool_id, max(1, int(conc * settings.SLUICE_BATCH_POOL_SHARE)))
+        room.pool[pool_id] -= busy.get(wid, 0)
+    return room
 
 
 def batches_step() -> int:
@@ -380,7 +412,7 @@ def batches_step() -> int:
     batches run in the order they were made), each step; while any is
     active it steps at least every FEED_EVERY_S. Returns how many it looked at."""
     batches = list(Batch.objects.filter(status__in=ACTIVE).select_related("workload").order_by("created_at"))
-    room = workload_room(batches)
+    room = batch_room(batches)
     for batch in batches:
         try:
             batch_step(batch, room)
