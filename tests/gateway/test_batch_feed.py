@@ -132,3 +132,31 @@ def test_batch_lines_take_at_most_their_share_of_a_pools_in_flight_limit(make_ca
     batches_step()
     assert _by_status(a) == {"delayed": 5, "pending": 3, "succeeded": 2}
     assert _by_status(b) == {"pending": 10}
+
+
+def test_queued_lines_whose_records_redis_lost_are_settled_from_the_ledger(make_caller, flushed, settings):
+    from budgets.ledger.writer import LedgerEntry, usage_record_write
+
+    caller = make_caller()
+    batch = _batch(caller, 3)
+    long_ago = timezone.now() - timedelta(seconds=settings.SLUICE_BATCH_LINE_QUEUE_S
+                                          + settings.SLUICE_UPSTREAM_TIMEOUT_S + LOST_LINE_S + 5)
+    lines = list(Job.objects.filter(batch=batch).order_by("line"))
+    for job, request_id in zip(lines, ("req_billed", "req_unbilled", "req_alive")):
+        Job.objects.filter(pk=job.pk).update(status=Job.Status.QUEUED, request_id=request_id, released_at=long_ago)
+    # the first ran and is in the ledger; the third's record is still in Redis (its worker has it)
+    usage_record_write(entry=LedgerEntry(
+        request_id="req_billed", created_at=timezone.now(), tenant_id=caller.tenant.id, workload_id=caller.workload.id,
+        pool_id=caller.pool.id, model="sim-small", lane="batch", status="ok", borrowed=False,
+        estimated_input_tokens=10, estimated_output_tokens=5, actual_input_tokens=9, actual_output_tokens=5,
+        queue_wait_ms=1, upstream_ms=10, ttft_ms=5, total_ms=12, attempts=1, error="", api_key_id=None,
+        usage_source="pool"))
+    flushed.hset(keys.request_record("req_alive"), "request_id", "req_alive")
+    try:
+        batches_step()
+    finally:
+        flushed.delete(keys.request_record("req_alive"))
+    billed, unbilled, alive = (Job.objects.get(pk=j.pk) for j in lines)
+    assert (billed.status, billed.reason) == ("failed", "result_lost")
+    assert unbilled.status in ("pending", "delayed")  # back to run again (the same step may feed it)
+    assert alive.status == "queued"

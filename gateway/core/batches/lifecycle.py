@@ -28,8 +28,9 @@ UPDATE, a delayed one is released by whoever removes it from the delayed set
 Every step is idempotent and every state is in PostgreSQL, so a restart of
 any process resumes a batch where it was: a validation or finalization task
 lost with its worker is published again by the pacer after BATCH_TASK_TTL_S,
-and a delayed line missing from the delayed set (Redis lost it) is put back
-after LOST_LINE_S."""
+a delayed line missing from the delayed set (Redis lost it) is put back
+after LOST_LINE_S, and a queued line whose request record Redis lost is
+settled from the ledger (``_lost_queued_recover``)."""
 
 from __future__ import annotations
 
@@ -306,6 +307,36 @@ def _lost_lines_restore(batch: Batch) -> int:
     return len(lost)
 
 
+def _lost_queued_recover(batch: Batch) -> int:
+    """Queued lines long past any deadline whose request record is gone
+    from Redis (Redis lost its data): their worker dropped them. A line the
+    ledger billed ran: it ends failed (``result_lost``: its answer went
+    with the record); one it did not goes back to pending, to run again."""
+    stale = timezone.now() - timedelta(seconds=settings.SLUICE_BATCH_LINE_QUEUE_S
+                                       + settings.SLUICE_UPSTREAM_TIMEOUT_S + LOST_LINE_S)
+    queued = list(Job.objects.filter(batch=batch, status=Job.Status.QUEUED, released_at__lt=stale)
+                  .values_list("id", "request_id")[:1000])
+    if not queued:
+        return 0
+    pipe = get_redis().pipeline(transaction=False)
+    for _, request_id in queued:
+        pipe.exists(keys.request_record(request_id))
+    missing = [(job_id, request_id) for (job_id, request_id), found in zip(queued, pipe.execute()) if not found]
+    billed = set(UsageRecord.objects.filter(request_id__in=[r for _, r in missing])
+                 .values_list("request_id", flat=True))
+    for job_id, request_id in missing:
+        if request_id in billed:
+            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(
+                status=Job.Status.FAILED, reason="result_lost", finished_at=timezone.now(),
+                result=error_body(message="This request ran and was billed, but its answer was lost with Sluice's "
+                                  "result store.", error_type="server_error", code="result_lost"))
+        else:
+            Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(status=Job.Status.PENDING, reason="")
+    if missing:
+        logger.warning("batch %s: %d queued lines had lost their request records", batch.id, len(missing))
+    return len(missing)
+
+
 def _delayed_end(batch: Batch, *, status: str, reason: str, message: str) -> int:
     """End the batch's delayed lines that this pacer takes off the delayed
     set (a line another pacer just released is the request path's)."""
@@ -348,10 +379,13 @@ def batch_step(batch: Batch, room: Room) -> None:
         _pending_end(batch, status=ending[0], reason=ending[1], message=ending[2])
         _delayed_end(batch, status=ending[0], reason=ending[1], message=ending[2])
     counts = batch_counts(batch.id)
-    if ending is None:
-        if _feed(batch, counts, room):
-            return
-        _lost_lines_restore(batch)
+    if ending is None and _feed(batch, counts, room):
+        return
+    # Ending or not: a lost line back in the delayed set is released, or
+    # ended by the next step's _delayed_end; a lost queued one is settled.
+    _lost_lines_restore(batch)
+    if counts.get(Job.Status.QUEUED):
+        _lost_queued_recover(batch)
     if any(counts.get(s, 0) for s in (*IN_FLIGHT, Job.Status.PENDING)):
         return
     if batch.status == Batch.Status.IN_PROGRESS and ending is None:
