@@ -18,6 +18,12 @@ from gateway.core.lanes import HOUSEKEEPING
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 
+# How long an idle worker's read of its queue waits (see polling_interval
+# below). The price: kombu drops a half-open connection of an idle worker
+# after about this plus twice its health-check interval (25 s), 55 s
+# instead of 51 s.
+BROKER_POLL_S = 5.0
+
 app = Celery("sluice")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(
@@ -42,6 +48,13 @@ app.conf.update(
         # 10 s x every 10th poll, can leave them for minutes).
         "unacked_restore_interval": settings.SLUICE_UNACKED_RESTORE_INTERVAL_S,
         "unacked_restore_throttle": 1,
+        # An idle worker's wait for its queue's next message (kombu's BRPOP
+        # timeout, 1 s by default). A message pushed meanwhile answers the
+        # BRPOP at once, and the restore sweep above and kombu's health checks
+        # run on the event loop's own timers, so only an idle worker's re-issue
+        # of the read follows this: five of them a second on an idle platform,
+        # each costing the worker and Redis CPU (bench/PROFILE.md, round 20).
+        "polling_interval": BROKER_POLL_S,
     },
     broker_connection_retry_on_startup=True,
     # Celery's Django fixup closes the task thread's database connection

@@ -54,3 +54,27 @@ def test_a_rejected_message_leaves_the_bookkeeping_and_a_requeued_one_comes_back
         assert again is not None and again.payload == {"n": 2}
         assert channel.basic_get(name, no_ack=True) is None
         queue(channel).delete()
+
+
+def test_an_idle_lane_worker_takes_a_message_as_it_arrives_not_at_its_next_poll(platform, redis_client):
+    # given the scheduled lane's worker idle for longer than its read of the
+    # queue waits (llm_platform.celery.BROKER_POLL_S): its BRPOP times out
+    # and is sent again while nothing arrives
+    from gateway.core.lanes import queue_for_lane
+    from llm_platform.celery import BROKER_POLL_S
+
+    queue = queue_for_lane("scheduled")
+    assert redis_client.llen(queue) == 0
+    time.sleep(BROKER_POLL_S + 1)  # an idle span, not a wait for another process
+    taken_in = []
+    for _ in range(3):  # at three phases of its poll
+        # when a message lands on its queue
+        sent = time.monotonic()
+        current_app.send_task("budgets.push_pool_configs", queue=queue)
+        deadline = sent + 2 * BROKER_POLL_S
+        while redis_client.llen(queue) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the queue with a deadline
+        taken_in.append(time.monotonic() - sent)
+        time.sleep(BROKER_POLL_S / 3)  # the next message at another phase of the poll
+    # then the worker takes each one at once, not when its wait would have ended
+    assert max(taken_in) < 1.0, taken_in

@@ -229,6 +229,26 @@ def test_the_pacer_stops_within_5s_and_loses_no_delayed_job(platform, make_calle
         platform.start_pacer()
 
 
+def test_an_idle_lane_worker_stops_within_5s_with_its_queue_read_in_flight(platform, redis_client, tmp_path):
+    # given a second worker of the scheduled lane, idle past its queue read's
+    # wait (llm_platform.celery.BROKER_POLL_S): a BRPOP is always in flight
+    from llm_platform.celery import BROKER_POLL_S
+
+    node = f"{processes.worker_node('scheduled', 1)}@{socket.gethostname()}"
+    redis_client.hdel("sluice:workers:ready", node)
+    worker = Process("worker-idle", processes.worker_command(lane="scheduled", concurrency=2, index=1), platform.env,
+                     tmp_path).start()
+    try:
+        wait_until(lambda: worker.assert_alive() or redis_client.hexists("sluice:workers:ready", node),
+                   "the idle worker to be ready")
+        time.sleep(BROKER_POLL_S + 1)  # an idle span, not a wait for another process
+        # when it is stopped, then it exits within the bound, its read in flight or not
+        assert sigterm_and_time(worker) < STOP_WITHIN_S
+        assert worker.popen.returncode == 0, worker.log_tail()
+    finally:
+        worker.kill()
+
+
 def test_beat_stops_within_5s(platform, tmp_path):
     command = [*processes.beat_command(schedule_dir=str(tmp_path)), "-l", "INFO"]  # to see it send tasks
     beat = Process("beat-stopped", command, platform.env, tmp_path).start()
