@@ -84,37 +84,33 @@ class JobCallbackDeliveryAdmin(admin.ModelAdmin):
         return False
 
 
-@admin.register(Batch)
-class BatchAdmin(admin.ModelAdmin):
-    """Read-only: a batch changes through the Batch API and the pacer, never by hand."""
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Shown, never changed by hand: a batch changes through the Batch API
+    and the pacer, a file through DELETE /v1/files (which removes its
+    content with its row)."""
 
+    def get_readonly_fields(self, request, obj=None):
+        return [f.name for f in self.model._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Batch)
+class BatchAdmin(ReadOnlyAdmin):
     list_display = ("id", "workload", "endpoint", "status", "total", "created_at", "expires_at")
     list_filter = ("status", "endpoint")
     search_fields = ("id",)
-    readonly_fields = [f.name for f in Batch._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False  # DELETE /v1/files removes the content with the row
 
 
 @admin.register(BatchFile)
-class BatchFileAdmin(admin.ModelAdmin):
+class BatchFileAdmin(ReadOnlyAdmin):
     list_display = ("id", "workload", "purpose", "filename", "bytes", "lines", "created_at")
     list_filter = ("purpose",)
     search_fields = ("id", "filename")
-    readonly_fields = [f.name for f in BatchFile._meta.fields]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False  # DELETE /v1/files removes the content with the row

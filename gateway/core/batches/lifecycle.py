@@ -44,7 +44,7 @@ from datetime import timedelta
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, Sum
 from django.utils import timezone
 
 from budgets.models import Reservation, UsageRecord
@@ -55,6 +55,7 @@ from gateway.core.batches.files import file_of_workload, file_write
 from gateway.core.batches.lines import Checked, lines_check
 from gateway.core.errors import bad_request, error_body
 from gateway.core.lanes import HOUSEKEEPING
+from gateway.core.paging import newest_first_page
 from gateway.core.pacer_wake import pacer_wake_commands
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.request.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
@@ -607,14 +608,9 @@ def batch_list(*, workload_id: int, after: str | None, limit: str | None) -> dic
     count = ascii_int(limit) if limit not in (None, "") else LIST_DEFAULT
     if count is None or not 1 <= count <= LIST_MAX:
         raise bad_request(f"'limit' must be an integer from 1 to {LIST_MAX}.", param="limit", code="invalid_limit")
-    batches = Batch.objects.filter(workload_id=workload_id).select_related("workload")
-    if after:
-        cursor = Batch.objects.filter(pk=after, workload_id=workload_id).values("created_at", "id").first()
-        if cursor is None:
-            raise bad_request("'after' is not one of this workload's batches.", param="after", code="invalid_cursor")
-        batches = batches.filter(Q(created_at__lt=cursor["created_at"]) |
-                                 Q(created_at=cursor["created_at"], id__lt=cursor["id"]))
-    rows = list(batches.order_by("-created_at", "-id")[:count + 1])
-    data = [batch_view(b) for b in rows[:count]]
+    rows, more = newest_first_page(Batch.objects.filter(workload_id=workload_id).select_related("workload"),
+                                   scope=Batch.objects.filter(workload_id=workload_id), after=after or "",
+                                   limit=count, noun="batches")
+    data = [batch_view(b) for b in rows]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > count}
+            "last_id": data[-1]["id"] if data else None, "has_more": more}

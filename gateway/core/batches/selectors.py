@@ -11,11 +11,12 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from django.db.models import Count, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, OuterRef, Subquery, Sum
 
 from budgets.models import UsageRecord
 from gateway.core.batches.lifecycle import LINE_FAILED, output_line_item, request_counts
 from gateway.core.errors import bad_request
+from gateway.core.paging import newest_first_page
 from gateway.models import Batch, BatchFile, Job
 from tenants.text_numbers import ascii_int
 
@@ -107,14 +108,9 @@ def batches_of_workload(*, workload_id: int, status: str = "", after: str = "", 
     batches = Batch.objects.filter(workload_id=workload_id).select_related("workload")
     if status:
         batches = batches.filter(status=status)
-    if after:
-        cursor = Batch.objects.filter(pk=after, workload_id=workload_id).values("created_at", "id").first()
-        if cursor is None:
-            raise bad_request("'after' is not one of this workload's batches.", param="after", code="invalid_cursor")
-        batches = batches.filter(Q(created_at__lt=cursor["created_at"]) |
-                                 Q(created_at=cursor["created_at"], id__lt=cursor["id"]))
-    found = list(batches.order_by("-created_at", "-id")[:limit + 1])
-    return BatchPage(rows=batch_rows(found[:limit]), has_more=len(found) > limit)
+    found, more = newest_first_page(batches, scope=Batch.objects.filter(workload_id=workload_id), after=after,
+                                    limit=limit, noun="batches")
+    return BatchPage(rows=batch_rows(found), has_more=more)
 
 
 def batch_rows(batches: list[Batch]) -> list[BatchRow]:

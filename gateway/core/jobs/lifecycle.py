@@ -15,7 +15,6 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from budgets.admission.estimation import Estimate
@@ -35,6 +34,7 @@ from gateway.core.request.endpoints import ApiRequest
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.request.enqueue import new_request_id, record_build, record_enqueue
 from gateway.core.errors import bad_request, budget_unavailable, error_body
+from gateway.core.paging import newest_first_page
 from gateway.core.request.records import Outcome
 from gateway.models import Job, JobCallbackDelivery
 from tenants.text_numbers import ascii_int
@@ -385,14 +385,9 @@ def jobs_of_workload(*, workload_id: int, status: str = "", after: str = "", lim
     jobs = Job.objects.filter(workload_id=workload_id, batch__isnull=True).select_related("workload")
     if status:
         jobs = jobs.filter(status=status)
-    if after:
-        cursor = Job.objects.filter(pk=after, workload_id=workload_id).values("created_at", "id").first()
-        if cursor is None:
-            raise bad_request("'after' is not one of this workload's jobs.", param="after", code="invalid_cursor")
-        jobs = jobs.filter(Q(created_at__lt=cursor["created_at"]) |
-                           Q(created_at=cursor["created_at"], id__lt=cursor["id"]))
-    rows = list(jobs.order_by("-created_at", "-id")[:limit + 1])
-    return JobPage(jobs=rows[:limit], has_more=len(rows) > limit)
+    page, more = newest_first_page(jobs, scope=Job.objects.filter(workload_id=workload_id), after=after, limit=limit,
+                                   noun="jobs")
+    return JobPage(jobs=page, has_more=more)
 
 
 def job_list_view(page: JobPage, *, base_url: str = "") -> dict:
