@@ -52,8 +52,8 @@ app.conf.update(
         # timeout, 1 s by default). A message pushed meanwhile answers the
         # BRPOP at once, and the restore sweep above and kombu's health checks
         # run on the event loop's own timers, so only an idle worker's re-issue
-        # of the read follows this: five of them a second on an idle platform,
-        # each costing the worker and Redis CPU (bench/PROFILE.md, round 20).
+        # of the read follows this: with the default, one a second per idle
+        # worker, each costing the worker and Redis CPU.
         "polling_interval": BROKER_POLL_S,
     },
     broker_connection_retry_on_startup=True,
