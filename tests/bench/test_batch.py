@@ -218,6 +218,24 @@ def test_a_share_limited_run_is_judged_against_its_service_time_over_k():
     assert wider["bound"]["share_places"] == 2 and wider["met"]["batch_time"] is False
 
 
+def test_chat_alone_ends_where_the_upload_begins():
+    phases = dict(warm_s=10.0, uploaded_s=200.0, ended_s=900.0)
+    assert batch.chat_phase_of(5.0, 0.5, **phases) is None  # warming up
+    assert batch.chat_phase_of(150.0, 1.0, **phases) == "alone"
+    # started alone, still running when the 1 MB upload stalled the gateway
+    assert batch.chat_phase_of(199.0, 8.0, **phases) == "beside"
+    assert batch.chat_phase_of(500.0, 1.0, **phases) == "beside"
+    assert batch.chat_phase_of(900.0, 1.0, **phases) is None
+
+
+def test_a_call_slowed_by_the_upload_counts_beside_the_batch_not_alone():
+    run, kwargs = _made_up_run(beside_latency=0.2, took_real_s=20 / F, output_tokens=400)
+    run["chat"].append(Call("chat", start=39.5 / F, latency=8.0 / F, status=200))
+    data = batch._analyse(run, **kwargs)
+    assert data["chat"]["solo"]["n"] == 35 and data["chat"]["solo"]["p99"] == pytest.approx(0.2)
+    assert data["chat"]["beside"]["n"] == 21 and data["chat"]["beside"]["p99"] > 1.0
+
+
 def test_the_engine_model_turns_running_sequences_into_chat_slowdown():
     # given 4 sequences at once with chat alone, 24 beside the batch, and the
     # batch prefilling 500 tokens a simulated second
