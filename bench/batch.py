@@ -292,7 +292,14 @@ def _seed(platform):
 async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Sizes, seed: int, chat_rate: float,
                  limit_sim: float) -> dict:
     """Chat alone for ``sizes.solo_s``, then the batch beside it; chat stops
-    when the batch reaches a final status (or the limit passes)."""
+    when the batch reaches a final status (or the limit passes). The SDK
+    and the file's bytes are made before chat starts: the client shares the
+    chat's event loop, and a second of its CPU there would read as chat's
+    latency."""
+    from openai import AsyncOpenAI
+
+    sdk = AsyncOpenAI(base_url=f"{platform.sluice_url}/v1", api_key=batch.api_key, max_retries=0, timeout=300)
+    payload = jsonl(lines)
     client = HttpClient(platform.sluice_url, max_connections=256, timeout=600)
     sim = HttpClient(platform.sim_url, max_connections=2)
     chat_calls: list[Call] = []
@@ -314,7 +321,7 @@ async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Size
                                               fire, poisson=True, rng=random.Random(seed + 2), stop=stop))
     try:
         await asyncio.sleep(SCALE.real_s(sizes.solo_s))
-        batch_run = await _batch_run(platform.sluice_url, batch.api_key, lines, t0, SCALE.real_s(limit_sim))
+        batch_run = await _batch_run(sdk, lines, payload, t0, SCALE.real_s(limit_sim))
     finally:
         stop.set()
         await chat_task
@@ -324,14 +331,12 @@ async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Size
     return {"chat": chat_calls, "batch": batch_run, "samples": samples, "t0_epoch": t0_epoch}
 
 
-async def _batch_run(sluice_url: str, api_key: str, lines: list[dict], t0: float, limit_real_s: float) -> dict:
-    """Upload, create, poll to a final status and read the output, as a
-    service would with the official SDK. Times are real seconds from t0."""
-    from openai import AsyncOpenAI
-
-    sdk = AsyncOpenAI(base_url=f"{sluice_url}/v1", api_key=api_key, max_retries=0, timeout=300)
+async def _batch_run(sdk, lines: list[dict], payload: bytes, t0: float, limit_real_s: float) -> dict:
+    """Upload ``payload`` (the lines as JSONL), create, poll to a final
+    status and read the output, as a service would with the official SDK
+    (``sdk``: an ``AsyncOpenAI``). Times are real seconds from t0."""
     uploaded_at = time.monotonic() - t0
-    upload = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    upload = await sdk.files.create(file=("in.jsonl", payload), purpose="batch")
     created = await sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                        completion_window="24h")
     created_at = time.monotonic() - t0
