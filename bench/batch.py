@@ -12,29 +12,35 @@ Targets:
 1. Chat's short p99 beside the batch within 1.10x of chat alone (the same
    run: chat alone first), and no chat request refused beside the batch
    (a refused one has no latency: the p99 alone would hide it).
-2. The batch finishes in the time the idle capacity allows. The bound, from
-   the pool's capacity and chat's load (``idle_bound``): admission lets the
-   pool take ``P = headroom x provider TPM`` tokens a minute; chat uses ``C``
-   of it (measured from its ledger rows while the batch ran); a batch line is
-   admitted only from what is left, and never past its workload's ceiling,
-   so the batch's token rate is at most ``min(ceiling, P - C)``, and
-   likewise for requests. Bound = 60 x max(batch tokens / idle TPM, lines /
-   idle RPM) seconds; the target is the batch's time from creation to
-   ``completed`` within 1.20x of it (its start-up, the last lines' tail and
-   estimates held in flight cost some of the idle capacity).
+2. The batch finishes in the time the idle capacity allows: the larger of
+   two bounds (``idle_bound``). The token bound, from the pool's budget and
+   chat's load: admission lets the pool take ``P = headroom x provider TPM``
+   tokens a minute; chat uses ``C`` of it (measured from its ledger rows
+   while the batch ran); a batch line is admitted only from what is left,
+   and never past its workload's ceiling, so the batch's token rate is at
+   most ``min(ceiling, P - C)``, and likewise for requests: 60 x max(batch
+   tokens / idle TPM, lines / idle RPM) seconds. The share bound, from the
+   places the feed lets batch lines hold: ``K = floor(max_concurrency x
+   SLUICE_BATCH_POOL_SHARE)`` lines at once on the pool, so the batch takes
+   at least the pool's service time of its lines (their ledger rows'
+   ``upstream_ms``, simulated) over K. The target is the batch's time from
+   creation to ``completed`` within 1.20x of the larger (its start-up, the
+   last lines' tail and the feed's gaps between a line's end and the next
+   one's start cost some of it).
 3. The batch's tokens equal the ledger's: the usage summed over the output
    file's lines equals the actual tokens of the ledger rows of the batch's
    lines (gateway Job rows with this batch id carry their request ids), one
    row per line.
 
 Simulated time (time scale 4); Sluice's time constants scaled to it. Run
-alone: ``python -m bench.batch --seed 1 [--lines 500]``."""
+alone: ``python -m bench.batch --seed 1 [--lines 500] [--pool-share 0.2]``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -86,7 +92,8 @@ def sizes_for(*, quick: bool, lines: int | None) -> Sizes:
 @dataclass(frozen=True)
 class IdleBound:
     """How fast the batch can go in what chat leaves of the pool (rates per
-    simulated minute) and the time that allows for its tokens and lines."""
+    simulated minute) and in the places its share gives it, and the time
+    that allows for its tokens and lines."""
 
     pool_tpm: float  # the pool's admission budget: headroom x provider TPM
     pool_rpm: float
@@ -96,6 +103,8 @@ class IdleBound:
     batch_rpm: float
     batch_tokens: int
     batch_lines: int
+    batch_service_s: float = 0.0  # the pool's service time of the batch's lines, summed (simulated s)
+    share_places: int = 0  # lines the batch share lets the pool hold at once (0: not share-limited)
 
     @property
     def idle_tpm(self) -> float:
@@ -106,17 +115,35 @@ class IdleBound:
         return min(self.batch_rpm, self.pool_rpm - self.chat_rpm)
 
     @property
-    def seconds(self) -> float:
-        """The batch's shortest time: its tokens, or its lines, at the idle rate."""
+    def budget_seconds(self) -> float:
+        """The batch's shortest time in the pool budget chat leaves: its
+        tokens, or its lines, at the idle rate."""
         if self.idle_tpm <= 0 or self.idle_rpm <= 0:
             return float("inf")
         return 60.0 * max(self.batch_tokens / self.idle_tpm, self.batch_lines / self.idle_rpm)
 
     @property
+    def share_seconds(self) -> float:
+        """The batch's shortest time in its share of places: its lines'
+        service time run K at once."""
+        return self.batch_service_s / self.share_places if self.share_places > 0 else 0.0
+
+    @property
+    def seconds(self) -> float:
+        return max(self.budget_seconds, self.share_seconds)
+
+    @property
     def binding(self) -> str:
         if self.idle_tpm <= 0 or self.idle_rpm <= 0:
             return "no idle capacity"
+        if self.share_seconds > self.budget_seconds:
+            return "share of places"
         return "tokens" if self.batch_tokens / self.idle_tpm >= self.batch_lines / self.idle_rpm else "requests"
+
+
+def share_places(share: float, max_concurrency: int = POOL_SLOTS) -> int:
+    """K: the feed's bound on a pool's batch lines (at least one)."""
+    return max(1, math.floor(max_concurrency * share))
 
 
 # --- the batch's lines ------------------------------------------------------------------
@@ -165,8 +192,9 @@ def output_read(text: str) -> dict:
 
 
 def main(seed: int = 1, quick: bool = False, services: Services | None = None, lines: int | None = None,
-         lines_in_flight: int | None = None) -> dict:
-    """``lines_in_flight``: SLUICE_BATCH_LINES_IN_FLIGHT for this run (None:
+         lines_in_flight: int | None = None, pool_share: float | None = None) -> dict:
+    """``lines_in_flight`` and ``pool_share``: SLUICE_BATCH_LINES_IN_FLIGHT
+    and SLUICE_BATCH_POOL_SHARE for this run (None: the environment's, else
     the setting's default)."""
     own = services is None
     services = services or Services().up()
@@ -184,7 +212,10 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, l
             env = time_scaled_env(SCALE.factor)
             if lines_in_flight is not None:
                 env["SLUICE_BATCH_LINES_IN_FLIGHT"] = str(lines_in_flight)
+            if pool_share is not None:
+                env["SLUICE_BATCH_POOL_SHARE"] = str(pool_share)
             platform.start_sluice(extra_env=env)
+            share = _share_run_with({**platform.env, **env})
             log(f"{NAME}: chat {chat_rate:.2f} req/s sim alone for {sizes.solo_s:.0f} s, then a {sizes.lines:,}-line "
                 f"batch (~{expected.batch_tokens:,} tokens, bound ~{expected.seconds:.0f} s sim at "
                 f"{expected.idle_tpm:,.0f} TPM idle)")
@@ -196,10 +227,19 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, l
         if own:
             services.down()
     data = _analyse(run, sizes=sizes, seed=seed, quick=quick, chat=chat, batch=batch, chat_rate=chat_rate,
-                    expected=expected, pool_id=pool.id)
+                    expected=expected, pool_id=pool.id, pool_share=share)
     data["lines_in_flight"] = lines_in_flight  # None: the setting's default
     write_result(NAME, data)
     return data
+
+
+def _share_run_with(env: dict[str, str]) -> float:
+    """SLUICE_BATCH_POOL_SHARE as the platform's processes read it: their
+    environment, else the setting's default."""
+    from django.conf import settings
+
+    raw = env.get("SLUICE_BATCH_POOL_SHARE", "").strip()
+    return float(raw) if raw else float(settings.SLUICE_BATCH_POOL_SHARE)
 
 
 def _chat_estimate(seed: int) -> float:
@@ -252,7 +292,14 @@ def _seed(platform):
 async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Sizes, seed: int, chat_rate: float,
                  limit_sim: float) -> dict:
     """Chat alone for ``sizes.solo_s``, then the batch beside it; chat stops
-    when the batch reaches a final status (or the limit passes)."""
+    when the batch reaches a final status (or the limit passes). The SDK
+    and the file's bytes are made before chat starts: the client shares the
+    chat's event loop, and a second of its CPU there would read as chat's
+    latency."""
+    from openai import AsyncOpenAI
+
+    sdk = AsyncOpenAI(base_url=f"{platform.sluice_url}/v1", api_key=batch.api_key, max_retries=0, timeout=300)
+    payload = jsonl(lines)
     client = HttpClient(platform.sluice_url, max_connections=256, timeout=600)
     sim = HttpClient(platform.sim_url, max_connections=2)
     chat_calls: list[Call] = []
@@ -274,7 +321,7 @@ async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Size
                                               fire, poisson=True, rng=random.Random(seed + 2), stop=stop))
     try:
         await asyncio.sleep(SCALE.real_s(sizes.solo_s))
-        batch_run = await _batch_run(platform.sluice_url, batch.api_key, lines, t0, SCALE.real_s(limit_sim))
+        batch_run = await _batch_run(sdk, lines, payload, t0, SCALE.real_s(limit_sim))
     finally:
         stop.set()
         await chat_task
@@ -284,14 +331,12 @@ async def _drive(platform, services, chat, batch, lines: list[dict], sizes: Size
     return {"chat": chat_calls, "batch": batch_run, "samples": samples, "t0_epoch": t0_epoch}
 
 
-async def _batch_run(sluice_url: str, api_key: str, lines: list[dict], t0: float, limit_real_s: float) -> dict:
-    """Upload, create, poll to a final status and read the output, as a
-    service would with the official SDK. Times are real seconds from t0."""
-    from openai import AsyncOpenAI
-
-    sdk = AsyncOpenAI(base_url=f"{sluice_url}/v1", api_key=api_key, max_retries=0, timeout=300)
+async def _batch_run(sdk, lines: list[dict], payload: bytes, t0: float, limit_real_s: float) -> dict:
+    """Upload ``payload`` (the lines as JSONL), create, poll to a final
+    status and read the output, as a service would with the official SDK
+    (``sdk``: an ``AsyncOpenAI``). Times are real seconds from t0."""
     uploaded_at = time.monotonic() - t0
-    upload = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    upload = await sdk.files.create(file=("in.jsonl", payload), purpose="batch")
     created = await sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                        completion_window="24h")
     created_at = time.monotonic() - t0
@@ -337,7 +382,7 @@ def _ledger(*, batch_id: str, workload_ids: tuple[int, int], expected_lines: int
             break
         time.sleep(0.2)
     fields = ("request_id", "created_at", "workload_id", "lane", "status", "borrowed", "actual_input_tokens",
-              "actual_output_tokens", "total_ms", "endpoint")
+              "actual_output_tokens", "upstream_ms", "total_ms", "endpoint")
 
     def plain(queryset) -> list[dict]:
         return [{**r, "created_at": r["created_at"].timestamp()} for r in queryset.order_by("created_at").values(*fields)]
@@ -354,7 +399,7 @@ def _tokens(row: dict) -> int:
 
 
 def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, chat_rate: float,
-             expected: IdleBound, pool_id: int) -> dict:
+             expected: IdleBound, pool_id: int, pool_share: float = 0.25) -> dict:
     f = SCALE.factor
     b = run["batch"]
     ledger = run["ledger"]
@@ -371,10 +416,13 @@ def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, ch
     batch_tokens = sum(_tokens(r) for r in batch_rows)
     bound = IdleBound(pool_tpm=POOL_BUDGET_TPM, pool_rpm=POOL_BUDGET_RPM, chat_tpm=chat_tpm, chat_rpm=chat_rpm,
                       batch_ceiling_tpm=BATCH["ceiling_tpm"], batch_rpm=BATCH["rpm"], batch_tokens=batch_tokens,
-                      batch_lines=len(b["input_custom_ids"]))
+                      batch_lines=len(b["input_custom_ids"]),
+                      batch_service_s=sum(r["upstream_ms"] for r in batch_rows) / 1000.0 * f,
+                      share_places=share_places(pool_share))
     took = ended_s - created_s
-    solo = _chat_phase(run["chat"], sizes.warm_s, sizes.solo_s)
-    beside = _chat_phase(run["chat"], created_s, ended_s)
+    phases = dict(warm_s=sizes.warm_s, uploaded_s=b["uploaded_at"] * f, ended_s=ended_s)
+    solo = _chat_phase(run["chat"], "alone", **phases)
+    beside = _chat_phase(run["chat"], "beside", **phases)
     out, err = b["output"], b["error_file"]
     batch_workload_rows = ledger["workload_rows"][str(batch.workload_id)]
     answered = sorted(out["custom_ids"] + err["custom_ids"])
@@ -399,13 +447,16 @@ def _analyse(run: dict, *, sizes: Sizes, seed: int, quick: bool, chat, batch, ch
         "targets": TARGETS,
         "chat": {"solo": solo, "beside": beside, "p99_ratio": p99_ratio},
         "batch": {"id": b["id"], "status": b["status"], "timed_out": b["timed_out"], "counts": b["counts"],
-                  "errors": b["errors"], "created_s": created_s, "ended_s": ended_s, "took_s": took,
+                  "errors": b["errors"], "uploaded_s": b["uploaded_at"] * f, "created_s": created_s, "ended_s": ended_s,
+                  "took_s": took,
                   "upload_s": (b["created_at"] - b["uploaded_at"]) * f, "server_times": b["server_times"],
                   "first_admission_s": min(((r["created_at"] - t0_epoch) * f for r in batch_rows), default=None),
                   "output": {k: v for k, v in out.items() if k not in ("custom_ids", "request_ids")},
                   "error_file": {k: v for k, v in err.items() if k not in ("custom_ids", "request_ids")}},
-        "bound": {**asdict(bound), "idle_tpm": bound.idle_tpm, "idle_rpm": bound.idle_rpm, "seconds": bound.seconds,
-                  "binding": bound.binding},
+        "pool_share": pool_share,
+        "bound": {**asdict(bound), "idle_tpm": bound.idle_tpm, "idle_rpm": bound.idle_rpm,
+                  "budget_seconds": bound.budget_seconds, "share_seconds": bound.share_seconds,
+                  "seconds": bound.seconds, "binding": bound.binding},
         "expected_bound": {**asdict(expected), "idle_tpm": expected.idle_tpm, "seconds": expected.seconds},
         "time_ratio": time_ratio,
         "engine": engine,
@@ -464,11 +515,22 @@ def _engine_load(samples: list[dict], *, solo: tuple[float, float], beside: tupl
     }
 
 
-def _chat_phase(calls: list[Call], start_s: float, end_s: float) -> dict:
-    """Chat's answered latencies (simulated s) of the calls it started in
-    [start_s, end_s), with what did not succeed by code."""
+def chat_phase_of(start_s: float, latency_s: float, *, warm_s: float, uploaded_s: float, ended_s: float) -> str | None:
+    """Which phase a chat call (simulated s) measures: "alone" if it ended
+    before the batch's upload began, "beside" if it was still running then
+    or started before the batch's final status, else none (the warm-up, or
+    after the batch). The upload and the file's validation are the batch's
+    load too: a call they slow is not chat alone."""
+    if start_s < warm_s or start_s >= ended_s:
+        return None
+    return "alone" if start_s + latency_s < uploaded_s else "beside"
+
+
+def _chat_phase(calls: list[Call], phase: str, **phases: float) -> dict:
+    """Chat's answered latencies (simulated s) of the calls of ``phase``
+    (``chat_phase_of``), with what did not succeed by code."""
     f = SCALE.factor
-    mine = [c for c in calls if start_s <= c.start * f < end_s]
+    mine = [c for c in calls if chat_phase_of(c.start * f, c.latency * f, **phases) == phase]
     errors: dict[str, int] = {}
     for c in mine:
         if not c.ok:
@@ -495,8 +557,8 @@ def targets(data: dict) -> list[dict]:
                   + (f" {data['chat']['beside']['errors']}" if data["chat"]["beside"]["errors"] else ""),
          "target": str(TARGETS["chat_refused"]), "met": data["met"]["chat_refused"]},
         {"what": "batch time / idle-capacity bound",
-         "value": f"{fmt(data['time_ratio'], 2)} ({took:,.0f} s / {bound['seconds']:,.0f} s, "
-                  f"{data['batch']['status']})",
+         "value": f"{fmt(data['time_ratio'], 2)} ({took:,.0f} s / {bound['seconds']:,.0f} s, {bound['binding']} "
+                  f"bind; {data['batch']['status']})",
          "target": f"≤ {TARGETS['batch_time_ratio']:.2f}", "met": data["met"]["batch_time"]},
         {"what": "output file tokens = ledger tokens (rows)",
          "value": f"{out['tokens']:,} = {led['batch_tokens']:,} ({led['batch_rows_ok']:,} rows, "
@@ -526,13 +588,19 @@ def summarize(data: dict) -> str:
         "**The bound.** Admission lets the pool take its budget P a minute; chat used C of it while the batch "
         "ran (its ledger rows); the batch can take at most min(its ceiling, P - C) tokens and min(its RPM, "
         "P_rpm - chat's RPM) requests a minute, so it needs at least 60 x max(tokens / idle TPM, lines / idle RPM) "
-        "seconds:",
+        "seconds (the budget bound). The feed holds at most K = floor(pool in-flight limit x "
+        "SLUICE_BATCH_POOL_SHARE) batch lines on the pool at once, so it also needs its lines' service time "
+        "(ledger upstream_ms) over K (the share bound). The bound is the larger:",
         "",
         md_table(["measure", "value"], [
             ["pool budget P (TPM / RPM)", f"{bound['pool_tpm']:,.0f} / {bound['pool_rpm']:,.0f}"],
             ["chat's use C beside the batch (TPM / RPM, actual)", f"{bound['chat_tpm']:,.0f} / {bound['chat_rpm']:,.1f}"],
             ["idle for the batch (TPM / RPM)", f"{bound['idle_tpm']:,.0f} / {bound['idle_rpm']:,.0f}"],
             ["batch tokens (ledger, actual) / lines", f"{bound['batch_tokens']:,} / {bound['batch_lines']:,}"],
+            ["budget bound", f"{bound['budget_seconds']:,.0f} s"],
+            ["share bound: service time of the lines / K",
+             f"{bound['share_seconds']:,.0f} s ({bound['batch_service_s']:,.0f} s / {bound['share_places']}, share "
+             f"{data['pool_share']:g})"],
             ["bound", f"**{bound['seconds']:,.0f} s** ({bound['binding']} bind)"],
             ["batch created → final status (polled)", f"**{b['took_s']:,.0f} s** ({b['status']}; upload took "
                                                         f"{b['upload_s']:.1f} s)"],
@@ -575,11 +643,11 @@ def plot(data: dict, plots_dir=PLOTS_DIR) -> list[str]:
     b = data["batch"]
     names = []
     calls = data["calls"]["chat"]
-    solo_end = data["sizes"]["solo_s"]
-    series = {"chat alone": [c["latency"] * f for c in calls
-                             if c["status"] == 200 and data["sizes"]["warm_s"] <= c["start"] * f < solo_end],
-              "chat beside the batch": [c["latency"] * f for c in calls
-                                        if c["status"] == 200 and b["created_s"] <= c["start"] * f < b["ended_s"]]}
+    phases = dict(warm_s=data["sizes"]["warm_s"], uploaded_s=b["uploaded_s"], ended_s=b["ended_s"])
+    answered = [c for c in calls if c["status"] == 200]
+    series = {label: [c["latency"] * f for c in answered
+                      if chat_phase_of(c["start"] * f, c["latency"] * f, **phases) == phase]
+              for label, phase in (("chat alone", "alone"), ("chat beside the batch", "beside"))}
     path = plots_dir / "batch_chat_latency_cdf.png"
     cdf_plot(series, path, title="Batch API beside chat: chat latency CDF", xlabel="latency, simulated s")
     names.append(path.name)
@@ -611,8 +679,11 @@ def _cli() -> None:
     parser.add_argument("--lines", type=int, default=None, help=f"the batch's lines (default {FULL_LINES:,})")
     parser.add_argument("--lines-in-flight", type=int, default=None,
                         help="SLUICE_BATCH_LINES_IN_FLIGHT for the run (default: the setting's)")
+    parser.add_argument("--pool-share", type=float, default=None,
+                        help="SLUICE_BATCH_POOL_SHARE for the run (default: the environment's, else the setting's)")
     args = parser.parse_args()
-    data = main(seed=args.seed, quick=args.quick, lines=args.lines, lines_in_flight=args.lines_in_flight)
+    data = main(seed=args.seed, quick=args.quick, lines=args.lines, lines_in_flight=args.lines_in_flight,
+                pool_share=args.pool_share)
     _, plots_dir = report_paths(quick=args.quick)
     plots_dir.mkdir(parents=True, exist_ok=True)
     plot(data, plots_dir)

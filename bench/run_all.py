@@ -240,12 +240,13 @@ ordered by headroom (`budgets/admission/headroom.lua`: the least used of bucket,
 provider room) at each admission.""",
     "batch": """**Reading it.** The batch's lines are jobs on the batch lane: admission delays a line
 (never rejects it) until the pool has room beside chat's protected reservation; the output file's
-usage and the ledger rows of the batch's lines are the same tokens. The bound counts tokens and
-requests a minute only. Two limits it leaves out are what chat feels: the pool's in-flight limit,
-which an admitted line holds from admission to settlement (a batch keeps up to
-SLUICE_BATCH_LINES_IN_FLIGHT lines admitted or waiting, 64 by default, on a pool of 32 here), so
-chat finds it full and is refused `pool_saturated`; and the simulated GPU, where each running
-sequence adds to every decode step and each prompt stalls one (the paragraph above the targets).""",
+usage and the ledger rows of the batch's lines are the same tokens. The feed holds at most
+K = floor(pool in-flight limit x SLUICE_BATCH_POOL_SHARE) lines on the pool at once, so the bound is
+the larger of the pool budget chat leaves (tokens and requests a minute) and the lines' service time
+over K; on this pool the share binds. A place is held from a line's release to its settlement, so
+the feed's turnaround between lines is the gap between the two. What chat feels is the simulated
+GPU, where each running sequence adds to every decode step and each prompt stalls one (the paragraph
+above the targets): K places add about K sequences to chat's own.""",
     "calibration": """**Reading it.** Three engine parameters (`decode_base_ms`, `decode_per_seq_ms`,
 `prefill_ms_per_token`) plus the KV-cache size reproduce the published throughput curve (linear
 gain, knee, plateau when the KV cache is full) and the inter-token latency rise up to the knee.

@@ -43,6 +43,35 @@ def test_the_ceiling_and_the_request_rate_bound_it_too():
     assert small.seconds == pytest.approx(60 * 5_000 / 4_500)
 
 
+def test_the_share_of_places_binds_when_the_lines_service_time_over_k_is_longer():
+    # 5,000 lines of 3 s service each, 8 at once: 1,875 s against the 600 s
+    # the budget allows
+    bound = _bound(batch_service_s=15_000.0, share_places=8)
+    assert bound.budget_seconds == pytest.approx(600.0)
+    assert bound.share_seconds == pytest.approx(1_875.0)
+    assert bound.seconds == pytest.approx(1_875.0) and bound.binding == "share of places"
+    # a short service time leaves the budget bound binding
+    quick = _bound(batch_service_s=2_400.0, share_places=8)
+    assert quick.share_seconds == pytest.approx(300.0)
+    assert quick.seconds == pytest.approx(600.0) and quick.binding == "tokens"
+    # not share-limited: no share bound
+    assert _bound(batch_service_s=15_000.0).share_seconds == 0.0
+
+
+def test_the_places_are_the_pool_limit_times_the_share_rounded_down_at_least_one():
+    assert batch.share_places(0.25) == 8  # the scenario's 32-place pool
+    assert batch.share_places(0.2) == 6  # 6.4
+    assert batch.share_places(0.01) == 1
+    assert batch.share_places(0.5, max_concurrency=7) == 3
+
+
+def test_the_share_is_the_platform_environments_else_the_settings_default(settings):
+    settings.SLUICE_BATCH_POOL_SHARE = 0.25
+    assert batch._share_run_with({"SLUICE_BATCH_POOL_SHARE": "0.2"}) == 0.2
+    assert batch._share_run_with({}) == 0.25
+    assert batch._share_run_with({"SLUICE_BATCH_POOL_SHARE": " "}) == 0.25
+
+
 def test_no_idle_capacity_is_an_infinite_bound():
     bound = _bound(chat_tpm=120_000)
     assert bound.seconds == float("inf") and bound.binding == "no idle capacity"
@@ -93,7 +122,7 @@ def _made_up_run(*, beside_latency: float, took_real_s: float, output_tokens: in
     def row(at_sim: float, tokens: tuple[int, int], workload_id: int, request_id: str) -> dict:
         return {"request_id": request_id, "created_at": t0_epoch + at_sim / F, "workload_id": workload_id,
                 "lane": "batch" if workload_id == 2 else "interactive", "status": "ok", "borrowed": False,
-                "actual_input_tokens": tokens[0], "actual_output_tokens": tokens[1], "total_ms": 100,
+                "actual_input_tokens": tokens[0], "actual_output_tokens": tokens[1], "upstream_ms": 90, "total_ms": 100,
                 "endpoint": "/v1/chat/completions"}
 
     batch_rows = [row(41 + i, (70, 30), 2, f"req_b{i}") for i in range(4)]
@@ -124,7 +153,11 @@ def test_a_made_up_run_is_judged_against_its_bound_and_its_ledger(tmp_path):
     run, kwargs = _made_up_run(beside_latency=0.2, took_real_s=20 / F, output_tokens=400)
     # when
     data = batch._analyse(run, **kwargs)
-    # then the bound is 400 tokens at (120,000 - 3,600) TPM
+    # then the bound is 400 tokens at (120,000 - 3,600) TPM; the share bound
+    # (4 lines of 90 ms real, 8 places) is shorter
+    assert data["pool_share"] == 0.25 and data["bound"]["share_places"] == 8
+    assert data["bound"]["share_seconds"] == pytest.approx(4 * 0.09 * F / 8)
+    assert data["bound"]["budget_seconds"] == data["bound"]["seconds"]
     assert data["bound"]["chat_tpm"] == pytest.approx(3_600)
     assert data["bound"]["idle_tpm"] == pytest.approx(116_400)
     assert data["bound"]["chat_rpm"] == pytest.approx(60)
@@ -139,6 +172,7 @@ def test_a_made_up_run_is_judged_against_its_bound_and_its_ledger(tmp_path):
     body = batch.summarize(data)
     assert "| chat short p99 beside the batch / alone | **1.00** | ≤ 1.10 | met |" in body
     assert "**400 = 400 (4 rows, 4 lines)**" in body
+    assert "| share bound: service time of the lines / K | 0 s (1 s / 8, share 0.25) |" in body
     assert sorted(batch.plot(data, tmp_path)) == ["batch_chat_latency_cdf.png", "batch_tokens_per_minute.png"]
 
 
@@ -161,6 +195,45 @@ def test_a_run_without_refusals_inside_its_bound_meets_every_target():
     assert data["time_ratio"] == pytest.approx(24 / (60 * 40_000 / 116_400))
     assert all(data["met"].values()), data["met"]
     assert "| met |" in batch.summarize(data) and "missed" not in batch.summarize(data)
+
+
+def test_a_share_limited_run_is_judged_against_its_service_time_over_k():
+    # given 4 lines of 5 s real service each (20 s sim at time scale 4) and a
+    # share of 1 place: 80 s sim, longer than the 0.2 s token bound
+    run, kwargs = _made_up_run(beside_latency=0.2, took_real_s=90 / F, output_tokens=400)
+    run["chat"] = [c for c in run["chat"] if c.ok]
+    for row in run["ledger"]["batch_rows"]:
+        row["upstream_ms"] = 5_000
+    # when the platform ran with a share of 0.02 (floor(32 x 0.02) = 0, at least 1)
+    data = batch._analyse(run, **kwargs, pool_share=0.02)
+    # then the share binds and 90 s is within 1.2x of 4 x 5 x F s
+    assert data["bound"]["share_places"] == 1
+    assert data["bound"]["share_seconds"] == pytest.approx(4 * 5 * F)
+    assert data["bound"]["binding"] == "share of places"
+    assert data["time_ratio"] == pytest.approx(90 / (4 * 5 * F))
+    assert data["met"]["batch_time"] is True
+    assert "share of places bind" in batch.summarize(data)
+    # and the same run on twice the places misses it
+    wider = batch._analyse(run, **kwargs, pool_share=0.07)
+    assert wider["bound"]["share_places"] == 2 and wider["met"]["batch_time"] is False
+
+
+def test_chat_alone_ends_where_the_upload_begins():
+    phases = dict(warm_s=10.0, uploaded_s=200.0, ended_s=900.0)
+    assert batch.chat_phase_of(5.0, 0.5, **phases) is None  # warming up
+    assert batch.chat_phase_of(150.0, 1.0, **phases) == "alone"
+    # started alone, still running when the 1 MB upload stalled the gateway
+    assert batch.chat_phase_of(199.0, 8.0, **phases) == "beside"
+    assert batch.chat_phase_of(500.0, 1.0, **phases) == "beside"
+    assert batch.chat_phase_of(900.0, 1.0, **phases) is None
+
+
+def test_a_call_slowed_by_the_upload_counts_beside_the_batch_not_alone():
+    run, kwargs = _made_up_run(beside_latency=0.2, took_real_s=20 / F, output_tokens=400)
+    run["chat"].append(Call("chat", start=39.5 / F, latency=8.0 / F, status=200))
+    data = batch._analyse(run, **kwargs)
+    assert data["chat"]["solo"]["n"] == 35 and data["chat"]["solo"]["p99"] == pytest.approx(0.2)
+    assert data["chat"]["beside"]["n"] == 21 and data["chat"]["beside"]["p99"] > 1.0
 
 
 def test_the_engine_model_turns_running_sequences_into_chat_slowdown():
