@@ -240,7 +240,7 @@ SLUICE_BATCH_MAX_LINES = env_int("SLUICE_BATCH_MAX_LINES", 50_000)
 SLUICE_BATCH_LINES_IN_FLIGHT = env_int("SLUICE_BATCH_LINES_IN_FLIGHT", 64)
 # The share of a pool's in-flight limit that batch lines (every workload's
 # whose primary pool it is) may hold at once; interactive calls keep the rest.
-SLUICE_BATCH_POOL_SHARE = env_float("SLUICE_BATCH_POOL_SHARE", 0.25)
+SLUICE_BATCH_POOL_SHARE = env_float("SLUICE_BATCH_POOL_SHARE", 0.125)
 # How long an admitted line may wait on the lane before it goes back to the
 # batch's pending lines (it never ran: the claim makes sure).
 SLUICE_BATCH_LINE_QUEUE_S = env_float("SLUICE_BATCH_LINE_QUEUE_S", 600.0)

@@ -4,9 +4,9 @@ A batch's lines are jobs (gateway/core/jobs/lifecycle.py) on the batch lane:
 budget delays them, never rejects them. The life of a batch:
 
 - ``validating``: a housekeeping task reads the input file once
-  (gateway/core/batches/lines.py) and, in one transaction, writes a ``Job``
-  row per request (``pending``; a refused request is written final, for the
-  error file) or fails the batch with the file's errors.
+  (gateway/core/batches/lines.py) and writes a ``Job`` row per request
+  (``pending``; a refused request is written final, for the error file), in
+  short transactions, or fails the batch with the file's errors.
 - ``in_progress``: the pacer feeds the batch (``batches_step``): while fewer
   than SLUICE_BATCH_LINES_IN_FLIGHT lines of its workload's batches are
   delayed or queued, the next pending lines (in file order, older batches
@@ -51,8 +51,8 @@ from budgets.models import Reservation, UsageRecord
 from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
 from gateway.core import keys
-from gateway.core.batches.files import file_of_workload, file_write
-from gateway.core.batches.lines import Checked, lines_check
+from gateway.core.batches.files import file_delete, file_of_workload, file_write
+from gateway.core.batches.lines import Checked, LineError, lines_check
 from gateway.core.errors import bad_request, error_body
 from gateway.core.lanes import HOUSEKEEPING
 from gateway.core.paging import newest_first_page
@@ -71,6 +71,8 @@ ENDPOINTS = (CHAT_COMPLETIONS, EMBEDDINGS, COMPLETIONS)
 WINDOWS_S = {"24h": 24 * 3600}
 # A published task not done by then was lost with its worker: publish it again.
 BATCH_TASK_TTL_S = 300
+# Longer than any validation (50,000 lines read, estimated and written).
+VALIDATE_LOCK_S = 1800
 # A delayed line the delayed set has not held for this long is put back.
 LOST_LINE_S = 60.0
 # How often the pacer looks at running batches without being woken.
@@ -204,58 +206,76 @@ def _line_job(batch: Batch, line) -> Job:
 
 
 def batch_validate(*, batch_id: str) -> str:
-    """Read the input file and write the batch's lines, or fail it. Runs
-    under a lock on the batch's row: a second delivery waits, then finds it
-    done."""
-    with transaction.atomic():
-        batch = Batch.objects.select_for_update(of=("self",)).select_related("workload", "workload__tenant", "input_file") \
-            .filter(pk=batch_id).first()
-        if batch is None or batch.status != Batch.Status.VALIDATING:
-            return "skipped"
-        if batch.input_file is None:
-            return _fail(batch, [{"code": "file_not_found", "message": "The input file was deleted.", "param":
-                                  "input_file_id", "line": None}])
-        ctx = _batch_context(batch)
-        checked = Checked(errors=[])
-        Job.objects.filter(batch=batch).delete()  # a half-written earlier try, rolled back anyway
-        tokens = lines = 0
-        chunk: list[Job] = []
-        try:
-            for line in lines_check(batch.input_file, ctx=ctx, endpoint=batch.endpoint, checked=checked):
-                lines += 1
-                if line.estimate is not None:
-                    tokens += line.estimate.total_tokens
-                if not checked.errors:
-                    chunk.append(_line_job(batch, line))
-                    if len(chunk) >= CREATE_CHUNK:
-                        Job.objects.bulk_create(chunk)
-                        chunk = []
-        except (OSError, UnicodeError) as exc:
-            return _fail(batch, [{"code": "invalid_file", "message": f"The input file cannot be read: {exc}",
-                                  "param": "input_file_id", "line": None}])
-        if checked.errors or lines == 0:
-            Job.objects.filter(batch=batch).delete()
-            errors = [e.view() for e in checked.errors] or [
-                {"code": "empty_file", "message": "The input file holds no requests.", "param": None, "line": None}]
-            return _fail(batch, errors)
-        Job.objects.bulk_create(chunk)
-        batch.total = lines
-        batch.estimated_tokens = tokens
-        batch.plan = batch_plan(ctx, tokens=tokens, requests=lines, window_s=WINDOWS_S[batch.completion_window],
-                                basis="token count")
-        batch.status = Batch.Status.IN_PROGRESS
-        batch.in_progress_at = timezone.now()
-        batch.save(update_fields=["total", "estimated_tokens", "plan", "status", "in_progress_at"])
+    """Read the input file and write the batch's lines, or fail it.
+
+    The lines go in short transactions of CREATE_CHUNK rows, not one: a
+    50,000-line file takes seconds, and on SQLite (make run) one long write
+    transaction would hold the database's write lock that every tenant's
+    ledger rows wait for. Lines of a batch still ``validating`` are never
+    fed, and a failed validation deletes them. One validator at a time runs
+    per batch (a Redis lock that outlives any validation, VALIDATE_LOCK_S):
+    a second delivery finds the lock taken and leaves the batch to the
+    first; a validator that died leaves the lock to expire, and the pacer's
+    re-publish (BATCH_TASK_TTL_S) starts afresh, deleting the lines it
+    had written."""
+    batch = Batch.objects.select_related("workload", "workload__tenant", "input_file").filter(pk=batch_id).first()
+    if batch is None or batch.status != Batch.Status.VALIDATING:
+        return "skipped"
+    lock = keys.batch_task(batch_id, "validating")
+    if not get_redis().set(lock, 1, nx=True, ex=VALIDATE_LOCK_S):
+        return "running"
+    try:
+        return _lines_write(batch)
+    finally:
+        get_redis().delete(lock)
+
+
+def _lines_write(batch: Batch) -> str:
+    if batch.input_file is None:
+        return _fail(batch, [{"code": "file_not_found", "message": "The input file was deleted.", "param":
+                              "input_file_id", "line": None}])
+    ctx = _batch_context(batch)
+    checked = Checked(errors=[])
+    Job.objects.filter(batch=batch).delete()  # what an earlier validator that died had written
+    tokens = lines = 0
+    chunk: list[Job] = []
+    try:
+        for line in lines_check(batch.input_file, ctx=ctx, endpoint=batch.endpoint, checked=checked):
+            lines += 1
+            if line.estimate is not None:
+                tokens += line.estimate.total_tokens
+            if not checked.errors:
+                chunk.append(_line_job(batch, line))
+                if len(chunk) >= CREATE_CHUNK:
+                    Job.objects.bulk_create(chunk)
+                    chunk = []
+    except (OSError, UnicodeError) as exc:
+        checked.errors.append(LineError("invalid_file", f"The input file cannot be read: {exc}", None,
+                                        "input_file_id"))
+    if checked.errors or lines == 0:
+        Job.objects.filter(batch=batch).delete()
+        errors = [e.view() for e in checked.errors] or [
+            {"code": "empty_file", "message": "The input file holds no requests.", "param": None, "line": None}]
+        return _fail(batch, errors)
+    Job.objects.bulk_create(chunk)
+    plan = batch_plan(ctx, tokens=tokens, requests=lines, window_s=WINDOWS_S[batch.completion_window],
+                      basis="token count")
+    # Conditional: a cancel while it validated ended the batch, and its lines go.
+    started = Batch.objects.filter(pk=batch.id, status=Batch.Status.VALIDATING).update(
+        total=lines, estimated_tokens=tokens, plan=plan, status=Batch.Status.IN_PROGRESS,
+        in_progress_at=timezone.now())
+    if not started:
+        Job.objects.filter(batch=batch).delete()
+        return "cancelled"
     _pacer_wake()
-    return batch.status
+    return Batch.Status.IN_PROGRESS
 
 
 def _fail(batch: Batch, errors: list[dict]) -> str:
-    batch.status = Batch.Status.FAILED
-    batch.errors = errors
-    batch.failed_at = timezone.now()
-    batch.save(update_fields=["status", "errors", "failed_at"])
-    return batch.status
+    """Failed, unless a cancel ended it meanwhile."""
+    Batch.objects.filter(pk=batch.id, status=Batch.Status.VALIDATING).update(
+        status=Batch.Status.FAILED, errors=errors, failed_at=timezone.now())
+    return Batch.Status.FAILED
 
 
 def _pacer_wake() -> None:
@@ -490,37 +510,46 @@ def _lines_of(batch: Batch, *, ok: bool) -> Iterator[bytes]:
         yield _output_line(job)
 
 
+ENDINGS = {Batch.Status.CANCELLING: (Batch.Status.CANCELLED, "cancelled_at"),
+           Batch.Status.FINALIZING: (Batch.Status.COMPLETED, "completed_at"),
+           Batch.Status.IN_PROGRESS: (Batch.Status.EXPIRED, "expired_at")}  # in progress: past its window
+
+
 def batch_finalize(*, batch_id: str) -> str:
     """Write the output and error files and end the batch: ``completed``
     from finalizing, ``cancelled`` from cancelling, ``expired`` past its
-    window. Under the batch row's lock; a second delivery finds it ended."""
-    with transaction.atomic():
-        batch = Batch.objects.select_for_update().filter(pk=batch_id).first()
-        if batch is None or batch.status in Batch.FINAL or batch.status == Batch.Status.VALIDATING:
-            return "skipped"
-        counts = batch_counts(batch.id)
-        if any(counts.get(s, 0) for s in (*IN_FLIGHT, Job.Status.PENDING)):
-            return "running"  # the pacer finishes them first
-        now = timezone.now()
-        if batch.status == Batch.Status.CANCELLING:
-            batch.status, batch.cancelled_at = Batch.Status.CANCELLED, now
-        elif batch.status == Batch.Status.FINALIZING:
-            batch.status, batch.completed_at = Batch.Status.COMPLETED, now
-        else:  # in progress, past its window
-            batch.status, batch.expired_at = Batch.Status.EXPIRED, now
-        if batch.finalizing_at is None:
-            batch.finalizing_at = now
-        ok = counts.get(Job.Status.SUCCEEDED, 0)
-        if ok:
-            batch.output_file = file_write(tenant_id=batch.tenant_id, workload_id=batch.workload_id,
-                                           purpose=BatchFile.Purpose.BATCH_OUTPUT,
-                                           filename=f"{batch.id}_output.jsonl", lines=_lines_of(batch, ok=True))
-        if sum(counts.values()) > ok:
-            batch.error_file = file_write(tenant_id=batch.tenant_id, workload_id=batch.workload_id,
-                                          purpose=BatchFile.Purpose.BATCH_ERROR,
-                                          filename=f"{batch.id}_error.jsonl", lines=_lines_of(batch, ok=False))
-        batch.save()
-    return batch.status
+    window. The files are written outside any transaction (on SQLite a long
+    one would hold every tenant's writes); the ending is one conditional
+    UPDATE, so of two deliveries one ends the batch and the other deletes
+    the files it wrote."""
+    batch = Batch.objects.filter(pk=batch_id).first()
+    if batch is None or batch.status not in ENDINGS:
+        return "skipped"
+    counts = batch_counts(batch.id)
+    if any(counts.get(s, 0) for s in (*IN_FLIGHT, Job.Status.PENDING)):
+        return "running"  # the pacer finishes them first
+    if batch.status == Batch.Status.IN_PROGRESS and batch.expires_at > timezone.now():
+        return "running"
+    ok = counts.get(Job.Status.SUCCEEDED, 0)
+    written = {"output_file": None, "error_file": None}
+    if ok:
+        written["output_file"] = file_write(tenant_id=batch.tenant_id, workload_id=batch.workload_id,
+                                            purpose=BatchFile.Purpose.BATCH_OUTPUT,
+                                            filename=f"{batch.id}_output.jsonl", lines=_lines_of(batch, ok=True))
+    if sum(counts.values()) > ok:
+        written["error_file"] = file_write(tenant_id=batch.tenant_id, workload_id=batch.workload_id,
+                                           purpose=BatchFile.Purpose.BATCH_ERROR,
+                                           filename=f"{batch.id}_error.jsonl", lines=_lines_of(batch, ok=False))
+    ending, stamp = ENDINGS[batch.status]
+    now = timezone.now()
+    ended = Batch.objects.filter(pk=batch.id, status=batch.status).update(
+        status=ending, **{stamp: now}, finalizing_at=batch.finalizing_at or now, **written)
+    if not ended:
+        for stored in written.values():
+            if stored is not None:
+                file_delete(stored)
+        return "skipped"
+    return ending
 
 
 def batch_cancel(batch: Batch) -> Batch:
@@ -529,18 +558,17 @@ def batch_cancel(batch: Batch) -> Batch:
     done. A batch already ended, or cancelling, is answered as it is."""
     if batch.status in Batch.FINAL or batch.status == Batch.Status.CANCELLING:
         return batch
+    now = timezone.now()
+    # A validating batch has no line to run yet: it ends at once (its
+    # validator deletes what it wrote, batch_validate).
+    if Batch.objects.filter(pk=batch.id, status=Batch.Status.VALIDATING).update(
+            status=Batch.Status.CANCELLED, cancelling_at=now, cancelled_at=now):
+        return Batch.objects.get(pk=batch.id)
     with transaction.atomic():
         locked = Batch.objects.select_for_update().get(pk=batch.id)
         if locked.status in Batch.FINAL or locked.status == Batch.Status.CANCELLING:
             return locked
-        if locked.status == Batch.Status.VALIDATING:
-            # Validation has not written its lines (it holds this lock while it
-            # does): nothing ran, so the batch ends at once.
-            locked.status, locked.cancelling_at, locked.cancelled_at = (Batch.Status.CANCELLED, timezone.now(),
-                                                                        timezone.now())
-            locked.save(update_fields=["status", "cancelling_at", "cancelled_at"])
-            return locked
-        locked.status, locked.cancelling_at = Batch.Status.CANCELLING, timezone.now()
+        locked.status, locked.cancelling_at = Batch.Status.CANCELLING, now
         locked.save(update_fields=["status", "cancelling_at"])
         _pending_end(locked, status=Job.Status.CANCELLED, reason="batch_cancelled", message=CANCELLED_MESSAGE)
     _pacer_wake()

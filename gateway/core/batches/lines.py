@@ -41,7 +41,7 @@ class LineError(Exception):
 
     code: str
     message: str
-    line: int
+    line: int | None
     param: str | None = None
 
     def view(self) -> dict:
