@@ -7,6 +7,7 @@ made due exactly once however many pacers feed at once."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -160,3 +161,65 @@ def test_queued_lines_whose_records_redis_lost_are_settled_from_the_ledger(make_
     assert (billed.status, billed.reason) == ("failed", "result_lost")
     assert unbilled.status in ("pending", "delayed")  # back to run again (the same step may feed it)
     assert alive.status == "queued"
+
+
+def _validating(caller, lines: int) -> Batch:
+    import json
+
+    from gateway.core.batches.files import file_write
+    from gateway.models import BatchFile
+
+    body = {"model": "sim-small", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+    stored = file_write(tenant_id=caller.tenant.id, workload_id=caller.workload.id, purpose=BatchFile.Purpose.BATCH,
+                        filename="in.jsonl", lines=(json.dumps({"custom_id": f"v{i}", "method": "POST",
+                                                                "url": "/v1/chat/completions", "body": body}).encode()
+                                                    + b"\n" for i in range(lines)))
+    return Batch.objects.create(tenant=caller.tenant, workload=caller.workload, endpoint="/v1/chat/completions",
+                                input_file=stored, expires_at=timezone.now() + timedelta(hours=24))
+
+
+def test_two_validators_at_once_write_the_lines_once(make_caller, redis_client):
+    from gateway.core.batches.lifecycle import batch_validate
+
+    batch = _validating(make_caller(), 3000)
+    results: list[str] = []
+    start = threading.Barrier(2)
+
+    def validator():
+        try:
+            start.wait()
+            results.append(batch_validate(batch_id=batch.id))
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=validator) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) in (["in_progress", "running"], ["in_progress", "skipped"])
+    batch.refresh_from_db()
+    assert (batch.status, batch.total) == ("in_progress", 3000)
+    assert Job.objects.filter(batch=batch, status="pending").count() == 3000
+    assert sorted(Job.objects.filter(batch=batch).values_list("line", flat=True)) == list(range(1, 3001))
+
+
+def test_a_cancel_while_validating_ends_the_batch_and_the_lines_written_go(make_caller, redis_client):
+    from gateway.core.batches.lifecycle import batch_cancel, batch_validate
+
+    batch = _validating(make_caller(), 20_000)
+    outcome: list[str] = []
+    validator = threading.Thread(target=lambda: (outcome.append(batch_validate(batch_id=batch.id)),
+                                                 close_old_connections()))
+    validator.start()
+    deadline = time.monotonic() + 60
+    while not Job.objects.filter(batch=batch).exists():  # some lines written: it is mid-file
+        assert time.monotonic() < deadline and validator.is_alive()
+        time.sleep(0.01)
+    cancelled = batch_cancel(Batch.objects.get(pk=batch.id))
+    validator.join()
+    assert cancelled.status == "cancelled"
+    assert outcome == ["cancelled"]
+    assert not Job.objects.filter(batch=batch).exists()
+    batch.refresh_from_db()
+    assert batch.status == "cancelled"
