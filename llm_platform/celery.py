@@ -19,10 +19,11 @@ from gateway.core.lanes import HOUSEKEEPING
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 
 # How long an idle worker's read of its queue waits (see polling_interval
-# below). The price: kombu drops a half-open connection of an idle worker
-# after about this plus twice its health-check interval (25 s), 55 s
-# instead of 51 s.
-BROKER_POLL_S = 5.0
+# below): kombu's default. A longer wait costs less idle CPU, but a stopping
+# worker waits out the read in flight after its stop grace (3 s), and a
+# worker must be gone within 5 s of SIGTERM (tests/gateway/test_streaming.py,
+# the orchestrator's kill timer): 5 s here broke that bound.
+BROKER_POLL_S = 1.0
 
 app = Celery("sluice")
 app.config_from_object("django.conf:settings", namespace="CELERY")
