@@ -215,6 +215,9 @@ SLUICE_UPSTREAM_TIMEOUT_S = env_float("SLUICE_UPSTREAM_TIMEOUT_S", 120.0)
 # Non-streamed calls to a plain http:// pool (no proxy) on the standard
 # library's http.client, not httpx (gateway/worker/pool_client.py).
 SLUICE_POOL_PLAIN_HTTP = env_bool("SLUICE_POOL_PLAIN_HTTP", True)
+# Streams on the plain path are read and relayed by one thread per lane
+# worker process (gateway/worker/stream_hub.py); false: each on its call's thread.
+SLUICE_STREAM_HUB = env_bool("SLUICE_STREAM_HUB", True)
 # How long workload/key lookups are cached in each web process; reservation
 # changes reach admission through Redis at once, caps within this many seconds.
 SLUICE_AUTH_CACHE_S = env_float("SLUICE_AUTH_CACHE_S", 5.0)

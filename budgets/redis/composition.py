@@ -112,6 +112,43 @@ class Commands:
             pipe.execute_command(*command)
         return pipe
 
+    def framed(self) -> list[tuple]:
+        """The commands as they go out (MULTI/EXEC around them in a
+        transaction), for a caller that sends several ``Commands`` in one
+        write (``commands_send``) and hands each its slice of the replies
+        (``replies``)."""
+        return [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else list(self.commands)
+
+    @staticmethod
+    def run_together(batches: list[Commands], client: SyncRedis | None = None) -> list[list[Any] | BaseException]:
+        """Several batches in one write (one round trip on a plain client;
+        one by one elsewhere): each batch's replies, or the
+        ``ResponseError`` Redis refused one of its commands with. A lost
+        connection raises, for all of them."""
+        client = client or get_redis()
+        out: list[list[Any] | BaseException] = []
+        if not lean_client(client):
+            for batch in batches:
+                try:
+                    out.append(batch.run(client))
+                except redis.exceptions.ResponseError as refused:
+                    out.append(refused)
+            return out
+        framed = [batch.framed() for batch in batches]
+        raw = commands_send(client, [command for commands in framed for command in commands], transaction=False)
+        at = 0
+        for batch, commands in zip(batches, framed, strict=True):
+            try:
+                out.append(batch.replies(raw[at:at + len(commands)]))
+            except redis.exceptions.ResponseError as refused:
+                out.append(refused)
+            at += len(commands)
+        return out
+
+    def replies(self, raw: list[Any]) -> list[Any]:
+        """This batch's replies from its slice of a shared write's (``framed``)."""
+        return self._replies(raw)
+
     def _replies(self, raw: list[Any]) -> list[Any]:
         if self.transaction:
             raw = raw[-1]  # EXEC's: the queued commands' replies

@@ -344,24 +344,44 @@ def pool_post(client: OpenAI, *, body: dict, pool_id: int = 0, mark: SentMark | 
 READ_BYTES = 1 << 16  # at most this much of a stream per read: what came since the last read, usually
 
 
-def sse_line_batches(reads: Iterable[bytes]) -> Iterator[list[str]]:
-    """Server-sent events' lines (decoded, without their ends: LF, CRLF or
-    a bare CR, as SSE allows), a list per read of the socket; a line cut
-    between two reads goes with the second."""
-    tail = b""
-    for raw in reads:
-        data = tail + raw
+class SseLines:
+    """Server-sent events' lines (decoded, without their ends: LF, CRLF or a
+    bare CR, as SSE allows) from a body's reads: ``feed`` gives the lines a
+    read completed (a line cut between two reads goes with the second),
+    ``end`` what is left when the body ends."""
+
+    __slots__ = ("tail",)
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def feed(self, raw: bytes) -> list[str] | None:
+        data = self.tail + raw if self.tail else raw
         cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
         if cut < 0:
-            tail = data
-            continue
-        tail = data[cut + 1:]
+            self.tail = data
+            return None
+        self.tail = data[cut + 1:]
         text = data[:cut].decode("utf-8", errors="replace")
         if "\r" in text:
             text = text.replace("\r\n", "\n").replace("\r", "\n")
-        yield text.split("\n")
-    if tail:
-        yield [tail.decode("utf-8", errors="replace")]
+        return text.split("\n")
+
+    def end(self) -> list[str] | None:
+        tail, self.tail = self.tail, b""
+        return [tail.decode("utf-8", errors="replace")] if tail else None
+
+
+def sse_line_batches(reads: Iterable[bytes]) -> Iterator[list[str]]:
+    """``SseLines`` over ``reads``: a list of lines per read of the socket."""
+    lines = SseLines()
+    for raw in reads:
+        batch = lines.feed(raw)
+        if batch is not None:
+            yield batch
+    batch = lines.end()
+    if batch is not None:
+        yield batch
 
 
 def stream_line_batches(response: httpx.Response | PlainStream) -> Iterator[list[str]]:
@@ -391,6 +411,46 @@ class PlainStream:
         self.headers = response.headers
         self._done = False
         self._closed = False
+        self._handed = False  # read by the stream hub, not by ``response``
+        self._timeout: float | None = None
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def hub_ready(self) -> bool:
+        """Whether the stream hub can read this answer: on a kept-alive
+        connection (an answer that ends with its connection's close holds
+        the socket in the response alone: read on the call's thread)."""
+        return self._conn.sock is not None and not self._response.will_close
+
+    def hand_over(self) -> tuple[socket.socket, bytes, bool, int | None, float | None]:
+        """For the stream hub (gateway/worker/stream_hub.py), which reads the
+        body from the socket itself: the socket, now non-blocking; the
+        body's bytes already read with the headers; whether the body is
+        chunked; its length when sized; the call's read timeout."""
+        self._handed = True
+        sock = self._conn.sock
+        self._timeout = sock.gettimeout()
+        sock.setblocking(False)
+        fp = self._response.fp
+        # What the header read buffered past the headers (on a socket with
+        # nothing more, a non-blocking read gives nothing).
+        head = fp.read1(READ_BYTES) if fp is not None else b""
+        return sock, head or b"", bool(self._response.chunked), self._response.length, self._timeout
+
+    def take_back(self, *, complete: bool) -> None:
+        """The hub is done with the socket: its timeout back, and with the
+        body read to its end (``complete``) the connection is kept by ``close``."""
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.settimeout(self._timeout)
+            except OSError:
+                pass
+        if complete:
+            self._done = True
+            self._response.close()  # read through: the connection is free for its next request
 
     def iter_batches(self) -> Iterator[list[str]]:
         """The body's lines, without their ends, a list per read: the lines
@@ -413,7 +473,7 @@ class PlainStream:
             return
         self._closed = True
         response, conn = self._response, self._conn
-        if self._done and not response.isclosed() and conn.sock is not None:
+        if self._done and not self._handed and not response.isclosed() and conn.sock is not None:
             try:
                 conn.sock.settimeout(self.DRAIN_S)
                 response.read(self.DRAIN_BYTES)

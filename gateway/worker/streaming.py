@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import openai
+from django.conf import settings
 
 import llm_tokens
 from budgets.admission.provider_limits import SentMark
@@ -41,8 +42,9 @@ from gateway.core.errors import error_body
 from gateway.core.request.endpoints import pool_path
 from gateway.core.request.records import Outcome, RequestRecord, worker_lost_outcome
 from gateway.core.request.streams import stream_append
-from gateway.worker.pool_client import pool_call_inline, pool_stream_open, stream_line_batches
+from gateway.worker.pool_client import PlainStream, pool_call_inline, pool_stream_open, stream_line_batches
 from gateway.worker.shutdown import pool_call_within_grace, shutdown_grace_over
+from gateway.worker.stream_hub import stream_hub_relay
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,47 @@ def _append(client, relay: _Relay, chunks: list[str], started: float) -> bool:
     """Relay ``chunks`` (one round trip); True when the caller has gone away.
     The first append also sets the stored answer a lost worker is finished
     on (_first_chunk_answer), before the chunks are visible."""
+    watch, answer_if_lost = relay_mark(relay, chunks, started)
+    return stream_append(client, request_id=relay.record.request_id, chunks=chunks, watch=watch,
+                         answer_if_lost=answer_if_lost)
+
+
+def _first_chunk_answer(record: RequestRecord) -> str:
+    """The stored answer from the first chunk on: the caller has chunks, so a
+    lost worker's request is finished on it, not delivered again."""
+    return worker_lost_outcome(record).to_json()
+
+
+def take_lines(relay: _Relay, lines: list[str], opening: list[str]) -> list[str]:
+    """One batch of the pool's lines (what one read brought): the events to
+    relay. The opening chunk (the role, no content yet) is held in
+    ``opening`` until the first token, to go with it in one append: the
+    caller's stream starts with both, one relay through Redis and the web
+    process instead of two. Sets ``relay.done`` at ``[DONE]`` and
+    ``relay.error`` at an error event (the lines after either are not read)."""
+    relayable: list[str] = []
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            relay.done = True
+            break
+        if not _read_chunk(relay, data):
+            if relay.error is not None:
+                break
+            continue
+        if (relay.relayed == 0 and not opening and not relayable
+                and not (relay.produced or relay.finished or relay.usage)):
+            opening.append(data)
+            continue
+        relayable.append(data)
+    return relayable
+
+
+def relay_mark(relay: _Relay, chunks: list[str], started: float) -> tuple[bool, str | None]:
+    """Count ``chunks`` as relayed now: (whether this append reads the
+    cancel flag, the stored answer to set with it when it is the first)."""
     now = time.monotonic()
     first = relay.relayed == 0
     if first:
@@ -127,14 +170,62 @@ def _append(client, relay: _Relay, chunks: list[str], started: float) -> bool:
     watch = now >= relay.next_check
     if watch:
         relay.next_check = now + CANCEL_CHECK_S
-    return stream_append(client, request_id=relay.record.request_id, chunks=chunks, watch=watch,
-                         answer_if_lost=_first_chunk_answer(relay.record) if first else None)
+    return watch, _first_chunk_answer(relay.record) if first else None
 
 
-def _first_chunk_answer(record: RequestRecord) -> str:
-    """The stored answer from the first chunk on: the caller has chunks, so a
-    lost worker's request is finished on it, not delivered again."""
-    return worker_lost_outcome(record).to_json()
+def _relay_here(response, relay: _Relay, started: float) -> tuple[bool, bool]:
+    """Relay the stream on this thread, one append per batch the pool sent
+    together (what one read of its socket returns, or what piled up while
+    the last append was out), never one per event: (cancelled, stopped)."""
+    client = get_redis()
+    cancelled = stopped = False
+    opening: list[str] = []
+    for lines in stream_line_batches(response):
+        relayable = take_lines(relay, lines, opening)
+        if relayable:
+            cancelled = _append(client, relay, [*opening, *relayable], started)
+            opening.clear()
+            if cancelled:
+                break
+            if shutdown_grace_over():
+                stopped = True
+                break
+        if relay.done or relay.error is not None:
+            break
+    if opening and not stopped and not cancelled:
+        # The stream ended after its opening chunk: the caller still gets it.
+        cancelled = _append(client, relay, opening, started)
+    return cancelled, stopped
+
+
+class _HubFlow:
+    """A stream's relay as the stream hub drives it (gateway/worker/stream_hub.py
+    ``HubFlow``): the same events, marks and opening chunk as ``_relay_here``."""
+
+    def __init__(self, relay: _Relay, started: float) -> None:
+        self.relay, self.started = relay, started
+        self.request_id = relay.record.request_id
+        self.opening: list[str] = []
+
+    def take(self, lines: list[str]) -> list[str]:
+        relayable = take_lines(self.relay, lines, self.opening)
+        if not relayable:
+            return []
+        chunks, self.opening = [*self.opening, *relayable], []
+        return chunks
+
+    def mark(self, chunks: list[str]) -> tuple[bool, str | None]:
+        return relay_mark(self.relay, chunks, self.started)
+
+    def over(self) -> bool:
+        return self.relay.done or self.relay.error is not None
+
+    def done(self) -> bool:
+        return self.relay.done
+
+    def left(self) -> list[str]:
+        held, self.opening = self.opening, []
+        return held
 
 
 def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_body: dict | None,
@@ -150,47 +241,14 @@ def pool_stream(pool, record: RequestRecord, *, payload: dict[str, Any], extra_b
                                                                path=pool_path(record.endpoint)),
                                       inline=pool_call_inline(pool))
     relay = _Relay(record)
-    client = get_redis()
     cancelled = stopped = False
-    # The opening chunk (the role, no content yet) waits for the first token
-    # and goes with it in one append: the caller's stream starts with both,
-    # one relay through Redis and the web process instead of two.
-    opening: list[str] = []
     try:
-        # One relay hop per batch: the events that came in one read of the
-        # pool's socket (one engine step's tokens, or what piled up while
-        # the last hop was out) go in one append, never one each.
-        for lines in stream_line_batches(response):
-            relayable: list[str] = []
-            for line in lines:
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    relay.done = True
-                    break
-                if not _read_chunk(relay, data):
-                    if relay.error is not None:
-                        break
-                    continue
-                if (relay.relayed == 0 and not opening and not relayable
-                        and not (relay.produced or relay.finished or relay.usage)):
-                    opening.append(data)
-                    continue
-                relayable.append(data)
-            if relayable:
-                cancelled = _append(client, relay, [*opening, *relayable], started)
-                opening = []
-                if cancelled:
-                    break
-                if shutdown_grace_over():
-                    stopped = True
-                    break
-            if relay.done or relay.error is not None:
-                break
-        if opening and not stopped:
-            # The stream ended after its opening chunk: the caller still gets it.
-            cancelled = _append(client, relay, opening, started)
+        if isinstance(response, PlainStream) and settings.SLUICE_STREAM_HUB and response.hub_ready():
+            # The process's one relay thread reads this stream beside every
+            # other (gateway/worker/stream_hub.py); this thread waits for it.
+            cancelled, stopped = stream_hub_relay(response, _HubFlow(relay, started))
+        else:
+            cancelled, stopped = _relay_here(response, relay, started)
     except STREAM_BROKEN as exc:
         logger.warning("request %s: the pool's stream broke off after %d chunks: %s", record.request_id,
                        relay.relayed, exc)

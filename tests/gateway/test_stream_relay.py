@@ -43,22 +43,31 @@ def _events(kind: str) -> list[tuple[float, dict | str]]:
             (0.0, "[DONE]")]
 
 
-@pytest.fixture
-def paced_pool() -> Iterator[callable]:
+@pytest.fixture(params=["close", "chunked"])
+def paced_pool(request) -> Iterator[callable]:
     """A pool whose stream is the events of the kind its request's model names,
-    each flushed on its own after its pause (a body the connection's close ends)."""
+    each flushed on its own after its pause: a body the connection's close
+    ends (read on the call's thread), or a chunked one on a kept-alive
+    connection, as vLLM sends it (read by the worker's stream hub)."""
+    chunked = request.param == "chunked"
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1" if chunked else "HTTP/1.0"
+
         def do_POST(self):  # noqa: N802 (http.server's naming)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
+            self.send_header("Transfer-Encoding" if chunked else "Connection", "chunked" if chunked else "close")
             self.end_headers()
             for pause, event in _events(body["model"]):
                 time.sleep(pause)
-                data = event if isinstance(event, str) else json.dumps(event)
-                self.wfile.write(f"data: {data}\n\n".encode())
+                data = (event if isinstance(event, str) else json.dumps(event)).encode()
+                event_bytes = b"data: " + data + b"\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event_bytes), event_bytes) if chunked else event_bytes)
+                self.wfile.flush()
+            if chunked:
+                self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
 
         def log_message(self, *args):

@@ -50,6 +50,15 @@ def stream_append(client: SyncRedis, *, request_id: str, chunks: Sequence[str], 
     per chunk); otherwise bare XADDs, which cannot report a cancel.
     ``answer_if_lost``: with the first chunks, the request's stored answer
     (SET NX, before the XADD: no reader sees a chunk before it)."""
+    commands = stream_append_commands(request_id=request_id, chunks=chunks, watch=watch,
+                                      answer_if_lost=answer_if_lost)
+    return stream_append_cancelled(commands.run(client), watch=watch)
+
+
+def stream_append_commands(*, request_id: str, chunks: Sequence[str], watch: bool,
+                           answer_if_lost: str | None) -> Commands:
+    """``stream_append``'s commands, for a caller that sends several streams'
+    appends in one write (gateway/worker/stream_hub.py)."""
     stream_key = keys.request_stream(request_id)
     # Plain commands in one write (budgets/redis/composition.py Commands:
     # no redis-py pipeline per chunk).
@@ -58,12 +67,15 @@ def stream_append(client: SyncRedis, *, request_id: str, chunks: Sequence[str], 
         commands.command("SET", keys.request_response(request_id), answer_if_lost, "NX", "PX", ttl_ms())
     for chunk in chunks:
         commands.command("XADD", stream_key, "*", CHUNK_FIELD, chunk)
-    if not watch:
-        commands.run(client)
-        return False
-    commands.pexpire(stream_key, ttl_ms())
-    commands.command("EXISTS", keys.request_stream_cancel(request_id))
-    return bool(commands.run(client)[-1])
+    if watch:
+        commands.pexpire(stream_key, ttl_ms())
+        commands.command("EXISTS", keys.request_stream_cancel(request_id))
+    return commands
+
+
+def stream_append_cancelled(replies: list, *, watch: bool) -> bool:
+    """From an append's replies: whether the caller has gone away."""
+    return watch and bool(replies[-1])
 
 
 def stream_end(*, request_id: str, client: SyncRedis | None = None) -> None:
