@@ -108,6 +108,13 @@ BLPOP on it wakes at once (gateway/core/pacer_wake.py). Single-key commands
 only, no hash tag needed."""
 
 
+def web_stream_wake(reader: str) -> str:
+    """A web process's shared stream read's wake stream (gateway/web/stream_reads.py:
+    an XADD here ends the read that names it). Named in that read beside the
+    requests' streams, so never on a Redis Cluster."""
+    return f"sluice:web:{reader}:wake"
+
+
 def batch_task(batch_id: str, step: str) -> str:
     """String, set NX with a TTL when a batch's validation or finalization
     task is published: the pacer publishes it again only once it expires (a

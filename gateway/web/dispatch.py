@@ -35,6 +35,7 @@ from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEU
 from gateway.core.request.settlement import request_refund_async
 from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.request.takeover import request_take_over
+from gateway.web.stream_reads import STREAM_READ_BATCH, shared_reads, stream_subscribe
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,6 @@ async def _wait_outcome(result_key: str, timeout_s: float) -> Outcome | None:
     return Outcome.from_json(popped[1]) if popped else None
 
 
-# Entries per XREAD of a request's stream: a reader that fell behind catches
-# up in few reads (gateway/web/relay.py reads with the same).
-STREAM_READ_BATCH = 256
-
-
 class _StreamFirstWait:
     """A stream's wait before its first chunk: wake at the first entry of
     its Redis Stream. A chunk: the stream starts (``STREAMING``), and the
@@ -108,8 +104,16 @@ class _StreamFirstWait:
     async def __call__(self, timeout_s: float) -> Outcome | None:
         blocking = get_async_redis(blocking=True)
         try:
-            reply = await blocking.xread({self.stream_key: "0-0"}, count=STREAM_READ_BATCH,
-                                         block=max(1, int(timeout_s * 1000)))
+            if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
+                sub = stream_subscribe(self.stream_key)
+                try:
+                    entries = await sub.read(timeout_s)
+                finally:
+                    sub.close()
+                reply = [(self.stream_key, entries)] if entries else None
+            else:
+                reply = await blocking.xread({self.stream_key: "0-0"}, count=STREAM_READ_BATCH,
+                                             block=max(1, int(timeout_s * 1000)))
         except REDIS_UNAVAILABLE as exc:
             raise _result_unavailable(exc) from exc
         if reply and CHUNK_FIELD in reply[0][1][0][1]:

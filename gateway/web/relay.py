@@ -1,8 +1,9 @@
 """The web process's half of a stream (docs/architecture.md, "Streaming"):
-read the request's Redis Stream with a blocking XREAD on the event loop and
-hand each batch of chunks to the ASGI server as it arrives (no thread per
-stream, nothing buffered), then end with ``data: [DONE]`` or the outcome's
-error event (gateway/core/request/streams.py).
+read the request's Redis Stream (on the process's one shared XREAD:
+gateway/web/stream_reads.py) and hand each batch of chunks to the ASGI
+server as it arrives (no thread per stream, nothing buffered past a
+batch), then end with ``data: [DONE]`` or the outcome's error event
+(gateway/core/request/streams.py).
 
 Between reads it watches the request as the unstreamed wait does
 (gateway/web/dispatch.py): a worker lost mid-stream is taken over (finished
@@ -27,7 +28,8 @@ from gateway.core.errors import error_body
 from gateway.core.observability import TIME_TO_FIRST_TOKEN
 from gateway.core.request.records import FINISH, LOST, REQUEUE, Outcome, RequestRecord
 from gateway.core.request.streams import CHUNK_FIELD, sse_event, stream_closing_events, stream_error_event
-from gateway.web.dispatch import STREAM_READ_BATCH, _claim, _stream_cancel_quietly, _take_over, _wait_outcome
+from gateway.web.dispatch import _claim, _stream_cancel_quietly, _take_over, _wait_outcome
+from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +48,20 @@ async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncItera
     block_ms = max(1, int(settings.SLUICE_HEARTBEAT_INTERVAL_S * 1000))
     last_id = "0-0"
     ended = False
+    sub: StreamSub | None = None
     try:
         while True:
             if head:
                 reply, head = [(stream_key, list(head))], ()
             else:
                 try:
-                    reply = await get_async_redis(blocking=True).xread({stream_key: last_id}, count=STREAM_READ_BATCH,
-                                                                       block=block_ms)
+                    if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
+                        sub = sub or stream_subscribe(stream_key, last_id)
+                        entries = await sub.read(block_ms / 1000)
+                        reply = [(stream_key, entries)] if entries else None
+                    else:
+                        reply = await get_async_redis(blocking=True).xread({stream_key: last_id},
+                                                                           count=STREAM_READ_BATCH, block=block_ms)
                 except REDIS_UNAVAILABLE:
                     logger.warning("request %s: lost the stream store mid-stream", record.request_id, exc_info=True)
                     ended = True  # nobody could read a cancel flag either; the worker settles what it relayed
@@ -92,6 +100,8 @@ async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncItera
         ended = True
         yield _unavailable_event("Sluice lost its connection to the result store; the request may still complete.")
     finally:
+        if sub is not None:
+            sub.close()
         if not ended:  # the caller left, or the stream ended without the pool finishing it
             _stream_cancel_quietly(record)
 

@@ -1,0 +1,193 @@
+"""Every stream a web process relays, read by one blocking XREAD
+(docs/architecture.md, "Streaming").
+
+A stream's wait for its first chunk (gateway/web/dispatch.py) and its relay
+(gateway/web/relay.py) each ``subscribe`` to the request's Redis Stream; one
+task per event loop reads all the subscribed streams at once (``XREAD
+BLOCK ... STREAMS k1 k2 ...``) on a connection of its own and hands each
+subscriber its entries. One read per batch of the whole process's chunks,
+instead of one per stream per batch, and no pooled connection held per
+waiting stream: a burst of a thousand streams opens no thousand
+connections.
+
+A new subscriber wakes the blocked read by an XADD to the reader's own wake
+stream, which the read names too: the read that follows names the new
+stream, and a wake sent before the read reached Redis still wakes it (the
+read asks for entries after the last wake it saw). A subscriber whose
+caller reads slowly holds at most ``STREAM_READ_BATCH`` entries: past that
+its stream is left out of the reads until it catches up (the entries wait
+in Redis, as before). A failed read fails every subscriber with its error
+(each answers as a failed read of its own would have), and the next
+subscriber starts a new reader.
+
+On a Redis Cluster a read cannot name keys of several slots: each stream is
+read on its own there (``shared_reads``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from django.conf import settings
+
+from budgets.redis.clients import REDIS_UNAVAILABLE, async_reader_client, get_async_redis
+from budgets.redis.composition import Commands
+from gateway.core import keys
+
+logger = logging.getLogger(__name__)
+
+# Entries per stream per read: a reader that fell behind catches up in few
+# reads; also the most a subscriber holds before its stream waits in Redis.
+STREAM_READ_BATCH = 256
+# The shared read's own timeout: it ends early for every new subscriber, so
+# this only bounds how long a reader with no subscribers left lingers.
+READ_BLOCK_MS = 5_000
+WAKE_TTL_MS = 60_000
+
+Entry = tuple[str, dict]
+
+
+def shared_reads() -> bool:
+    return not settings.SLUICE_REDIS_CLUSTER
+
+
+class StreamSub:
+    """One stream's subscription: its entries as the reader hands them over."""
+
+    __slots__ = ("key", "last_id", "entries", "error", "_waiter", "_reader")
+
+    def __init__(self, reader: _Reader, key: str, last_id: str) -> None:
+        self.key, self.last_id = key, last_id
+        self.entries: list[Entry] = []
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self._reader = reader
+
+    def _hand(self, entries: list[Entry] | None = None, error: BaseException | None = None) -> None:
+        if entries:
+            self.last_id = entries[-1][0]
+            self.entries.extend(entries)
+        if error is not None:
+            self.error = error
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def read(self, timeout_s: float) -> list[Entry]:
+        """The entries handed over since the last read, waiting up to
+        ``timeout_s`` for one; [] when none came. A failed shared read
+        raises its error."""
+        if not self.entries and self.error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._waiter
+            except TimeoutError:
+                pass
+            finally:
+                self._waiter = None
+        if self.error is not None:
+            raise self.error
+        entries, self.entries = self.entries, []
+        if len(entries) >= STREAM_READ_BATCH:
+            self._reader.wake()  # it was left out of the reads while full
+        return entries
+
+    def close(self) -> None:
+        self._reader.unsubscribe(self)
+
+
+class _Reader:
+    """One event loop's shared read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.subs: dict[str, StreamSub] = {}
+        self.wake_key = keys.web_stream_wake(uuid.uuid4().hex)
+        self.wake_id = "0-0"
+        self.task: asyncio.Task | None = None
+        self.reading = False  # a read is out: a new subscriber must wake it
+        self.woken = False  # a wake is on its way for the read that is out
+        self.client = None
+
+    def subscribe(self, key: str, last_id: str) -> StreamSub:
+        sub = StreamSub(self, key, last_id)
+        self.subs[key] = sub
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run(), name="stream-reads")
+        else:
+            self.wake()
+        return sub
+
+    def unsubscribe(self, sub: StreamSub) -> None:
+        if self.subs.get(sub.key) is sub:
+            del self.subs[sub.key]
+
+    def wake(self) -> None:
+        if self.reading and not self.woken:
+            self.woken = True
+            asyncio.get_running_loop().create_task(self._wake())
+
+    async def _wake(self) -> None:
+        try:
+            await (Commands().command("XADD", self.wake_key, "MAXLEN", "1", "*", "w", "1")
+                   .pexpire(self.wake_key, WAKE_TTL_MS).run_async(get_async_redis()))
+        except REDIS_UNAVAILABLE:
+            pass  # the read itself fails then, and tells every subscriber
+
+    async def _run(self) -> None:
+        try:
+            if self.client is None:
+                self.client = async_reader_client()
+            while self.subs:
+                streams = {self.wake_key: self.wake_id}
+                for key, sub in self.subs.items():
+                    if len(sub.entries) < STREAM_READ_BATCH:
+                        streams[key] = sub.last_id
+                self.woken = False
+                self.reading = True
+                try:
+                    reply = await self.client.xread(streams, count=STREAM_READ_BATCH, block=READ_BLOCK_MS)
+                finally:
+                    self.reading = False
+                for key, entries in reply or ():
+                    if key == self.wake_key:
+                        self.wake_id = entries[-1][0]
+                        continue
+                    sub = self.subs.get(key)
+                    if sub is not None and entries:
+                        sub._hand(entries)
+        except (Exception, asyncio.CancelledError) as exc:
+            if not isinstance(exc, REDIS_UNAVAILABLE):
+                logger.exception("the web process's shared stream read failed")
+            error = exc if isinstance(exc, REDIS_UNAVAILABLE) else ConnectionError("the shared stream read failed")
+            subs, self.subs = list(self.subs.values()), {}
+            for sub in subs:
+                sub._hand(error=error)
+            client, self.client = self.client, None
+            if client is not None:
+                await _close_quietly(client)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self.task = None
+
+
+async def _close_quietly(client) -> None:
+    try:
+        await client.aclose()
+    except (Exception, asyncio.CancelledError):
+        pass
+
+
+_readers: dict[int, _Reader] = {}
+
+
+def stream_subscribe(key: str, last_id: str = "0-0") -> StreamSub:
+    """Subscribe to the stream ``key`` from after ``last_id``, on this event
+    loop's shared read. Close the subscription when done."""
+    loop = asyncio.get_running_loop()
+    reader = _readers.get(id(loop))
+    if reader is None or reader.loop is not loop:
+        reader = _readers[id(loop)] = _Reader(loop)
+    return reader.subscribe(key, last_id)
