@@ -35,7 +35,7 @@ from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEU
 from gateway.core.request.settlement import request_refund_async
 from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.request.takeover import request_take_over
-from gateway.web.stream_reads import STREAM_READ_BATCH, shared_reads, stream_subscribe
+from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +100,24 @@ class _StreamFirstWait:
         self.result_key = keys.request_result(record.request_id)
         self.head: tuple = ()
         self.pool_slug = record.pool_slug
+        self.sub: StreamSub | None = None
+
+    def close(self) -> None:
+        """End the subscription (the wait is over, however it ended)."""
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
 
     async def __call__(self, timeout_s: float) -> Outcome | None:
         blocking = get_async_redis(blocking=True)
         try:
             if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
-                sub = stream_subscribe(self.stream_key)
-                try:
-                    entries = await sub.read(timeout_s)
-                finally:
-                    sub.close()
+                # Subscribed once for the whole wait, not per heartbeat
+                # interval: each subscription wakes the shared read.
+                self.sub = self.sub or stream_subscribe(self.stream_key)
+                entries = await self.sub.read(timeout_s)
+                if entries:
+                    self.close()
                 reply = [(self.stream_key, entries)] if entries else None
             else:
                 reply = await blocking.xread({self.stream_key: "0-0"}, count=STREAM_READ_BATCH,
@@ -258,8 +266,8 @@ async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_i
     log_annotate(lane=record.lane, pool_id=ctx.pool_id)
     await record_enqueue_async(record, lease_ms=lease_ms)
 
+    first_wait = _StreamFirstWait(record) if record.stream else None
     try:
-        first_wait = _StreamFirstWait(record) if record.stream else None
         outcome = await _await_outcome(ctx, record, wait=first_wait)
     except asyncio.CancelledError:
         if record.stream:
@@ -267,6 +275,9 @@ async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_i
             # pool call at its first chunk and is charged what was produced.
             _stream_cancel_quietly(record)
         raise
+    finally:
+        if first_wait is not None:
+            first_wait.close()
     log_annotate(queue_ms=outcome.queue_wait_ms, upstream_ms=outcome.upstream_ms, attempts=outcome.attempts,
                  upstream_status=outcome.upstream_status)
     if outcome.status == "queue_timeout":
