@@ -1,0 +1,139 @@
+"""The web process's shared stream read (gateway/web/stream_reads.py): one
+blocking XREAD for every subscribed stream, against the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from budgets.redis.clients import REDIS_UNAVAILABLE, get_redis, reset_clients
+from gateway.core import keys
+from gateway.core.request.streams import CHUNK_FIELD, stream_append
+from gateway.web import stream_reads
+from gateway.web.stream_reads import STREAM_READ_BATCH, stream_subscribe
+
+
+def _run(coro):
+    reset_clients()  # the async clients belong to the loop that made them
+    try:
+        return asyncio.run(coro)
+    finally:
+        reset_clients()
+
+
+async def _append(request_id: str, chunks: list[str]) -> None:
+    # a worker's append, from a thread as a lane worker makes it
+    await asyncio.to_thread(stream_append, get_redis(), request_id=request_id, chunks=chunks, watch=False)
+
+
+async def _read_all(sub, count: int, timeout_s: float = 10) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < count and time.monotonic() < deadline:
+        got += [fields[CHUNK_FIELD] for _, fields in await sub.read(1.0)]
+    return got
+
+
+def test_two_hundred_streams_each_get_their_own_chunks_in_order_from_one_read(redis_client):
+    async def main():
+        # given 200 subscribed streams and writers appending to them at random moments
+        ids = [f"req_reads_{i}" for i in range(200)]
+        subs = [stream_subscribe(keys.request_stream(i)) for i in ids]
+        rng = random.Random(3)
+
+        async def write(request_id: str) -> None:
+            for n in range(10):
+                await asyncio.sleep(rng.random() * 0.02)
+                await _append(request_id, [f"{request_id}:{n}"])
+
+        readers = [asyncio.create_task(_read_all(sub, 10)) for sub in subs]
+        await asyncio.gather(*(write(i) for i in ids))
+        results = await asyncio.gather(*readers)
+        # then every stream's reader got exactly its own ten chunks, in order
+        for request_id, got in zip(ids, results):
+            assert got == [f"{request_id}:{n}" for n in range(10)]
+        # and one reader task served them all
+        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        assert reader.task is not None and reader.task.get_name() == "stream-reads"
+        for sub in subs:
+            sub.close()
+        assert reader.subs == {}
+
+    _run(main())
+
+
+def test_a_stream_subscribed_while_the_read_is_blocked_wakes_it_at_once(redis_client):
+    async def main():
+        # given the shared read blocked on one quiet stream
+        quiet = stream_subscribe(keys.request_stream("req_quiet"))
+        await asyncio.sleep(0.2)
+        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        assert reader.reading
+        # when a second stream subscribes and gets a chunk
+        late = stream_subscribe(keys.request_stream("req_late"))
+        started = time.monotonic()
+        await _append("req_late", ["hello"])
+        got = await late.read(3.0)
+        # then its chunk comes well before the read's own 5 s timeout
+        assert [fields[CHUNK_FIELD] for _, fields in got] == ["hello"]
+        assert time.monotonic() - started < 1.0
+        quiet.close()
+        late.close()
+
+    _run(main())
+
+
+def test_a_chunk_appended_before_the_subscription_is_read_from_the_start(redis_client):
+    async def main():
+        await _append("req_early", ["a", "b"])
+        sub = stream_subscribe(keys.request_stream("req_early"))
+        assert await _read_all(sub, 2) == ["a", "b"]
+        sub.close()
+
+    _run(main())
+
+
+def test_a_quiet_stream_times_out_empty_and_a_slow_reader_catches_up_whole(redis_client):
+    async def main():
+        sub = stream_subscribe(keys.request_stream("req_slow"))
+        started = time.monotonic()
+        assert await sub.read(0.3) == []
+        assert 0.25 <= time.monotonic() - started < 2.0
+        # when far more chunks than one read's batch come while its caller does not read
+        chunks = [str(n) for n in range(STREAM_READ_BATCH * 3 + 7)]
+        for at in range(0, len(chunks), 100):
+            await _append("req_slow", chunks[at:at + 100])
+        await asyncio.sleep(0.3)
+        # then it holds no more than about a batch meanwhile, and gets every chunk in order
+        assert len(sub.entries) <= 2 * STREAM_READ_BATCH
+        assert await _read_all(sub, len(chunks)) == chunks
+        sub.close()
+
+    _run(main())
+
+
+def test_a_lost_connection_fails_every_subscriber_and_the_next_read_starts_afresh(redis_client):
+    async def main():
+        subs = [stream_subscribe(keys.request_stream(f"req_lost_{i}")) for i in range(3)]
+        await asyncio.sleep(0.2)
+        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        # when Redis drops the shared read's connection (the one client of
+        # this test's database blocked in XREAD)
+        db = redis_client.connection_pool.connection_kwargs.get("db", 0)
+        blocked = [c for c in redis_client.client_list() if c["cmd"] == "xread" and int(c["db"]) == int(db)]
+        assert len(blocked) == 1
+        redis_client.client_kill_filter(_id=blocked[0]["id"])
+        for sub in subs:
+            with pytest.raises(REDIS_UNAVAILABLE):
+                await sub.read(3.0)
+        assert reader.subs == {}
+        # then a new subscription reads again
+        fresh = stream_subscribe(keys.request_stream("req_after"))
+        await _append("req_after", ["x"])
+        assert await _read_all(fresh, 1) == ["x"]
+        fresh.close()
+
+    _run(main())
