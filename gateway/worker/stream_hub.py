@@ -40,8 +40,8 @@ from gateway.worker.shutdown import shutdown_grace_over
 
 logger = logging.getLogger(__name__)
 
-# How often a pass runs with no socket ready: the read timeouts, the
-# worker's stop and the drain deadlines are checked then.
+# How often a pass runs with streams open and no socket ready: the read
+# timeouts, the worker's stop and the drain deadlines are checked then.
 IDLE_PASS_S = 0.1
 # A chunk-size or trailer line longer than this is not HTTP/1.1 chunking.
 LINE_MAX = 4096
@@ -186,7 +186,8 @@ class StreamHub:
                     self._end(item, error=exc)
 
     def _pass(self) -> None:
-        ready = self._selector.select(IDLE_PASS_S)
+        # With no stream there is nothing to time out: sleep until one is added.
+        ready = self._selector.select(IDLE_PASS_S if self._streams else None)
         with self._lock:
             new, self._new = self._new, []
         appends: list[tuple[_Stream, list[str]]] = []
