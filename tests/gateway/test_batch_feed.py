@@ -163,6 +163,32 @@ def test_queued_lines_whose_records_redis_lost_are_settled_from_the_ledger(make_
     assert alive.status == "queued"
 
 
+def test_a_line_released_but_never_enqueued_goes_back_to_pending_within_a_minute(make_caller, flushed):
+    from budgets.admission import keys as budget_keys
+
+    # given lines a pacer marked queued and admitted (their leases in Redis)
+    # and was killed before enqueueing (no request record)
+    caller = make_caller()
+    batch = _batch(caller, 3)
+    stale = timezone.now() - timedelta(seconds=LOST_LINE_S + 5)
+    lines = list(Job.objects.filter(batch=batch).order_by("line"))
+    for job, request_id, released_at in zip(lines, ("req_unsent", "req_unsent_new", "req_sent"),
+                                            (stale, timezone.now(), stale)):
+        Job.objects.filter(pk=job.pk).update(status=Job.Status.QUEUED, request_id=request_id, released_at=released_at)
+        flushed.hset(budget_keys.lease(caller.pool.id, request_id), "wid", str(caller.workload.id))
+    flushed.hset(keys.request_record("req_sent"), "request_id", "req_sent")  # this one reached its lane
+    try:
+        # when the pacer's next step looks at the batch
+        batches_step()
+    finally:
+        for request_id in ("req_unsent", "req_unsent_new", "req_sent"):
+            flushed.delete(budget_keys.lease(caller.pool.id, request_id), keys.request_record(request_id))
+    unsent, recent, sent = (Job.objects.get(pk=j.pk) for j in lines)
+    # then the stale unsent one runs again; a just-released one and one on its lane are left alone
+    assert unsent.status in ("pending", "delayed")
+    assert (recent.status, sent.status) == ("queued", "queued")
+
+
 def _validating(caller, lines: int) -> Batch:
     import json
 

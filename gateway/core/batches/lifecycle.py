@@ -47,6 +47,7 @@ from django.db import transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from budgets.admission import keys as budget_keys
 from budgets.models import Reservation, UsageRecord
 from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
@@ -329,20 +330,43 @@ def _lost_lines_restore(batch: Batch) -> int:
 
 
 def _lost_queued_recover(batch: Batch) -> int:
-    """Queued lines long past any deadline whose request record is gone
-    from Redis (Redis lost its data): their worker dropped them. A line the
-    ledger billed ran: it ends failed (``result_lost``: its answer went
-    with the record); one it did not goes back to pending, to run again."""
-    stale = timezone.now() - timedelta(seconds=settings.SLUICE_BATCH_LINE_QUEUE_S
-                                       + settings.SLUICE_UPSTREAM_TIMEOUT_S + LOST_LINE_S)
-    queued = list(Job.objects.filter(batch=batch, status=Job.Status.QUEUED, released_at__lt=stale)
-                  .values_list("id", "request_id")[:1000])
+    """Queued lines whose request record is not in Redis: no worker can run
+    them (a worker's claim needs the record). Two ways to get there:
+
+    - the release stopped between the line's UPDATE to queued and its
+      enqueue (the pacer killed there, gateway/core/jobs/lifecycle.py
+      ``job_start``): its admission's lease is in Redis, so Redis kept its
+      data and the line never reached a lane. After ``LOST_LINE_S`` it goes
+      back to pending; its lease is refunded by the lease reaper.
+    - Redis lost its data: the lease went too, and a worker may still be in
+      its pool call, so the line waits until any call must have ended. One
+      the ledger billed ran: it ends failed (``result_lost``: its answer went
+      with the record); one it did not goes back to pending, to run again."""
+    now = timezone.now()
+    queued = list(Job.objects.filter(batch=batch, status=Job.Status.QUEUED,
+                                     released_at__lt=now - timedelta(seconds=LOST_LINE_S))
+                  .values_list("id", "request_id", "released_at")[:1000])
     if not queued:
         return 0
+    pool_ids = list(Reservation.objects.filter(workload_id=batch.workload_id).values_list("pool_id", flat=True))
     pipe = get_redis().pipeline(transaction=False)
-    for _, request_id in queued:
+    for _, request_id, _ in queued:
         pipe.exists(keys.request_record(request_id))
-    missing = [(job_id, request_id) for (job_id, request_id), found in zip(queued, pipe.execute()) if not found]
+        for pool_id in pool_ids:
+            pipe.exists(budget_keys.lease(pool_id, request_id))
+    found = pipe.execute()
+    width = 1 + len(pool_ids)
+    settled_by = now - timedelta(seconds=settings.SLUICE_BATCH_LINE_QUEUE_S + settings.SLUICE_UPSTREAM_TIMEOUT_S
+                                 + LOST_LINE_S)
+    missing, unsent = [], []
+    for at, (job_id, request_id, released_at) in enumerate(queued):
+        record, leases = found[at * width], found[at * width + 1:(at + 1) * width]
+        if record:
+            continue
+        if any(leases):
+            unsent.append(job_id)
+        elif released_at < settled_by:
+            missing.append((job_id, request_id))
     billed = set(UsageRecord.objects.filter(request_id__in=[r for _, r in missing])
                  .values_list("request_id", flat=True))
     for job_id, request_id in missing:
@@ -353,9 +377,14 @@ def _lost_queued_recover(batch: Batch) -> int:
                                   "result store.", error_type="server_error", code="result_lost"))
         else:
             Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(status=Job.Status.PENDING, reason="")
+    for job_id in unsent:
+        Job.objects.filter(pk=job_id, status=Job.Status.QUEUED).update(status=Job.Status.PENDING, reason="")
     if missing:
         logger.warning("batch %s: %d queued lines had lost their request records", batch.id, len(missing))
-    return len(missing)
+    if unsent:
+        logger.warning("batch %s: %d lines were released but never reached their lane; back to pending",
+                       batch.id, len(unsent))
+    return len(missing) + len(unsent)
 
 
 def _delayed_end(batch: Batch, *, status: str, reason: str, message: str) -> int:
