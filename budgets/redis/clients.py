@@ -138,12 +138,14 @@ def get_async_redis(*, blocking: bool = False) -> AsyncRedis:
     return client
 
 
-def async_reader_client() -> aioredis.Redis:
+def async_reader_client(*, name: str) -> aioredis.Redis:
     """A client of one connection, for a task that holds a blocking read
     for many waiters at once (gateway/web/stream_reads.py): patient as the
-    request path's, never a cluster's (its read names keys of many slots)."""
-    return aioredis.Redis(connection_pool=_pool(aioredis.BlockingConnectionPool, blocking=True, patient=True,
-                                                max_connections=1))
+    request path's, never a cluster's (its read names keys of many slots).
+    ``name``: its CLIENT LIST name."""
+    pool = _pool(aioredis.BlockingConnectionPool, blocking=True, patient=True, max_connections=1)
+    pool.connection_kwargs["client_name"] = name
+    return aioredis.Redis(connection_pool=pool)
 
 
 def reset_clients() -> None:

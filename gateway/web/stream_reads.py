@@ -103,7 +103,9 @@ class _Reader:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.subs: dict[str, StreamSub] = {}
-        self.wake_key = keys.web_stream_wake(uuid.uuid4().hex)
+        token = uuid.uuid4().hex
+        self.wake_key = keys.web_stream_wake(token)
+        self.name = f"sluice-stream-reads-{token[:12]}"  # its connection's CLIENT LIST name
         self.wake_id = "0-0"
         self.task: asyncio.Task | None = None
         self.reading = False  # a read is out: a new subscriber must wake it
@@ -138,7 +140,7 @@ class _Reader:
     async def _run(self) -> None:
         try:
             if self.client is None:
-                self.client = async_reader_client()
+                self.client = async_reader_client(name=self.name)
             while self.subs:
                 streams = {self.wake_key: self.wake_id}
                 for key, sub in self.subs.items():

@@ -120,11 +120,9 @@ def test_a_lost_connection_fails_every_subscriber_and_the_next_read_starts_afres
         subs = [stream_subscribe(keys.request_stream(f"req_lost_{i}")) for i in range(3)]
         await asyncio.sleep(0.2)
         reader = stream_reads._readers[id(asyncio.get_running_loop())]
-        # when Redis drops the shared read's connection (the one client of
-        # this test's database blocked in XREAD)
-        db = redis_client.connection_pool.connection_kwargs.get("db", 0)
-        blocked = [c for c in redis_client.client_list() if c["cmd"] == "xread" and int(c["db"]) == int(db)]
-        assert len(blocked) == 1
+        # when Redis drops the shared read's connection (named for its reader)
+        blocked = [c for c in redis_client.client_list() if c["name"] == reader.name]
+        assert len(blocked) == 1 and blocked[0]["cmd"] == "xread"
         redis_client.client_kill_filter(_id=blocked[0]["id"])
         for sub in subs:
             with pytest.raises(REDIS_UNAVAILABLE):
