@@ -14,11 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.core import keys
-from gateway.core.request.records import RequestRecord
 from gateway.core.request.streams import CHUNK_FIELD
 from gateway.worker import pool_client as pc
 from gateway.worker.stream_hub import _Body
-from gateway.worker.streaming import pool_stream
+from tests.gateway.pool_streams import stream_call
 
 TOKENS = 12
 
@@ -138,19 +137,6 @@ def chunked_pool() -> Iterator[dict]:
         pc._clients.clear()
 
 
-def _record(request_id: str, base_url: str) -> RequestRecord:
-    return RequestRecord(
-        request_id=request_id, tenant_id=1, workload_id=2, pool_id=0, pool_base_url=base_url, pool_api_key_env="",
-        model="m", lane="interactive", borrowed=False, estimated_input_tokens=5, estimated_output_tokens=8,
-        admitted_ms=0, deadline_ms=0, payload={}, stream=True, stream_usage=True, tokenizer="cl100k_base")
-
-
-def _stream(request_id: str, base_url: str, model: str):
-    client = pc.pool_client(base_url=base_url, api_key_env="")
-    return pool_stream(client, _record(request_id, base_url), started=time.monotonic(), extra_body=None,
-                       payload={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
-
-
 def _relayed(redis_client, request_id: str) -> list[dict]:
     return [json.loads(fields[CHUNK_FIELD]) for _, fields in redis_client.xrange(keys.request_stream(request_id))]
 
@@ -161,7 +147,7 @@ def test_forty_streams_at_once_each_relayed_whole_and_in_order_by_one_thread(chu
     outcomes: dict = {}
 
     def run(i: int) -> None:
-        outcomes[ids[i]] = _stream(ids[i], chunked_pool["url"], f"m-{5 + i}")
+        outcomes[ids[i]] = stream_call(ids[i], chunked_pool["url"], f"m-{5 + i}")
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(40)]
     for thread in threads:
@@ -181,7 +167,7 @@ def test_forty_streams_at_once_each_relayed_whole_and_in_order_by_one_thread(chu
         assert (outcome.status, outcome.output_tokens, outcome.usage_source, outcome.streamed) == ("ok", n, "pool", True)
     # and each body was read to its end: the next call reuses a kept connection
     before = len(set(chunked_pool["ports"]))
-    assert _stream("req_hub_again", chunked_pool["url"], "m-3").status == "ok"
+    assert stream_call("req_hub_again", chunked_pool["url"], "m-3").status == "ok"
     assert len(set(chunked_pool["ports"])) == before
 
 
@@ -189,7 +175,7 @@ def test_a_stream_quiet_past_the_read_timeout_ends_broken_and_charged(chunked_po
     # given a pool that sends its opening chunk and then nothing for 3 s
     settings.SLUICE_UPSTREAM_TIMEOUT_S = 0.5
     started = time.monotonic()
-    outcome = _stream("req_hub_stall", chunked_pool["url"], "stall")
+    outcome = stream_call("req_hub_stall", chunked_pool["url"], "stall")
     # then the stream ends at the read timeout, not at the pool's close
     assert time.monotonic() - started < 2.5
     assert (outcome.status, outcome.http_status) == ("upstream_error", 502)
@@ -198,7 +184,7 @@ def test_a_stream_quiet_past_the_read_timeout_ends_broken_and_charged(chunked_po
 
 
 def test_a_pool_that_closes_mid_body_ends_the_stream_with_what_it_relayed(chunked_pool, redis_client):
-    outcome = _stream("req_hub_cut", chunked_pool["url"], "cut")
+    outcome = stream_call("req_hub_cut", chunked_pool["url"], "cut")
     chunks = _relayed(redis_client, "req_hub_cut")
     assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "t0", "t1", "t2"]
     assert (outcome.status, outcome.http_status, outcome.usage_source) == ("upstream_error", 502, "counted")
@@ -208,7 +194,7 @@ def test_a_pool_that_closes_mid_body_ends_the_stream_with_what_it_relayed(chunke
 def test_a_cancelled_caller_ends_its_stream_in_the_hub(chunked_pool, redis_client):
     # given the caller's cancel flag already set
     redis_client.set(keys.request_stream_cancel("req_hub_cancel"), "1", px=60_000)
-    outcome = _stream("req_hub_cancel", chunked_pool["url"], "m-200")
+    outcome = stream_call("req_hub_cancel", chunked_pool["url"], "m-200")
     # then the worker stops at its first append (which reads the flag)
     assert (outcome.status, outcome.http_status) == ("cancelled", 499)
     assert len(_relayed(redis_client, "req_hub_cancel")) < 200

@@ -16,10 +16,9 @@ import pytest
 
 from budgets.redis.clients import get_redis
 from gateway.core import keys
-from gateway.core.request.records import RequestRecord
 from gateway.core.request.streams import CHUNK_FIELD, stream_append
 from gateway.worker import pool_client as pc
-from gateway.worker.streaming import pool_stream
+from tests.gateway.pool_streams import stream_call
 
 pytestmark = pytest.mark.redis_cluster
 
@@ -83,13 +82,6 @@ def paced_pool(request) -> Iterator[callable]:
         pc._clients.clear()
 
 
-def _record(request_id: str, base_url: str) -> RequestRecord:
-    return RequestRecord(
-        request_id=request_id, tenant_id=1, workload_id=2, pool_id=0, pool_base_url=base_url, pool_api_key_env="",
-        model="m", lane="interactive", borrowed=False, estimated_input_tokens=5, estimated_output_tokens=8,
-        admitted_ms=0, deadline_ms=0, payload={}, stream=True, stream_usage=True, tokenizer="cl100k_base")
-
-
 def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
     """A reader blocked on the request's stream, as the web process waits for
     its first chunk; what its first read returned."""
@@ -105,17 +97,11 @@ def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
     return reader, got
 
 
-def _stream(request_id: str, base_url: str, model: str):
-    client = pc.pool_client(base_url=base_url, api_key_env="")
-    return pool_stream(client, _record(request_id, base_url), started=time.monotonic(), extra_body=None,
-                       payload={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True})
-
-
 def test_the_opening_chunk_reaches_the_reader_with_the_first_token(paced_pool, redis_client):
     request_id = "req_opening"
     reader, first = _first_read(redis_client, request_id)
     # when the pool sends its opening chunk, then its first token 0.3 s later
-    outcome = _stream(request_id, paced_pool(), "paced")
+    outcome = stream_call(request_id, paced_pool(), "paced")
     reader.join(timeout=10)
     # then the caller's first read has both: one relay, not one per chunk
     # (and whatever else came in the same read of the pool's socket: the
@@ -134,7 +120,7 @@ def test_the_opening_chunk_reaches_the_reader_with_the_first_token(paced_pool, r
 
 def test_a_stream_that_ends_after_its_opening_chunk_still_relays_it(paced_pool, redis_client):
     request_id = "req_opening_only"
-    outcome = _stream(request_id, paced_pool(), "opening_only")
+    outcome = stream_call(request_id, paced_pool(), "opening_only")
     entries = redis_client.xrange(keys.request_stream(request_id))
     assert [json.loads(fields[CHUNK_FIELD])["choices"][0]["delta"] for _, fields in entries] == \
         [{"role": "assistant", "content": ""}]
