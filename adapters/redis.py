@@ -111,7 +111,8 @@ async def evalsha_async(client: aioredis.Redis, *, sha: str, source: str, keys: 
         await pool.release(conn)
 
 
-def _framed(commands: Sequence[Sequence[Any]], transaction: bool) -> list[Sequence[Any]]:
+def commands_framed(commands: Sequence[Sequence[Any]], transaction: bool) -> list[Sequence[Any]]:
+    """``commands`` as they go out: inside MULTI/EXEC when ``transaction``."""
     return [("MULTI",), *commands, ("EXEC",)] if transaction else list(commands)
 
 
@@ -119,7 +120,7 @@ def commands_send(client: redis.Redis, commands: Sequence[Sequence[Any]], *, tra
     """``commands`` in one write, inside MULTI/EXEC if ``transaction``; every
     reply in order (MULTI's and EXEC's included), a command Redis refused
     giving its ``ResponseError`` as its reply, so the connection stays in step."""
-    framed = _framed(commands, transaction)
+    framed = commands_framed(commands, transaction)
     packed = _packed(framed)
     pool = client.connection_pool
     conn = pool.get_connection()
@@ -143,7 +144,7 @@ def commands_send(client: redis.Redis, commands: Sequence[Sequence[Any]], *, tra
 async def commands_send_async(client: aioredis.Redis, commands: Sequence[Sequence[Any]], *,
                               transaction: bool) -> list[Any]:
     """``commands_send`` on an async client."""
-    framed = _framed(commands, transaction)
+    framed = commands_framed(commands, transaction)
     packed = _packed(framed)
     pool = client.connection_pool
     conn = await pool.get_connection()

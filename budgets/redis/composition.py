@@ -30,7 +30,7 @@ import redis.cluster
 from asgiref.sync import sync_to_async
 from redis.crc import key_slot
 
-from adapters.redis import commands_send, commands_send_async, lean_async_client, lean_client
+from adapters.redis import commands_framed, commands_send, commands_send_async, lean_async_client, lean_client
 from budgets.redis.clients import AsyncRedis, SyncRedis, get_async_redis, get_redis
 from budgets.redis.scripts import LuaScript, ScriptCall, raw_reply
 
@@ -117,7 +117,7 @@ class Commands:
         transaction), for a caller that sends several ``Commands`` in one
         write (``commands_send``) and hands each its slice of the replies
         (``replies``)."""
-        return [("MULTI",), *self.commands, ("EXEC",)] if self.transaction else list(self.commands)
+        return commands_framed(self.commands, self.transaction)
 
     @staticmethod
     def run_together(batches: list[Commands], client: SyncRedis | None = None) -> list[list[Any] | BaseException]:

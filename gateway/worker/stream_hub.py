@@ -69,7 +69,7 @@ class HubFlow(Protocol):
         """Events held back and not relayed yet (the opening chunk), taken."""
 
 
-class _Body:
+class BodyDecoder:
     """An HTTP/1.1 response body from its raw bytes: chunked, sized, or to
     the connection's close. ``feed`` gives the body's bytes; ``complete``
     once its end is read; ValueError for bytes that are not its framing."""
@@ -135,7 +135,7 @@ class _Stream:
     def __init__(self, stream: PlainStream, flow: HubFlow) -> None:
         self.stream, self.flow = stream, flow
         self.sock, head, chunked, length, self.timeout_s = stream.hand_over()
-        self.body = _Body(chunked=chunked, length=length)
+        self.body = BodyDecoder(chunked=chunked, length=length)
         self.lines = SseLines()
         self.head = head
         self.last_read = time.monotonic()

@@ -16,7 +16,7 @@ import pytest
 from gateway.core import keys
 from gateway.core.request.streams import CHUNK_FIELD
 from gateway.worker import pool_client as pc
-from gateway.worker.stream_hub import _Body
+from gateway.worker.stream_hub import BodyDecoder
 from tests.gateway.pool_streams import stream_call
 
 TOKENS = 12
@@ -26,7 +26,7 @@ def _chunked(data: bytes, ext: bytes = b"") -> bytes:
     return b"%x%s\r\n%s\r\n" % (len(data), ext, data)
 
 
-def _feed_split(body: _Body, raw: bytes, cuts: list[int]) -> bytes:
+def _feed_split(body: BodyDecoder, raw: bytes, cuts: list[int]) -> bytes:
     out, at = b"", 0
     for cut in [*cuts, len(raw)]:
         out += body.feed(raw[at:cut])
@@ -40,33 +40,33 @@ def test_a_chunked_body_decodes_the_same_however_its_reads_are_cut():
     raw = b"".join(_chunked(e, b";ext=1" if i == 2 else b"") for i, e in enumerate(events)) + b"0\r\nX-T: 1\r\n\r\n"
     # when it arrives cut at every single position, and at random cuts
     for cut in range(1, len(raw)):
-        body = _Body(chunked=True, length=None)
+        body = BodyDecoder(chunked=True, length=None)
         assert _feed_split(body, raw, [cut]) == b"".join(events)
         assert body.complete
     rng = random.Random(7)
     for _ in range(200):
-        body = _Body(chunked=True, length=None)
+        body = BodyDecoder(chunked=True, length=None)
         cuts = sorted(rng.sample(range(1, len(raw)), 6))
         assert _feed_split(body, raw, cuts) == b"".join(events)
         assert body.complete
     # then an unfinished body is not complete
-    body = _Body(chunked=True, length=None)
+    body = BodyDecoder(chunked=True, length=None)
     assert body.feed(raw[:-2]) == b"".join(events)
     assert not body.complete
 
 
 def test_a_sized_body_and_one_to_the_close():
-    body = _Body(chunked=False, length=10)
+    body = BodyDecoder(chunked=False, length=10)
     assert body.feed(b"0123456") == b"0123456" and not body.complete
     assert body.feed(b"789extra") == b"789" and body.complete
-    open_ended = _Body(chunked=False, length=None)
+    open_ended = BodyDecoder(chunked=False, length=None)
     assert open_ended.feed(b"abc") == b"abc" and not open_ended.complete
 
 
 @pytest.mark.parametrize("raw", [b"zz\r\ndata\r\n", b"3\r\nabcXY", b"-1\r\n", b"1" * 5000])
 def test_bytes_that_are_not_chunked_framing_are_refused(raw):
     with pytest.raises(ValueError):
-        _Body(chunked=True, length=None).feed(raw)
+        BodyDecoder(chunked=True, length=None).feed(raw)
 
 
 def _events(model: str) -> list[bytes]:
