@@ -93,12 +93,13 @@ def _options(blocking: bool, patient: bool) -> dict:
     }
 
 
-def _pool(pool_class, *, max_connections: int, blocking: bool, patient: bool):
+def _pool(pool_class, *, max_connections: int, blocking: bool, patient: bool, **connection):
     """A pool that waits for a free connection (up to the busy wait, or the
-    connect timeout where the caller must not wait) instead of raising."""
+    connect timeout where the caller must not wait) instead of raising.
+    ``connection``: more of redis-py's connection options (``client_name``)."""
     wait_s = settings.SLUICE_REDIS_BUSY_WAIT_S if (patient or blocking) else settings.SLUICE_REDIS_TIMEOUT_S
     return pool_class.from_url(settings.REDIS_URL, max_connections=max_connections, timeout=wait_s,
-                               **_options(blocking, patient))
+                               **_options(blocking, patient), **connection)
 
 
 def get_redis(*, blocking: bool = False) -> SyncRedis:
@@ -143,9 +144,8 @@ def async_reader_client(*, name: str) -> aioredis.Redis:
     for many waiters at once (gateway/web/stream_reads.py): patient as the
     request path's, never a cluster's (its read names keys of many slots).
     ``name``: its CLIENT LIST name."""
-    pool = _pool(aioredis.BlockingConnectionPool, blocking=True, patient=True, max_connections=1)
-    pool.connection_kwargs["client_name"] = name
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis(connection_pool=_pool(aioredis.BlockingConnectionPool, blocking=True, patient=True,
+                                                max_connections=1, client_name=name))
 
 
 def reset_clients() -> None:

@@ -129,7 +129,7 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
 
 
 def _json_bytes(body: dict) -> bytes:
-    # As the SDK encodes a body (openai._utils._json.openapi_dumps, httpx's
+    # As the SDK encodes a request body (its JSON helper with httpx's
     # defaults): UTF-8, compact; what it cannot encode (a lone surrogate, a
     # NaN) raises here, before anything is sent, as it did in the SDK.
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
