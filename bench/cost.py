@@ -235,9 +235,10 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         asyncio.run(_fixed(platform.sim_url, {}, 50, rng, "warm"))
         asyncio.run(_fixed(platform.sluice_url, open_auth, 20, rng, "streamed-warm"))
 
-        # /proc counts CPU in ticks of 10 ms, per process: over 10 s the nine
-        # processes' idle reads within about 1 ms per s of CPU (0.1 % of a core).
-        idle_s = 2.0 if quick else 10.0
+        # /proc counts CPU in ticks of 10 ms, per process: over 30 s each of the
+        # nine processes' idle reads within about 0.3 ms per s of CPU, and the
+        # window holds six runs of beat's 5 s entries and three of its 10 s one.
+        idle_s = 2.0 if quick else 30.0
         before = meter.read()
         time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
         idle = {k: v / idle_s for k, v in delta(meter.read(), before).items()}

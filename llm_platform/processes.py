@@ -81,7 +81,7 @@ def lane_worker_commands(lane: str, *, concurrency: int | None = None,
 def beat_command(*, schedule_dir: str) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "llm_platform", "-q", "beat", "-S",
-        "django_celery_beat.schedulers:DatabaseScheduler",
+        "llm_platform.beat:PacedDatabaseScheduler",
         "--pidfile", os.path.join(schedule_dir, "beat.pid"),
     ]
 

@@ -64,6 +64,14 @@ _held_next = 0.0
 # Whether the last step found running batches: then the pacer looks again
 # within FEED_EVERY_S (gateway/core/batches/lifecycle.py).
 _batches_active = False
+# With none running, the batches are looked at (a database query) only when
+# a wake-up came, since a batch that starts or is cancelled pushes one
+# (gateway/core/batches/lifecycle.py), and otherwise at most every
+# BATCHES_IDLE_LOOK_S: a lost wake-up costs a new batch that long, and an
+# idle pacer no query a second.
+BATCHES_IDLE_LOOK_S = 10.0
+_batches_look_next = 0.0
+_woken = False
 
 
 def pacer_step() -> int:
@@ -84,8 +92,19 @@ def pacer_step() -> int:
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
     released += callback_retries_release(now_ms=now_ms) + _held_step_due(client)
-    _batches_active = batches_step() > 0
+    if _batches_look_due():
+        _batches_active = batches_step() > 0
     return released
+
+
+def _batches_look_due() -> bool:
+    global _batches_look_next, _woken
+    now = time.monotonic()
+    if not (_batches_active or _woken or now >= _batches_look_next):
+        return False
+    _woken = False
+    _batches_look_next = now + BATCHES_IDLE_LOOK_S
+    return True
 
 
 def _held_step_due(client) -> int:
@@ -143,9 +162,10 @@ def pacer_wait(client=None) -> PacerWait:
     Takes the wake-ups pushed so far in the same round trip as it reads the
     heads: work they announced is in what it reads, and work parked after it
     leaves a wake-up for the wait."""
+    global _woken
     client = client or get_redis()
     now_ms = redis_now_ms(client)
-    _, delayed, retries, held_pools = (
+    woken, delayed, retries, held_pools = (
         Commands()
         .command("DEL", keys.PACER_WAKE)
         .command("ZRANGE", keys.DELAYED_JOBS, 0, 0, "WITHSCORES")
@@ -157,6 +177,8 @@ def pacer_wait(client=None) -> PacerWait:
         if head_ms is not None:
             seconds = min(seconds, (head_ms - now_ms) / 1000)
     held = int(held_pools) > 0
+    if int(woken):
+        _woken = True
     if _batches_active:
         seconds = min(seconds, FEED_EVERY_S)
     if held:
@@ -165,6 +187,7 @@ def pacer_wait(client=None) -> PacerWait:
 
 
 def _wait(wait: PacerWait, stop: StopFlag) -> None:
+    global _woken
     if wait.seconds < 0.001 or stop.requested:
         return
     if wait.held or wait.seconds <= REDIS_TICK_S:
@@ -175,7 +198,8 @@ def _wait(wait: PacerWait, stop: StopFlag) -> None:
     # hung Redis fails the read within it, so a stop asked meanwhile is seen
     # within seconds, not when Redis answers again.
     seconds = min(wait.seconds, settings.SLUICE_REDIS_BUSY_WAIT_S / 2) - REDIS_TICK_S
-    get_redis().blpop([keys.PACER_WAKE], timeout=round(max(seconds, 0.001), 3))
+    if get_redis().blpop([keys.PACER_WAKE], timeout=round(max(seconds, 0.001), 3)) is not None:
+        _woken = True
 
 
 class StopFlag:

@@ -11,13 +11,15 @@ import time
 
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from budgets.redis.clients import get_redis
+from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.jobs.lifecycle import job_submit
 from gateway.core.request.chat import validate_chat_request
 from gateway.core.request.context import context_for_workload
-from gateway.models import Job
+from gateway.models import Batch, Job
 from gateway.worker import pacer
 from gateway.worker.pacer import StopFlag, pacer_run
 
@@ -99,3 +101,44 @@ def test_a_stop_asked_while_the_pacer_waits_ends_it_within_its_longest_wait(redi
     # then it ends without waking anyone (generous bound: WAIT_MAX_S plus a step on a slow machine)
     thread.join(timeout=pacer.WAIT_MAX_S + 4)
     assert not thread.is_alive()
+
+
+def batch_reads(queries) -> int:
+    return sum(Batch._meta.db_table in query["sql"] for query in queries.captured_queries)
+
+
+def test_an_idle_pacer_reads_the_batches_only_when_woken_or_once_its_idle_look_is_due(redis_of_its_own, monkeypatch):
+    # given a pacer that has just looked at the batches and found none running
+    monkeypatch.setattr(pacer, "_batches_active", False)
+    monkeypatch.setattr(pacer, "_woken", False)
+    monkeypatch.setattr(pacer, "_batches_look_next", 0.0)
+    with CaptureQueriesContext(connection) as first:
+        pacer.pacer_step()
+    assert batch_reads(first) == 1
+    # when it reads its heads and steps again, nobody having woken it
+    with CaptureQueriesContext(connection) as idle:
+        for _ in range(3):
+            pacer.pacer_wait()
+            pacer.pacer_step()
+    # then it asks the database nothing about batches
+    assert batch_reads(idle) == 0
+    # when a batch's start pushes its wake-up before the pacer reads its heads
+    Commands().lpush(keys.PACER_WAKE, 1).run(redis_of_its_own)
+    pacer.pacer_wait()
+    with CaptureQueriesContext(connection) as woken:
+        pacer.pacer_step()
+        pacer.pacer_step()
+    # then the next step looks, once
+    assert batch_reads(woken) == 1
+    # and likewise when the wake-up lands while it waits in BLPOP
+    Commands().lpush(keys.PACER_WAKE, 1).run(redis_of_its_own)
+    pacer._wait(pacer.PacerWait(seconds=pacer.WAIT_MAX_S, held=False), StopFlag())
+    with CaptureQueriesContext(connection) as woken_in_wait:
+        pacer.pacer_step()
+    assert batch_reads(woken_in_wait) == 1
+    # and, unwoken, once its idle look comes due (a lost wake-up's bound)
+    monkeypatch.setattr(pacer, "_batches_look_next", time.monotonic() - 0.001)
+    with CaptureQueriesContext(connection) as due:
+        pacer.pacer_step()
+        pacer.pacer_step()
+    assert batch_reads(due) == 1
