@@ -11,6 +11,7 @@ from celery import Celery
 from celery.signals import celeryd_init, setup_logging
 from django.conf import settings
 
+from adapters.kombu_redis import lane_pickup_install
 from budgets.redis.clients import request_path_process
 from gateway.core.db_threads import database_threads_start
 from gateway.core.keys import WORKERS_READY
@@ -120,6 +121,8 @@ def _request_path_redis(**kwargs) -> None:
     connections (gateway/core/db_threads.py)."""
     request_path_process()
     database_threads_start(settings.SLUICE_WORKER_DB_THREADS)
+    if settings.SLUICE_LANE_BATCHED_PICKUP:
+        lane_pickup_install()
 
 
 # budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's

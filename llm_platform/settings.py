@@ -176,6 +176,10 @@ CELERY_BROKER_IS_REDIS_URL = CELERY_BROKER_URL == _BROKER_ON_REDIS_URL and not S
 # the request's record (adapters/celery.py) when the broker is
 # REDIS_URL itself; false: every message goes through Celery's send_task.
 SLUICE_DIRECT_PUBLISH = env_bool("SLUICE_DIRECT_PUBLISH", True)
+# A lane worker on a Redis broker takes the messages waiting behind the one
+# that woke it in the same turn, each popped and recorded unacknowledged in
+# one step (adapters/kombu_redis.py); false: kombu's one message per turn.
+SLUICE_LANE_BATCHED_PICKUP = env_bool("SLUICE_LANE_BATCHED_PICKUP", True)
 
 # A task must finish (or be killed) well before the broker would hand its
 # unacknowledged message to another worker: visibility_timeout > time limit.
