@@ -277,7 +277,9 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         log(f"{NAME}: refused {refused['ms_per_request']:.2f} ms CPU per request")
         direct = phase(platform.sim_url, {}, "direct", {})
         log(f"{NAME}: direct: simulator {direct['sim_ms_per_request']:.2f} ms CPU per request")
-        slow = {"admitted": phase(platform.sluice_url, open_auth, "admitted-slow", {}, latency_ms=POOL_LATENCY_MS),
+        slow = {"admitted": phase(platform.sluice_url, open_auth, "admitted-slow",
+                                  {"web": roots["web"], "worker": roots["worker-interactive"]},
+                                  latency_ms=POOL_LATENCY_MS),
                 "refused": phase(platform.sluice_url, tight_auth, "refused-slow", {}, latency_ms=POOL_LATENCY_MS),
                 "direct": phase(platform.sim_url, {}, "direct-slow", {}, latency_ms=POOL_LATENCY_MS)}
         log(f"{NAME}: {POOL_LATENCY_MS} ms pool: admitted {slow['admitted']['ms_per_request']:.2f}, refused "
