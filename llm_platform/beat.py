@@ -4,8 +4,8 @@ schedule changed at most every CHANGE_CHECK_S.
 The stock DatabaseScheduler asks on every tick (a commit and a query of
 PeriodicTasks' change stamp), and beat ticks twice for each task it sends
 (the send, then the look at the next entry) besides every wake-up: with the
-housekeeping entries of llm_platform/celery.py that was about 60 % of an
-idle beat's CPU, the largest single share of the idle platform's. The
+housekeeping entries of llm_platform/celery.py that check was most of an
+idle beat's CPU, and beat the largest share of the idle platform's. The
 schedule itself changes only when a scheduled workload's cron is saved
 (gateway/core/jobs/schedules.py) or an admin edits a periodic task, and
 beat already sleeps up to its ``max_interval`` (5 s) between looks: a
