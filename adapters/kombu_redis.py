@@ -56,20 +56,30 @@ from kombu.utils.json import loads
 TAKE_MAX = 64
 
 # KEYS: the queue's list, kombu's unacked index (zset), its unacked hash.
-# ARGV: how many at most. Returns the messages popped, oldest first.
+# ARGV: how many at most. Returns the messages popped, oldest first. One at
+# a time: a message it cannot read as kombu's (not JSON, no delivery tag)
+# goes back where it was, the next for kombu's own read, and the take stops.
 TAKE = """
-local items = redis.call('RPOP', KEYS[1], tonumber(ARGV[1]))
-if not items then return {} end
 local t = redis.call('TIME')
 local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
-for _, item in ipairs(items) do
-  local props = cjson.decode(item)['properties']
-  local info = props['delivery_info']
-  redis.call('ZADD', KEYS[2], now, props['delivery_tag'])
-  redis.call('HSET', KEYS[3], props['delivery_tag'],
-             '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ',' .. cjson.encode(info['routing_key']) .. ']')
+local out = {}
+for _ = 1, tonumber(ARGV[1]) do
+  local item = redis.call('RPOP', KEYS[1])
+  if not item then break end
+  local ok, message = pcall(cjson.decode, item)
+  local props = ok and type(message) == 'table' and message['properties']
+  local info = type(props) == 'table' and props['delivery_info']
+  local tag = type(props) == 'table' and props['delivery_tag']
+  if type(info) ~= 'table' or type(tag) ~= 'string' then
+    redis.call('RPUSH', KEYS[1], item)
+    break
+  end
+  redis.call('ZADD', KEYS[2], now, tag)
+  redis.call('HSET', KEYS[3], tag,
+             '[' .. item .. ',' .. cjson.encode(info['exchange'] or '') .. ',' .. cjson.encode(info['routing_key'] or '') .. ']')
+  out[#out + 1] = item
 end
-return items
+return out
 """
 
 
@@ -113,10 +123,19 @@ class Channel(kombu_redis.Channel):
                 self.take_script = client.register_script(TAKE)
             items = self.take_script(keys=[queue, self.unacked_index_key, self.unacked_key], args=[count],
                                      client=client)
+        # Each is delivered even if one before it fails (that one stays
+        # recorded, for the restore sweep, as kombu leaves a message whose
+        # callback raised); the first failure is raised after.
+        failure = None
         for item in items:
             payload = loads(item)
             self.qos.recorded.add(payload["properties"]["delivery_tag"])
-            self.connection._deliver(payload, queue)
+            try:
+                self.connection._deliver(payload, queue)
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are delivered
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return len(items)
 
 

@@ -132,3 +132,20 @@ def test_once_installed_the_redis_schemes_resolve_to_the_batched_transport(trans
     lane_pickup_install()
     for url in ("redis://127.0.0.1:6379/0", "redis+socket:///tmp/redis.sock"):
         assert type(kombu.Connection(url).transport) is kombu_redis.Transport
+
+
+def test_a_message_the_take_cannot_read_is_left_on_the_queue_and_the_take_stops_before_it(
+        redis_of_its_own, lane_queue):
+    # given two messages, then something that is not kombu's, then one more
+    publish(lane_queue, 2)
+    redis_of_its_own.lpush(lane_queue.name, "not a kombu message")
+    publish(lane_queue, 1)
+    with kombu.Connection(broker_url(), transport=kombu_redis.Transport) as conn:
+        # when a consumer with room for ten reads once
+        got = one_turn(conn, lane_queue, prefetch=10)
+        # then it has the two before it, and the rest waits in order, nothing lost
+        assert [message.payload for message in got] == [{"n": 0}, {"n": 1}]
+        waiting = redis_of_its_own.lrange(lane_queue.name, 0, -1)
+        assert waiting[-1] == "not a kombu message" and len(waiting) == 2
+        assert json.loads(waiting[0])["properties"]["delivery_tag"] not in {m.delivery_tag for m in got}
+        assert redis_of_its_own.hlen(got[0].channel.unacked_key) == 2
