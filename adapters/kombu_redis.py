@@ -3,7 +3,7 @@ the one that woke the consumer are taken in the same turn of its event
 loop, each popped and recorded as unacknowledged in one atomic step.
 
 Written against: kombu 5.7.0's Redis transport (``kombu.transport.redis``)
-under Celery 5.7.0, Redis >= 6.2 (``RPOP key count``).
+under Celery 5.7.0; Redis's Lua with its cjson library.
 
 Replaces: kombu's one message per consumer turn. Stock, the consumer's
 thread answers each message with a BRPOP's reply, then a second round trip
@@ -14,7 +14,7 @@ hundred calls on its threads the consumer's thread waits for it again after
 each: under a burst of arrivals the last message of a lane waited most of a
 second to reach a thread while the pool sat idle. Here, once the stock read
 has delivered the message BRPOP answered (``Channel._brpop_read``), one Lua
-call pops up to the room the worker's QoS has left (at most TAKE_MAX) from
+call (kombu_take.lua) pops up to the room the worker's QoS has left (at most TAKE_MAX) from
 the same list and writes each one's unacknowledged entry exactly as kombu's
 ``QoS.append`` does (score: now, in seconds; value: ``[payload, exchange,
 routing_key]``), and they are handed to the consumer (``Transport._deliver``)
@@ -37,14 +37,16 @@ in 0.66 s): the lane's queue wait (admission to a worker thread) p99
 against 1,569–2,698 ms; bench.cost's CPU per admitted request (zero-latency
 pool) 3.71–3.75 ms against 4.17–4.33 (about 12 % less). Reproduce it with
 ``SLUICE_LANE_BATCHED_PICKUP=false`` against the default, alternated, for
-bench.cost and bench.burst's Sluice path (bench/PROFILE.md, round 25, has
-the runs and what it costs the first refusal of a 1,024-stream arrival).
+bench.cost and bench.burst's Sluice path (bench/PROFILE.md has the runs,
+and what it costs the first refusal of a 1,024-stream arrival).
 
 Guarded by: tests/adapters/test_kombu_redis.py (the unacked entries match
 what kombu writes, the batch is bounded by the QoS's room, an entry left by
 a killed worker is restored by kombu's own sweep)."""
 
 from __future__ import annotations
+
+import importlib.resources
 
 import kombu.transport
 from kombu.transport import redis as kombu_redis
@@ -55,32 +57,8 @@ from kombu.utils.json import loads
 # answered: a turn of the consumer's loop stays a few milliseconds long.
 TAKE_MAX = 64
 
-# KEYS: the queue's list, kombu's unacked index (zset), its unacked hash.
-# ARGV: how many at most. Returns the messages popped, oldest first. One at
-# a time: a message it cannot read as kombu's (not JSON, no delivery tag)
-# goes back where it was, the next for kombu's own read, and the take stops.
-TAKE = """
-local t = redis.call('TIME')
-local now = string.format('%.6f', tonumber(t[1]) + tonumber(t[2]) / 1000000)
-local out = {}
-for _ = 1, tonumber(ARGV[1]) do
-  local item = redis.call('RPOP', KEYS[1])
-  if not item then break end
-  local ok, message = pcall(cjson.decode, item)
-  local props = ok and type(message) == 'table' and message['properties']
-  local info = type(props) == 'table' and props['delivery_info']
-  local tag = type(props) == 'table' and props['delivery_tag']
-  if type(info) ~= 'table' or type(tag) ~= 'string' then
-    redis.call('RPUSH', KEYS[1], item)
-    break
-  end
-  redis.call('ZADD', KEYS[2], now, tag)
-  redis.call('HSET', KEYS[3], tag,
-             '[' .. item .. ',' .. cjson.encode(info['exchange'] or '') .. ',' .. cjson.encode(info['routing_key'] or '') .. ']')
-  out[#out + 1] = item
-end
-return out
-"""
+# The take: pops and records each message in one script (its contract in its header).
+TAKE = importlib.resources.files(__package__).joinpath("kombu_take.lua").read_text()
 
 
 class QoS(kombu_redis.QoS):
