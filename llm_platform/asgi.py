@@ -23,6 +23,7 @@ django_application = get_asgi_application()
 from adapters.django import MiddlewareFreeASGIHandler  # noqa: E402  (after django.setup())
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
+from gateway.web.admission_turns import admission_turns  # noqa: E402
 from django.conf import settings  # noqa: E402
 from gateway.web.body_limit import MULTIPART_ROOM, body_limit, body_limit_streamed  # noqa: E402
 from gateway.web.edge import api_answered, as_openai_error  # noqa: E402
@@ -41,6 +42,9 @@ MANAGEMENT_PREFIX = "/api/"
 api_handler = MiddlewareFreeASGIHandler(
     answer=api_answered, observe=api_observed, observed_prefixes=API_PREFIXES, request_error=as_openai_error)
 api_application = body_limit(api_handler)
+# The endpoints that admit a request take turns at the door (gateway/web/admission_turns.py).
+ADMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+admitting_application = admission_turns(api_application)
 # A file upload is the one /v1 body allowed past that: streamed, to its own limit.
 FILES_PATH = "/v1/files"
 files_application = body_limit_streamed(api_handler,
@@ -53,6 +57,8 @@ management_application = body_limit(django_application, refusal=api_too_large_bo
 async def application(scope, receive, send):
     if scope["type"] == "http" and scope["path"] == FILES_PATH and scope.get("method") == "POST":
         return await files_application(scope, receive, send)
+    if scope["type"] == "http" and scope["path"] in ADMITTING_PATHS and scope.get("method") == "POST":
+        return await admitting_application(scope, receive, send)
     if scope["type"] == "http" and (scope["path"].startswith(API_PREFIXES) or scope["path"] in API_PATHS):
         return await api_application(scope, receive, send)
     if scope["type"] == "http" and scope["path"].startswith(MANAGEMENT_PREFIX):

@@ -230,6 +230,10 @@ SLUICE_REDIS_TIMEOUT_S = env_float("SLUICE_REDIS_TIMEOUT_S", 0.5)
 # A busy Redis (it took the command, its answer is slow) is waited for this
 # long on the request path, within any request's deadline (budgets/redis/clients.py).
 SLUICE_REDIS_BUSY_WAIT_S = env_float("SLUICE_REDIS_BUSY_WAIT_S", 3.0)
+# How many /v1 requests each web process admits at once; the rest wait at the
+# door, tenants and then workloads in turn, at most SLUICE_REDIS_BUSY_WAIT_S
+# (gateway/web/admission_turns.py). 0: no turns, every request at once.
+SLUICE_WEB_ADMISSIONS_AT_ONCE = env_int("SLUICE_WEB_ADMISSIONS_AT_ONCE", 32)
 SLUICE_RESULT_TTL_S = env_int("SLUICE_RESULT_TTL_S", 3600)
 # An async job's default deadline; a job that budget would hold past it is refused.
 SLUICE_JOB_DEADLINE_S = env_float("SLUICE_JOB_DEADLINE_S", 3600.0)

@@ -26,15 +26,16 @@ def api_key_hashes_revoked_since(*, since: datetime) -> list[str]:
     return list(ApiKey.objects.filter(revoked_at__gte=since).values_list("key_hash", flat=True))
 
 
-def api_keys_issued_after(*, key_id: int) -> list[tuple[int, str]]:
-    """(id, digest) of the keys issued after ``key_id`` and not revoked (a
-    range on the primary key; every key when 0): what each web process
-    knows Sluice has issued."""
+def api_keys_issued_after(*, key_id: int) -> list[tuple[int, str, int]]:
+    """(id, digest, tenant id) of the keys issued after ``key_id`` and not
+    revoked (a range on the primary key; every key when 0): what each web
+    process knows Sluice has issued, and whose each one is."""
     return list(ApiKey.objects.filter(pk__gt=key_id, revoked_at__isnull=True).order_by("pk")
-                .values_list("pk", "key_hash"))
+                .values_list("pk", "key_hash", "workload__tenant_id"))
 
 
-def api_key_changes(*, revoked_since: datetime, issued_after_id: int) -> tuple[list[str], list[tuple[int, str]]]:
+def api_key_changes(*, revoked_since: datetime,
+                    issued_after_id: int) -> tuple[list[str], list[tuple[int, str, int]]]:
     """One poll of a web process: keys revoked since, keys issued after."""
     return (api_key_hashes_revoked_since(since=revoked_since), api_keys_issued_after(key_id=issued_after_id))
 

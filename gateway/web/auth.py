@@ -135,16 +135,17 @@ _tick = _Tick()
 
 
 class _Issued:
-    """The digests of every key Sluice has issued and not revoked, as this
-    process knows them (loaded at its first poll, then the keys issued since
-    at each poll, revocations dropped): an address over its throttle gets a
-    lookup only for a key Sluice issued, so a flood of made-up keys costs no
-    database lookup at all once its address is throttled, and a valid key
-    from the same address still gets in. None until the first poll
-    succeeds (then every key is looked up, as before)."""
+    """The digests of every key Sluice has issued and not revoked, each with
+    its tenant, as this process knows them (loaded at its first poll, then
+    the keys issued since at each poll, revocations dropped): an address
+    over its throttle gets a lookup only for a key Sluice issued, so a flood
+    of made-up keys costs no database lookup at all once its address is
+    throttled, and a valid key from the same address still gets in; and a
+    request waits at the door as its tenant's (``caller_line``). None until
+    the first poll succeeds (then every key is looked up, as before)."""
 
     def __init__(self) -> None:
-        self.digests: set[str] | None = None
+        self.digests: dict[str, int] | None = None  # digest -> tenant id
         self.last_id = 0
 
 
@@ -158,14 +159,14 @@ def _revocations_apply(hashes: list[str]) -> None:
     for digest in hashes:
         _valid.pop(digest, None)
         if _issued.digests is not None:
-            _issued.digests.discard(digest)
+            _issued.digests.pop(digest, None)
 
 
-def _issued_apply(issued: list[tuple[int, str]]) -> None:
+def _issued_apply(issued: list[tuple[int, str, int]]) -> None:
     if _issued.digests is None:
-        _issued.digests = set()
-    for key_id, digest in issued:
-        _issued.digests.add(digest)
+        _issued.digests = {}
+    for key_id, digest, tenant_id in issued:
+        _issued.digests[digest] = tenant_id
         _issued.last_id = max(_issued.last_id, key_id)
 
 
@@ -252,6 +253,22 @@ def _noted(cached: CachedKey) -> KeyCheck:
 def _digest(raw_key: str) -> str:
     # Cache by digest so raw keys never sit in process memory longer than a request.
     return hashlib.sha256(raw_key.encode("utf-8", "replace")).hexdigest()
+
+
+def caller_line(authorization: str | None) -> tuple[int, str] | None:
+    """Where a request waits at the door (gateway/web/admission_turns.py),
+    from what this process already knows of its bearer key before it is
+    checked: (its tenant, its digest) for a key Sluice issued and has not
+    revoked; None for any other (no key, a made-up or revoked one, or any
+    key before this process's first revocation poll). The same key always
+    waits in the same line, its first request and its thousandth alike.
+    Nothing is looked up, noted or counted."""
+    raw_key = bearer_key(authorization)
+    if raw_key is None or _issued.digests is None:
+        return None
+    digest = _digest(raw_key)
+    tenant_id = _issued.digests.get(digest)
+    return None if tenant_id is None else (tenant_id, digest)
 
 
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:

@@ -35,6 +35,7 @@ from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEU
 from gateway.core.request.settlement import request_refund_async
 from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.request.takeover import request_take_over
+from gateway.web.admission_turns import turn_leave
 from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe
 
 logger = logging.getLogger(__name__)
@@ -265,6 +266,7 @@ async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_i
     ), stream=request.stream, stream_usage=request.stream_usage, tokenizer=ctx.tokenizer)
     log_annotate(lane=record.lane, pool_id=ctx.pool_id)
     await record_enqueue_async(record, lease_ms=lease_ms)
+    turn_leave()  # on its lane: the next request's turn at the door
 
     first_wait = _StreamFirstWait(record) if record.stream else None
     try:

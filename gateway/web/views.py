@@ -32,6 +32,7 @@ from gateway.core.request.streams import STREAMING
 from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
 from gateway.core.protection.throttle import request_client_address
+from gateway.web.admission_turns import turn_leave
 from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import request_dispatch
 from gateway.web.health import health_details_allowed, liveness_report, readiness_report
@@ -180,6 +181,7 @@ async def _through_the_door(request: HttpRequest, validate: Callable[[dict], Api
     if idem_key:
         claim = await idempotency_claim(workload_id=ctx.workload_id, key=idem_key, digest=digest)
         if claim.state == "pending":
+            turn_leave()  # it waits for another request, not for admission
             claim = await idempotency_wait(workload_id=ctx.workload_id, key=idem_key, digest=digest,
                                            timeout_s=ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S)
         if claim.state == "conflict":

@@ -1,0 +1,292 @@
+"""Turns at the door (gateway/web/admission_turns.py): at most N requests
+past it at once per event loop, the rest served tenants in turn, then each
+tenant's workloads in turn; a place given up or waited out never leaks a
+turn. Then through the /v1 ASGI app in this process, against the real Redis
+and database: a request of another workload, sent after a storm of one
+workload's requests, is answered among the first instead of after the storm."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.core.lanes import queue_for_lane
+from gateway.web import admission_turns, auth
+from gateway.web.admission_turns import UNKNOWN, Door
+
+A, B = 1, 2  # tenants
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _queued(door: Door, callers: list[tuple[int, int]], order: list[tuple[int, int, int]]) -> list[asyncio.Task]:
+    """One task per caller, each entering in this order and noting when it got in."""
+
+    async def one(i: int, caller: tuple[int, int]) -> None:
+        turn = await door.enter(caller)
+        order.append((*caller, i))
+        await asyncio.sleep(0)
+        turn.leave()
+
+    tasks = []
+    for i, caller in enumerate(callers):
+        tasks.append(asyncio.create_task(one(i, caller)))
+        await asyncio.sleep(0)  # enters now: the lines form in this order
+    return tasks
+
+
+def test_a_freed_turn_goes_to_tenants_in_turn_then_to_their_workloads_in_turn():
+    async def main():
+        door = Door(at_once=1, wait_max_s=60)
+        holder = await door.enter((A, 1))
+        order: list[tuple[int, int, int]] = []
+        tasks = await _queued(door, [(A, 1), (A, 1), (A, 1), (A, 2), (B, 7)], order)
+        assert door.waiting == 5 and door.inside == 1
+        holder.leave()
+        await asyncio.gather(*tasks)
+        return order, door
+
+    order, door = run(main())
+    # tenant A's first waiter, then tenant B, then A's other workload, then A's line in arrival order
+    assert order == [(A, 1, 0), (B, 7, 4), (A, 2, 3), (A, 1, 1), (A, 1, 2)]
+    assert door.inside == 0 and door.waiting == 0 and not door.tenants
+
+
+def test_never_more_than_at_once_inside_under_many_concurrent_callers():
+    async def main():
+        door = Door(at_once=4, wait_max_s=60)
+        inside, most = 0, 0
+
+        async def one(i: int) -> None:
+            nonlocal inside, most
+            turn = await door.enter((i % 3, i % 5))
+            inside += 1
+            most = max(most, inside)
+            for _ in range(i % 4):
+                await asyncio.sleep(0)
+            inside -= 1
+            turn.leave()
+            turn.leave()  # leaving twice hands on one turn, not two
+
+        await asyncio.gather(*(one(i) for i in range(300)))
+        return most, door
+
+    most, door = run(main())
+    assert most == 4
+    assert door.inside == 0 and not door.tenants
+
+
+def test_a_waiter_that_is_cancelled_gives_its_place_up():
+    async def main():
+        door = Door(at_once=1, wait_max_s=60)
+        holder = await door.enter((A, 1))
+        order: list[tuple[int, int, int]] = []
+        gone, stays = await _queued(door, [(B, 1), (B, 1)], order)
+        gone.cancel()
+        await asyncio.sleep(0)
+        holder.leave()
+        await stays
+        return order, door, gone
+
+    order, door, gone = run(main())
+    assert gone.cancelled()
+    assert order == [(B, 1, 1)]
+    assert door.inside == 0 and not door.tenants
+
+
+def test_a_turn_handed_to_a_request_cancelled_before_it_runs_goes_on_to_the_next():
+    async def main():
+        door = Door(at_once=1, wait_max_s=60)
+        holder = await door.enter((A, 1))
+        order: list[tuple[int, int, int]] = []
+        handed, next_one = await _queued(door, [(B, 1), (A, 2)], order)
+        holder.leave()  # B's waiter has its turn now, its task has not run yet
+        handed.cancel()
+        await asyncio.gather(handed, next_one, return_exceptions=True)
+        return order, door, handed
+
+    order, door, handed = run(main())
+    assert handed.cancelled()
+    assert order == [(A, 2, 1)]
+    assert door.inside == 0
+
+
+def test_a_request_waits_at_most_its_bound_then_goes_on_without_a_turn():
+    async def main():
+        door = Door(at_once=1, wait_max_s=0.05)
+        holder = await door.enter((A, 1))
+        late = await door.enter((B, 1))  # the holder never leaves in time
+        inside_then = door.inside
+        holder.leave()
+        late.leave()  # held no turn: hands none on
+        return late, inside_then, door
+
+    late, inside_then, door = run(main())
+    assert not late.held
+    assert inside_then == 1
+    assert door.inside == 0 and not door.tenants
+
+
+# -- through the /v1 app ---------------------------------------------------------
+
+STORM = 200
+
+
+def _scope(api_key: str, body: bytes) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+            "root_path": "", "client": ("127.0.0.1", 5000), "server": ("testserver", 80),
+            "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"authorization", f"Bearer {api_key}".encode())]}
+
+
+async def _post(app, api_key: str) -> int:
+    body = json.dumps({"model": "sim-small", "max_tokens": 16,
+                       "messages": [{"role": "user", "content": "hello"}]}).encode()
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    await app(_scope(api_key, body), receive, send)
+    return sent[0]["status"]
+
+
+def _storm_then_one(storm_keys: list[str], other_key: str, warm: list[str]) -> tuple[int, list[int]]:
+    """``storm_keys``' requests started together, then ``other_key``'s: where
+    the other's answer came among them, and every status."""
+    from llm_platform.asgi import application
+
+    async def main():
+        for key in warm:  # each key's one request (200), which also has the process poll the issued keys
+            assert await _post(application, key) == 200
+        finished: list[str] = []
+        statuses: list[int] = []
+
+        async def one(key: str, name: str) -> None:
+            statuses.append(await _post(application, key))
+            finished.append(name)
+
+        tasks = [asyncio.create_task(one(key, "storm")) for key in storm_keys]
+        tasks.append(asyncio.create_task(one(other_key, "other")))
+        await asyncio.gather(*tasks)
+        return finished.index("other"), statuses
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def refusing(platform, make_caller, settings, key_lookups_close_their_connections):
+    """Two workloads of two tenants on the platform's pool, each with a
+    bucket of one request (RPM 4: a request per 15 s), spent by its warm-up:
+    every request after it is refused (429), so a request's whole path
+    through the door is its admission."""
+    settings.SLUICE_AUTH_CACHE_S = 60
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    storm = make_caller(pool=pool, rpm=4)
+    other = make_caller(pool=pool, rpm=4)
+    admission_turns._doors.clear()
+    auth._valid.clear()
+    auth._throttled.clear()
+    auth._tick.next_poll = 0.0  # the next request polls: the door knows both keys from then on
+    return storm, other
+
+
+@pytest.mark.django_db(transaction=True)
+def test_another_tenants_request_is_answered_among_the_first_of_a_storm(refusing, settings):
+    storm, other = refusing
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 4
+    place, statuses = _storm_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
+    assert set(statuses) == {429}
+    # it enters sixth (four were inside, the storm's line had the rotation's
+    # first turn); while its own awaits run (a revocation poll, say) a few more
+    # of the storm's answers may go out before it, never the storm's bulk
+    assert place <= 20
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_turns_the_same_request_waits_for_the_storm(refusing, settings):
+    # the measure of the test above: the loop serves every request of the storm first
+    storm, other = refusing
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 0
+    place, statuses = _storm_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
+    assert set(statuses) == {429}
+    assert place >= STORM // 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_flood_of_unknown_keys_is_one_line_in_the_rotation(refusing, settings):
+    storm, other = refusing
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 4
+    made_up = [f"sk-sluice-madeup{i:04d}" for i in range(STORM)]
+    place, statuses = _storm_then_one(made_up, other.api_key, warm=[storm.api_key, other.api_key])
+    assert set(statuses) <= {401, 429}
+    assert place <= 20
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_waits_as_its_tenants_key_or_in_the_unknown_line(make_caller, monkeypatch,
+                                                                   key_lookups_close_their_connections):
+    # caller_line looks nothing up: it places a request by the keys the process knows were issued
+    caller = make_caller()
+    header = f"Bearer {caller.api_key}"
+    monkeypatch.setattr(auth._issued, "digests", None)
+    monkeypatch.setattr(auth._issued, "last_id", 0)
+    assert auth.caller_line(header) is None  # before the first poll: not known yet
+    asyncio.run(auth._tick_run(float("inf")))  # the poll loads every key issued
+    digest = auth._digest(caller.api_key)
+    # the same line for its first request and every later one, cached or not
+    assert auth.caller_line(header) == (caller.tenant.id, digest)
+    asyncio.run(auth.key_check(caller.api_key, address="198.51.100.41"))
+    assert auth.caller_line(header) == (caller.tenant.id, digest)
+    assert auth.caller_line(None) is None
+    assert auth.caller_line("Basic abc") is None
+    assert auth.caller_line("Bearer sk-sluice-made-up") is None
+    # a revoked key is no longer placed
+    auth._revocations_apply([digest])
+    assert auth.caller_line(header) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_admitted_request_waiting_for_its_worker_holds_no_turn(redis_of_its_own, make_caller, settings,
+                                                                  key_lookups_close_their_connections):
+    # given one turn, and a request admitted and queued that no worker runs
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 1
+    settings.SLUICE_REDIS_BUSY_WAIT_S = 60.0  # a turn never held would not be waited out within the test
+    settings.SLUICE_AUTH_CACHE_S = 60
+    admission_turns._doors.clear()
+    pool = make_caller.pool()
+    waiting = make_caller(pool=pool, queue_timeout_s=30)
+    # a bucket smaller than one request: each of its requests is answered 413 at its admission
+    refused = make_caller(pool=pool, rpm=1)
+    auth._throttled.clear()  # an earlier test's flood of made-up keys from this address
+    auth._tick.next_poll = 0.0  # the first request polls: both keys known as issued
+    from llm_platform.asgi import application
+
+    async def main():
+        assert await _post(application, refused.api_key) == 413
+        queued = asyncio.create_task(_post(application, waiting.api_key))
+        while not redis_of_its_own.llen(queue_for_lane("interactive")):
+            await asyncio.sleep(0.01)  # until it is on its lane (no worker reads this database)
+        # when another request comes while the first still waits for its worker
+        status = await asyncio.wait_for(_post(application, refused.api_key), timeout=10)
+        still_waiting = not queued.done()
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        return status, still_waiting
+
+    status, still_waiting = run(main())
+    # then it was answered through the door while the first was still waiting
+    assert status == 413
+    assert still_waiting
