@@ -12,10 +12,10 @@ def get_scope(path: str) -> dict:
             "headers": [(b"host", b"testserver")], "client": ("127.0.0.1", 5000), "server": ("testserver", 80)}
 
 
-async def asgi_call(app, scope: dict) -> list[dict]:
-    """Every message the app sent for ``scope`` (an empty body; the client never leaves)."""
+async def asgi_call(app, scope: dict, body: bytes = b"") -> list[dict]:
+    """Every message the app sent for ``scope`` and ``body`` (the client never leaves)."""
     sent: list[dict] = []
-    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive():
         if messages:

@@ -14,7 +14,8 @@ import pytest
 
 from gateway.core.lanes import queue_for_lane
 from gateway.web import admission_turns, auth
-from gateway.web.admission_turns import UNKNOWN, Door
+from gateway.web.admission_turns import Door
+from tests.asgi_calls import asgi_call
 
 A, B = 1, 2  # tenants
 
@@ -148,18 +149,7 @@ def _scope(api_key: str, body: bytes) -> dict:
 async def _post(app, api_key: str) -> int:
     body = json.dumps({"model": "sim-small", "max_tokens": 16,
                        "messages": [{"role": "user", "content": "hello"}]}).encode()
-    sent: list[dict] = []
-    messages = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await asyncio.sleep(3600)
-
-    async def send(message):
-        sent.append(message)
-
-    await app(_scope(api_key, body), receive, send)
+    sent = await asgi_call(app, _scope(api_key, body), body)
     return sent[0]["status"]
 
 
