@@ -42,9 +42,11 @@ MANAGEMENT_PREFIX = "/api/"
 api_handler = MiddlewareFreeASGIHandler(
     answer=api_answered, observe=api_observed, observed_prefixes=API_PREFIXES, request_error=as_openai_error)
 api_application = body_limit(api_handler)
-# The endpoints that admit a request take turns at the door (gateway/web/admission_turns.py).
+# The endpoints that admit a request take turns at the door
+# (gateway/web/admission_turns.py) once their whole body has arrived: a
+# caller that trickles its body holds nothing but its own connection.
 ADMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
-admitting_application = admission_turns(api_application)
+admitting_application = body_limit(admission_turns(api_handler))
 # A file upload is the one /v1 body allowed past that: streamed, to its own limit.
 FILES_PATH = "/v1/files"
 files_application = body_limit_streamed(api_handler,

@@ -8,8 +8,9 @@ step of every other request in flight. When a thousand requests of one
 workload arrive together, a request of anyone else that lands among them
 waits for all of theirs: seconds, for a refusal that takes a millisecond of
 CPU. Here at most ``SLUICE_WEB_ADMISSIONS_AT_ONCE`` requests (32) are past
-the door at once, from the moment their head is read until their
-admission is settled: enqueued on their lane (``turn_leave``, called by
+the door at once, from the moment their whole body has arrived (a caller
+that trickles its body holds no turn: llm_platform/asgi.py reads it first)
+until their admission is settled: enqueued on their lane (``turn_leave``, called by
 gateway/web/dispatch.py), or answered (a refusal, an error: the app
 returns). The others wait before any of their work starts, one line per
 key, and a freed turn goes to the tenants in turn, then to each tenant's

@@ -135,6 +135,9 @@ def test_a_request_waits_at_most_its_bound_then_goes_on_without_a_turn():
 # -- through the /v1 app ---------------------------------------------------------
 
 STORM = 200
+ROUNDS = 3
+# Where another tenant's request may come among the storm's answers with turns.
+GATED_PLACE_MAX = 20
 
 
 def _scope(api_key: str, body: bytes) -> dict:
@@ -153,25 +156,30 @@ async def _post(app, api_key: str) -> int:
     return sent[0]["status"]
 
 
-def _storm_then_one(storm_keys: list[str], other_key: str, warm: list[str]) -> tuple[int, list[int]]:
-    """``storm_keys``' requests started together, then ``other_key``'s: where
-    the other's answer came among them, and every status."""
+def _storms_then_one(storm_keys: list[str], other_key: str, warm: list[str],
+                     rounds: int = ROUNDS) -> tuple[list[int], set[int]]:
+    """``rounds`` times: ``storm_keys``' requests started together, then
+    ``other_key``'s; where the other's answer came among them each time,
+    and every status seen."""
     from llm_platform.asgi import application
 
     async def main():
         for key in warm:  # each key's one request (200), which also has the process poll the issued keys
             assert await _post(application, key) == 200
-        finished: list[str] = []
-        statuses: list[int] = []
+        places: list[int] = []
+        statuses: set[int] = set()
+        for _ in range(rounds):
+            finished: list[str] = []
 
-        async def one(key: str, name: str) -> None:
-            statuses.append(await _post(application, key))
-            finished.append(name)
+            async def one(key: str, name: str) -> None:
+                statuses.add(await _post(application, key))
+                finished.append(name)
 
-        tasks = [asyncio.create_task(one(key, "storm")) for key in storm_keys]
-        tasks.append(asyncio.create_task(one(other_key, "other")))
-        await asyncio.gather(*tasks)
-        return finished.index("other"), statuses
+            tasks = [asyncio.create_task(one(key, "storm")) for key in storm_keys]
+            tasks.append(asyncio.create_task(one(other_key, "other")))
+            await asyncio.gather(*tasks)
+            places.append(finished.index("other"))
+        return places, statuses
 
     return asyncio.run(main())
 
@@ -197,22 +205,26 @@ def refusing(platform, make_caller, settings, key_lookups_close_their_connection
 def test_another_tenants_request_is_answered_among_the_first_of_a_storm(refusing, settings):
     storm, other = refusing
     settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 4
-    place, statuses = _storm_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
-    assert set(statuses) == {429}
-    # it enters sixth (four were inside, the storm's line had the rotation's
-    # first turn); while its own awaits run (a revocation poll, say) a few more
-    # of the storm's answers may go out before it, never the storm's bulk
-    assert place <= 20
+    places, statuses = _storms_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
+    assert statuses == {429}
+    # it enters sixth each time (four were inside, the storm's line had the
+    # rotation's first turn); while its own awaits run (a revocation poll,
+    # say) a few more of the storm's answers may go out before it, never the
+    # storm's bulk
+    assert max(places) <= GATED_PLACE_MAX, places
 
 
 @pytest.mark.django_db(transaction=True)
-def test_without_turns_the_same_request_waits_for_the_storm(refusing, settings):
-    # the measure of the test above: the loop serves every request of the storm first
+def test_without_turns_the_same_request_comes_anywhere_in_the_storm(refusing, settings):
+    # the measure of the test above: without turns the loop resumes the
+    # requests in the order their sockets are ready, so the other request's
+    # place is a draw among the storm's; in three storms it lands past the
+    # bound above at least once (all three within it: about one in a thousand)
     storm, other = refusing
     settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 0
-    place, statuses = _storm_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
-    assert set(statuses) == {429}
-    assert place >= STORM // 4
+    places, statuses = _storms_then_one([storm.api_key] * STORM, other.api_key, warm=[storm.api_key, other.api_key])
+    assert statuses == {429}
+    assert max(places) > GATED_PLACE_MAX, places
 
 
 @pytest.mark.django_db(transaction=True)
@@ -220,9 +232,9 @@ def test_a_flood_of_unknown_keys_is_one_line_in_the_rotation(refusing, settings)
     storm, other = refusing
     settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 4
     made_up = [f"sk-sluice-madeup{i:04d}" for i in range(STORM)]
-    place, statuses = _storm_then_one(made_up, other.api_key, warm=[storm.api_key, other.api_key])
-    assert set(statuses) <= {401, 429}
-    assert place <= 20
+    places, statuses = _storms_then_one(made_up, other.api_key, warm=[storm.api_key, other.api_key])
+    assert statuses <= {401, 429}
+    assert max(places) <= GATED_PLACE_MAX, places
 
 
 @pytest.mark.django_db(transaction=True)
@@ -280,3 +292,34 @@ def test_an_admitted_request_waiting_for_its_worker_holds_no_turn(redis_of_its_o
     # then it was answered through the door while the first was still waiting
     assert status == 413
     assert still_waiting
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_caller_trickling_its_body_holds_no_turn(make_caller, settings, key_lookups_close_their_connections):
+    # given one turn, and a request whose head came but whose body never does
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 1
+    settings.SLUICE_REDIS_BUSY_WAIT_S = 60.0  # a held turn would not be waited out within the test
+    admission_turns._doors.clear()
+    refused = make_caller(rpm=1)  # every request 413 at its admission: a bucket smaller than one
+    auth._throttled.clear()  # an earlier test's flood of made-up keys from this address
+    from llm_platform.asgi import application
+
+    async def main():
+        body = b'{"model": "sim-small", "messages": []}'
+
+        async def never():
+            await asyncio.sleep(3600)
+
+        async def ignore(message):
+            pass
+
+        slow = asyncio.create_task(application(_scope(refused.api_key, body), never, ignore))
+        await asyncio.sleep(0.1)
+        # when another request comes
+        status = await asyncio.wait_for(_post(application, refused.api_key), timeout=10)
+        slow.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+        return status
+
+    # then it went through the door while the first still waited for its body
+    assert run(main()) == 413
