@@ -22,6 +22,7 @@ django_application = get_asgi_application()
 
 from adapters.django import MiddlewareFreeASGIHandler  # noqa: E402  (after django.setup())
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
+from gateway.core.request.endpoints import POOL_PATHS  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
 from gateway.web.admission_turns import admission_turns  # noqa: E402
 from django.conf import settings  # noqa: E402
@@ -45,7 +46,8 @@ api_application = body_limit(api_handler)
 # The endpoints that admit a request take turns at the door
 # (gateway/web/admission_turns.py) once their whole body has arrived: a
 # caller that trickles its body holds nothing but its own connection.
-ADMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# They are the endpoints the pool serves, at the same paths (OpenAI's).
+ADMITTING_PATHS = frozenset(f"/v1/{path}" for path in POOL_PATHS.values())
 admitting_application = body_limit(admission_turns(api_handler))
 # A file upload is the one /v1 body allowed past that: streamed, to its own limit.
 FILES_PATH = "/v1/files"
