@@ -22,7 +22,7 @@ import logging
 import re
 
 import prometheus_client
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.core.lanes import LANE_NAMES
 from gateway.core.request.records import Outcome, RequestRecord
@@ -64,6 +64,13 @@ TIME_TO_FIRST_TOKEN = Histogram("sluice_time_to_first_token_seconds",
                                 buckets=LATENCY_BUCKETS)
 LEDGER_LAG = Histogram("sluice_ledger_write_lag_seconds", "Admission to the request's ledger row being written.",
                        ["lane"], buckets=LATENCY_BUCKETS)
+# The web processes' doors (gateway/web/admission_turns.py), added up over
+# the live processes. Recorded only by a request that waits: one that finds
+# a turn free records nothing.
+DOOR_WAITING = Gauge("sluice_web_door_waiting", "Requests waiting at the web processes' doors for a turn to "
+                     "be admitted.", multiprocess_mode="livesum")
+DOOR_WAITED_OUT = Counter("sluice_web_door_waited_out", "Requests that waited at the door for their whole bound "
+                          "(SLUICE_REDIS_BUSY_WAIT_S) and went on without a turn.")
 
 # Every lane's histograms exist from the start (zero counts), so a quiet lane
 # reads 0 instead of "no data" and rate() has a starting point.
@@ -126,6 +133,16 @@ def refusal_observe(*, reason: object, workload_id: int | None, lane: str | None
 @_never_raises
 def api_response_observe(*, route: str, status: int) -> None:
     _child(API_RESPONSES, route, str(status)).inc()
+
+
+@_never_raises
+def door_waiting_observe(change: int) -> None:
+    DOOR_WAITING.inc(change)
+
+
+@_never_raises
+def door_waited_out_observe() -> None:
+    DOOR_WAITED_OUT.inc()
 
 
 @_never_raises

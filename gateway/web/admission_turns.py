@@ -32,7 +32,12 @@ without a turn, as every request did before this gate. A Redis that hangs
 holds the turns for that long at most, and never stretches into a line
 a thousand turns long. A request whose caller leaves while it waits
 gives its place up; one handed a turn as it is cancelled hands the turn
-on. ``SLUICE_WEB_ADMISSIONS_AT_ONCE=0`` turns the gate off."""
+on. ``SLUICE_WEB_ADMISSIONS_AT_ONCE=0`` turns the gate off.
+
+``/metrics`` shows how many requests wait at the doors now
+(``sluice_web_door_waiting``) and how many waited their whole bound
+(``sluice_web_door_waited_out_total``): a door that is often full says the
+web processes admit more slowly than callers arrive."""
 
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from collections import deque
 
 from django.conf import settings
 
+from gateway.core.observability import door_waited_out_observe, door_waiting_observe
 from gateway.web.auth import caller_line
 
 # (tenant, key) as gateway/web/auth.py's caller_line gives them.
@@ -138,6 +144,7 @@ class Door:
             self.turns.append(tenant_id)
         tenant.add(line_key, waiter)
         timer = loop.call_later(self.wait_max_s, _give_up, waiter)
+        door_waiting_observe(1)
         try:
             handed = await waiter
         except asyncio.CancelledError:
@@ -148,6 +155,7 @@ class Door:
             raise
         finally:
             timer.cancel()
+            door_waiting_observe(-1)
         return Turn(self, handed)
 
     def _hand_on(self) -> None:
@@ -169,6 +177,7 @@ class Door:
 def _give_up(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(False)  # goes on without a turn; its place is skipped
+        door_waited_out_observe()
 
 
 _doors: dict[asyncio.AbstractEventLoop, Door] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import prometheus_client
 import pytest
 
 from gateway.core.lanes import queue_for_lane
@@ -130,6 +131,44 @@ def test_a_request_waits_at_most_its_bound_then_goes_on_without_a_turn():
     assert not late.held
     assert inside_then == 1
     assert door.inside == 0 and not door.tenants
+
+
+def _metric(name: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_the_metrics_count_who_waits_at_the_door_and_who_waited_it_out():
+    waiting_before = _metric("sluice_web_door_waiting")
+    waited_out_before = _metric("sluice_web_door_waited_out_total")
+
+    def waiting() -> float:
+        return _metric("sluice_web_door_waiting") - waiting_before
+
+    async def main():
+        door = Door(at_once=1, wait_max_s=0.2)
+        holder = await door.enter((A, 1))  # a free turn: nothing recorded
+        seen = {"free turn": waiting()}
+        served, cancelled, late = (asyncio.create_task(door.enter(caller)) for caller in ((B, 1), (A, 2), (A, 3)))
+        await asyncio.sleep(0)
+        seen["three waiting"] = waiting()
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        seen["one cancelled"] = waiting()
+        holder.leave()
+        turn = await served  # B keeps its turn past A 3's bound
+        seen["one served"] = waiting()
+        late_turn = await late
+        seen["none"] = waiting()
+        turn.leave()
+        late_turn.leave()
+        return seen, late_turn, door
+
+    seen, late_turn, door = run(main())
+    assert seen == {"free turn": 0, "three waiting": 3, "one cancelled": 2, "one served": 1, "none": 0}
+    # A 3 waited its bound and went on without a turn, counted once; the cancelled one is not
+    assert not late_turn.held
+    assert _metric("sluice_web_door_waited_out_total") - waited_out_before == 1
+    assert door.inside == 0
 
 
 # -- through the /v1 app ---------------------------------------------------------
