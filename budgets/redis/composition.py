@@ -244,8 +244,10 @@ def _composed_script(scripts: tuple[LuaScript, ...]) -> LuaScript:
     names = tuple(script.name for script in scripts)
     composed = _composed.get(names)
     if composed is None:
-        parts = [f"local function step_{i}(KEYS, ARGV)\n{script.source}\nend\n" for i, script in enumerate(scripts)]
-        steps = ", ".join(f"step_{i}" for i in range(len(scripts)))
+        # A script called by several steps is one function, called by each.
+        unique = list(dict.fromkeys(scripts))
+        parts = [f"local function step_{i}(KEYS, ARGV)\n{script.source}\nend\n" for i, script in enumerate(unique)]
+        steps = ", ".join(f"step_{unique.index(script)}" for script in scripts)
         composed = LuaScript.of_source("+".join(names),
                                        "".join(parts) + f"local STEPS = {{{steps}}}\n" + _COMPOSE_TAIL)
         _composed[names] = composed

@@ -30,12 +30,13 @@ from gateway.core.errors import queue_timeout, worker_lost
 from gateway.core.log_context import log_annotate
 from gateway.core.metrics import departure_record
 from gateway.core.observability import settlement_report
-from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, REQUEUE, RUNNING, WATCH, Claim, Outcome, RequestRecord,
-                                  claim_call, heartbeat_holder, ledger_entry)
+from gateway.core.request.records import (EXPIRED, FINISH, GAVE_UP, LOST, PUBLISHED, REQUEUE, RUNNING, Claim, Outcome,
+                                          RequestRecord, ledger_entry)
 from gateway.core.request.settlement import request_refund_async
 from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.request.takeover import request_take_over
 from gateway.web.admission_turns import turn_leave
+from gateway.web.claim_looks import claim_look
 from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe
 
 logger = logging.getLogger(__name__)
@@ -137,12 +138,10 @@ class _StreamFirstWait:
             return Outcome(status=STREAMING, streamed=True, pool=self.pool_slug)
         if reply:  # the end marker: the outcome was published before it
             return await _wait_outcome(self.result_key, timeout_s)
-        try:
-            # Taken over by this process (finished, or lost): published, no marker needed.
-            raw = await blocking.lpop(self.result_key)
-        except REDIS_UNAVAILABLE as exc:
-            raise _result_unavailable(exc) from exc
-        return Outcome.from_json(raw) if raw else None
+        # Nothing yet. An outcome whose end marker never came (a finish
+        # stopped between its publish and the marker) is popped once the
+        # claim between waits says it was published (_await_outcome).
+        return None
 
 
 def _stream_cancel_quietly(record: RequestRecord) -> None:
@@ -162,9 +161,7 @@ def _result_unavailable(exc: BaseException) -> Rejected:
 
 async def _claim(record: RequestRecord) -> Claim:
     try:
-        # On the blocking client, as the wait it punctuates: a Redis that
-        # hangs a few seconds delays the answer instead of failing it.
-        return await claim_call(WATCH, record, holder=heartbeat_holder("web")).run_async(get_async_redis(blocking=True))
+        return await claim_look(record)  # with this turn's other looks (gateway/web/claim_looks.py)
     except BudgetUnavailable as exc:
         raise _result_unavailable(exc) from exc
 
@@ -204,6 +201,12 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord,
             return outcome
         claim = await _claim(record)
         now_ms = claim.now_ms
+        if claim.verdict == PUBLISHED:
+            # A stream's wait watches its stream, not the result list: an
+            # outcome published without its end marker is taken here.
+            outcome = await _wait_outcome(result_key, 0.01)
+            if outcome is not None:
+                return outcome
         if claim.verdict == GAVE_UP:
             if claim.changed:
                 # We own the refund: the worker will drop the task unrun.

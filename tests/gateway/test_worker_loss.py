@@ -7,7 +7,9 @@ worker settles and publishes nothing a second time."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import socket
 import time
@@ -21,11 +23,12 @@ from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from gateway.core.request.finish import request_finish
 from gateway.core.request.records import (FINISH, LOST, QUEUED, REAP, REQUEUE, RUNNING, SUPERSEDED, WATCH, WORKER, Outcome,
-                                  RequestRecord, claim_call)
+                                  RequestRecord, claim_call, publish_call)
 from gateway.core.request.takeover import lost_requests_reap, request_take_over
 from gateway.worker.execution import _answer_keep_settled, request_execute
 from gateway.worker.heartbeat import Heartbeats
-from tests.gateway.stored import HELLO, admitted
+from gateway.web.dispatch import _await_outcome, _StreamFirstWait
+from tests.gateway.stored import HELLO, RedisMonitor, admitted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -323,3 +326,48 @@ def test_a_worker_killed_under_load_is_noticed_and_every_caller_answered_within_
     charged = sum(r.actual_input_tokens + r.actual_output_tokens for r in rows)
     assert counters(redis_client, pool.id)[f"{caller.workload.id}.debited_tok"] == charged
     assert redis_client.zcard(keys.pool_leases(pool.id)) == 0
+
+
+# -- a stream's wait for its first chunk -------------------------------------------
+
+
+def test_a_stream_waiting_for_its_first_chunk_costs_one_claim_a_look_and_takes_an_outcome_without_its_marker(
+        make_caller, redis_client, settings):
+    # given a streamed request nobody runs yet, watched every 0.2 s
+    settings.SLUICE_HEARTBEAT_INTERVAL_S = 0.2
+    caller = make_caller()
+    record = dataclasses.replace(admitted(redis_client, caller, "req_no_marker"), stream=True)
+    result_key = gateway_keys.request_result(record.request_id)
+    outcome = Outcome(status="ok", body={"id": "chatcmpl-1"}, input_tokens=12, output_tokens=7, attempts=1,
+                      streamed=True)
+
+    async def waited() -> tuple[Outcome, float]:
+        first = _StreamFirstWait(record)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # then, after three looks, its outcome is published without the
+        # stream's end marker (a finish stopped between the two)
+        loop.call_later(0.7, lambda: publish_call(record, outcome).run())
+        try:
+            # the context is read only when the wait gives up at its deadline (10 s away)
+            got = await asyncio.wait_for(_await_outcome(None, record, wait=first), 5)
+        finally:
+            first.close()
+        return got, loop.time() - started
+
+    monitor = RedisMonitor(redis_client)
+    try:
+        got, waited_s = asyncio.run(waited())
+    finally:
+        commands = monitor.stop()
+
+    # then the next look finds it published and takes it: the caller is answered
+    assert (got.status, got.output_tokens, got.body) == ("ok", 7, {"id": "chatcmpl-1"})
+    assert 0.7 <= waited_s < 1.5
+    assert redis_client.llen(result_key) == 0
+    # and each look before it was one claim, with no read of the result list between
+    own = [text for kind, text in commands if kind != "lua" and record.request_id in text]
+    pops = [text for text in own if text.upper().startswith(("LPOP", "BLPOP"))]
+    claims = [text for text in own if text.upper().startswith("EVALSHA")]
+    assert len(pops) == 1
+    assert 4 <= len(claims) <= 6
