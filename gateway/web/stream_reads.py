@@ -142,23 +142,29 @@ class _Reader:
             if self.client is None:
                 self.client = async_reader_client(name=self.name)
             while self.subs:
-                streams = {self.wake_key: self.wake_id}
+                names, ids = [self.wake_key], [self.wake_id]
                 for key, sub in self.subs.items():
                     if len(sub.entries) < STREAM_READ_BATCH:
-                        streams[key] = sub.last_id
+                        names.append(key)
+                        ids.append(sub.last_id)
                 self.woken = False
                 self.reading = True
                 try:
-                    reply = await self.client.xread(streams, count=STREAM_READ_BATCH, block=READ_BLOCK_MS)
+                    # Sent as it is (budgets/redis/composition.py Commands): a
+                    # read naming a thousand streams is packed in one call,
+                    # not argument by argument through redis-py's xread.
+                    (reply,) = await Commands().command(
+                        "XREAD", "COUNT", STREAM_READ_BATCH, "BLOCK", READ_BLOCK_MS, "STREAMS", *names, *ids,
+                    ).run_async(self.client)
                 finally:
                     self.reading = False
-                for key, entries in reply or ():
+                for key, entries in _streams_read(reply):
                     if key == self.wake_key:
                         self.wake_id = entries[-1][0]
                         continue
                     sub = self.subs.get(key)
                     if sub is not None and entries:
-                        sub._hand(entries)
+                        sub._hand([(entry_id, _fields(fields)) for entry_id, fields in entries])
         except (Exception, asyncio.CancelledError) as exc:
             if not isinstance(exc, REDIS_UNAVAILABLE):
                 logger.exception("the web process's shared stream read failed")
@@ -173,6 +179,21 @@ class _Reader:
                 raise
         finally:
             self.task = None
+
+
+def _streams_read(reply) -> list:
+    """XREAD's reply as (stream, entries) pairs: a map under RESP3, a list
+    of pairs under RESP2, nothing when the read timed out."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else reply
+
+
+def _fields(fields) -> dict:
+    """An entry's fields, flat as Redis sends them, as a dict."""
+    if isinstance(fields, dict):
+        return fields
+    return dict(zip(fields[::2], fields[1::2])) if fields else {}
 
 
 async def _close_quietly(client) -> None:

@@ -135,3 +135,26 @@ def test_a_lost_connection_fails_every_subscriber_and_the_next_read_starts_afres
         fresh.close()
 
     _run(main())
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_read_hands_the_same_entries_whatever_protocol_its_connection_speaks(redis_client, settings, monkeypatch,
+                                                                               protocol):
+    # given a reader whose connection speaks RESP2 or RESP3 (XREAD answers a
+    # list of pairs in one, a map in the other)
+    import redis.asyncio as aioredis
+
+    monkeypatch.setattr(stream_reads, "async_reader_client", lambda *, name: aioredis.Redis.from_url(
+        settings.REDIS_URL, protocol=protocol, decode_responses=True, client_name=name))
+
+    async def main():
+        subs = [stream_subscribe(keys.request_stream(f"req_resp{protocol}_{i}")) for i in range(3)]
+        for i in range(3):
+            await _append(f"req_resp{protocol}_{i}", [f"{i}:a", f"{i}:b"])
+        got = [await _read_all(sub, 2) for sub in subs]
+        for sub in subs:
+            sub.close()
+        return got
+
+    # then each stream's entries come as (id, fields) with its own chunks, in order
+    assert _run(main()) == [[f"{i}:a", f"{i}:b"] for i in range(3)]
