@@ -78,13 +78,15 @@ class StreamSub:
         ``timeout_s`` for one; [] when none came. A failed shared read
         raises its error."""
         if not self.entries and self.error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            # A plain timer that ends the wait, not asyncio.timeout's
+            # cancellation: a relayed stream waits once per batch it relays.
+            timer = loop.call_later(timeout_s, _wait_over, waiter)
             try:
-                async with asyncio.timeout(timeout_s):
-                    await self._waiter
-            except TimeoutError:
-                pass
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
         if self.error is not None:
             raise self.error
@@ -95,6 +97,11 @@ class StreamSub:
 
     def close(self) -> None:
         self._reader.unsubscribe(self)
+
+
+def _wait_over(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _Reader:
