@@ -13,9 +13,8 @@ import pytest
 from budgets.errors import BudgetUnavailable
 from budgets.redis.clients import reset_clients
 from gateway.core import keys as gateway_keys
-from gateway.core.request.records import (PUBLISHED, QUEUED, REQUEUE, RUNNING, WATCH, WORKER, Outcome, claim_call,
+from gateway.core.request.records import (CLAIM, PUBLISHED, QUEUED, REQUEUE, RUNNING, WATCH, WORKER, Outcome, claim_call,
                                           publish_call)
-from gateway.core.request.records import CLAIM
 from gateway.web import claim_looks
 from gateway.web.claim_looks import claim_look
 from tests.gateway.stored import RedisMonitor, admitted
