@@ -28,6 +28,7 @@ from gateway.web.admission_turns import admission_turns  # noqa: E402
 from django.conf import settings  # noqa: E402
 from gateway.web.body_limit import MULTIPART_ROOM, body_limit, body_limit_streamed  # noqa: E402
 from gateway.web.edge import api_answered, as_openai_error  # noqa: E402
+from gateway.web.loop_lag import loop_lag_watch  # noqa: E402
 from llm_platform.api_input import api_too_large_body  # noqa: E402
 from llm_platform.gc_tuning import gc_tune  # noqa: E402
 
@@ -59,6 +60,8 @@ management_application = body_limit(django_application, refusal=api_too_large_bo
 
 
 async def application(scope, receive, send):
+    if scope["type"] == "http" and scope["path"].startswith(API_PREFIXES):
+        loop_lag_watch()  # the loop's turns on /metrics (gateway/web/loop_lag.py)
     if scope["type"] == "http" and scope["path"] == FILES_PATH and scope.get("method") == "POST":
         return await files_application(scope, receive, send)
     if scope["type"] == "http" and scope["path"] in ADMITTING_PATHS and scope.get("method") == "POST":

@@ -72,6 +72,14 @@ DOOR_WAITING = Gauge("sluice_web_door_waiting", "Requests waiting at the web pro
 DOOR_WAITED_OUT = Counter("sluice_web_door_waited_out", "Requests that waited at the door for their whole bound "
                           "(SLUICE_REDIS_BUSY_WAIT_S) and went on without a turn.")
 
+# How late a timer fires on a web process's event loop, sampled twice a
+# second (gateway/web/loop_lag.py): what every step of every request waits
+# for when the loop is busy.
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+WEB_LOOP_LAG = Histogram("sluice_web_loop_lag_seconds", "How late a timer fired on the web processes' event "
+                         "loops (sampled every 0.5 s): how long a turn of the loop takes.",
+                         buckets=LOOP_LAG_BUCKETS)
+
 # Every lane's histograms exist from the start (zero counts), so a quiet lane
 # reads 0 instead of "no data" and rate() has a starting point.
 for _lane in LANE_NAMES:
@@ -143,6 +151,11 @@ def door_waiting_observe(change: int) -> None:
 @_never_raises
 def door_waited_out_observe() -> None:
     DOOR_WAITED_OUT.inc()
+
+
+@_never_raises
+def web_loop_lag_observe(seconds: float) -> None:
+    WEB_LOOP_LAG.observe(seconds)
 
 
 @_never_raises
