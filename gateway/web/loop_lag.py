@@ -4,8 +4,8 @@ turns, on ``/metrics`` (``sluice_web_loop_lag_seconds``).
 A web process reads, admits and relays every /v1 request on one event
 loop, and each await of a request waits for one turn of it: the steps of
 every other request ready by then. Under a burst of relayed streams a turn
-can last tens of milliseconds, and a refusal that needs three turns answers
-in a hundred (docs/architecture.md, request path step 1). The request's own
+can last tens of milliseconds, and a refusal needs about three of them
+(docs/architecture.md, request path step 1). The request's own
 CPU time says nothing of that wait; this does.
 
 Every ``INTERVAL_S`` a timer falls due; when it runs, how late it is goes to

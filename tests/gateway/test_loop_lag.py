@@ -45,15 +45,21 @@ def test_a_turn_that_holds_the_loop_is_one_late_timer(monkeypatch):
 
 
 @pytest.mark.django_db
-def test_the_watch_starts_with_the_loops_first_v1_request():
+def test_the_watch_starts_with_the_loops_first_v1_request(monkeypatch):
     from llm_platform.asgi import application
 
-    async def main():
-        loop = asyncio.get_running_loop()
-        before = loop in loop_lag._watched
-        sent = await asgi_call(application, get_scope("/v1/models"))
-        return before, loop in loop_lag._watched, sent[0]["status"]
+    monkeypatch.setattr(loop_lag, "INTERVAL_S", 0.05)
 
-    before, after, status = asyncio.run(main())
-    assert (before, after) == (False, True)
+    async def main():
+        count_before = _count()
+        await asyncio.sleep(0.2)  # a new loop, no /v1 request yet: not watched
+        unwatched = _count() - count_before
+        sent = await asgi_call(application, get_scope("/v1/models"))
+        count_after_request = _count()
+        await asyncio.sleep(0.2)
+        return unwatched, _count() - count_after_request, sent[0]["status"]
+
+    unwatched, watched, status = asyncio.run(main())
+    assert unwatched == 0
+    assert watched >= 2
     assert status == 401  # no key: answered, and the loop watched all the same
