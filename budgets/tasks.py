@@ -58,7 +58,8 @@ def deliver_alert(notification_id: int, channel: str, attempt: int = 1) -> str:
 
 @shared_task(name="budgets.release_alert_retries", ignore_result=True)
 def release_alert_retries() -> int:
-    """Enqueue alert attempts whose backoff is over."""
+    """Enqueue alert attempts whose backoff is over. The pacer does this at
+    each step (gateway/worker/pacer.py); the task is kept for a run by hand."""
     return alert_retries_release()
 
 

@@ -85,16 +85,15 @@ app.conf.update(
         # API keys' last_used_at, in one batch (gateway/core/key_usage.py).
         "flush-key-last-used": {"task": "gateway.flush_key_last_used",
                                 "schedule": settings.SLUICE_KEY_LAST_USED_FLUSH_S},
-        # Jobs whose worker was lost mid-call (a waiting web process takes
-        # over its own synchronous calls within seconds).
-        "take-over-lost-requests": {"task": "gateway.take_over_lost_requests", "schedule": 5.0},
+        # Requests of lost workers and due alert retries are the pacer's
+        # (gateway/worker/pacer.py); gateway/migrations/0006 removed their
+        # old entries from beat's table.
         # Read models and guardrails of the web UI (budgets.periodic_tasks).
         "flush-rejections": {"task": "budgets.flush_rejections", "schedule": 15.0},
         "rollup-daily-usage": {"task": "budgets.rollup_daily_usage", "schedule": 60.0},
         "reconcile-spend": {"task": "budgets.reconcile_spend", "schedule": 60.0},
         "expire-budget-requests": {"task": "budgets.expire_budget_requests", "schedule": 300.0},
-        # Alerts (budgets/services/alerts.py): retries whose backoff is over, and spikes.
-        "release-alert-retries": {"task": "budgets.release_alert_retries", "schedule": 5.0},
+        # Alerts (budgets/services/alerts.py): rejection spikes.
         "check-rejection-spikes": {"task": "budgets.check_rejection_spikes", "schedule": 60.0},
     },
     timezone="UTC",

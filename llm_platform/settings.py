@@ -200,6 +200,10 @@ if SLUICE_HEARTBEAT_TTL_S < 2 * SLUICE_HEARTBEAT_INTERVAL_S:
 # How long a request taken from a lost worker may wait in its lane for a live
 # one before its caller gets a 503 (never past the request's retry deadline).
 SLUICE_REDELIVERY_WAIT_S = env_float("SLUICE_REDELIVERY_WAIT_S", 5.0)
+# How often each pacer sweeps the lanes for requests of lost workers that no
+# web process watches (jobs, or a web host lost too; gateway/worker/pacer.py).
+# 0: this host's pacers do not sweep (tests that take requests over themselves).
+SLUICE_TAKEOVER_SWEEP_S = env_float("SLUICE_TAKEOVER_SWEEP_S", 5.0)
 
 # --- gateway ----------------------------------------------------------------------
 # Requests whose estimate (prompt + max_tokens) is at least this go to

@@ -157,6 +157,9 @@ def platform(django_db_setup, django_db_blocker, redis_client):
         # simulator: probing them would shut them (503 pool_unavailable) under
         # tests that never call them. The probe tests start their own pacer.
         "SLUICE_POOL_PROBE_INTERVAL_S": "0",
+        # Requests of lost workers are taken over by the tests that lose them
+        # (tests/gateway/test_worker_loss.py), never first by the session's pacer.
+        "SLUICE_TAKEOVER_SWEEP_S": "0",
         # Health details for the tests that read them (gateway/web/health.py).
         "SLUICE_HEALTH_TOKEN": HEALTH_TOKEN,
         # The Batch API's files: one directory the web process and the workers share.

@@ -41,3 +41,35 @@ def test_beat_reads_the_schedule_change_stamp_at_most_every_change_check_and_see
     assert scheduler.schedule_changed() is True
     clock[0] += beat.CHANGE_CHECK_S
     assert scheduler.schedule_changed() is False
+
+
+def test_the_entries_the_pacer_took_over_leave_beats_table_and_the_rest_stay():
+    # given an install upgraded from a beat_schedule that still had the two
+    # entries (django-celery-beat copied them into its table and never deletes
+    # a row), beside an entry beat still sends
+    from importlib import import_module
+
+    from django.apps import apps
+    from django_celery_beat.models import PeriodicTasks
+
+    moved = import_module("gateway.migrations.0006_beat_entries_to_pacer")
+    every = IntervalSchedule.objects.create(every=5, period=IntervalSchedule.SECONDS)
+    for name, task in moved.MOVED.items():
+        PeriodicTask.objects.update_or_create(name=name, defaults={"task": task, "interval": every})
+    PeriodicTask.objects.update_or_create(name="reap-leases", defaults={"task": "gateway.reap_leases",
+                                                                        "interval": every})
+    stamp = PeriodicTasks.last_change()
+    # when the migration runs
+    moved.forwards(apps, None)
+    # then the pacer's two are gone, the other stays, and a running beat's
+    # change check sees the schedule moved
+    names = set(PeriodicTask.objects.values_list("name", flat=True))
+    assert not names & set(moved.MOVED) and "reap-leases" in names
+    assert PeriodicTasks.last_change() > stamp
+    # and beat_schedule does not put them back at beat's next start, while
+    # their tasks stay registered for a run by hand
+    assert not set(moved.MOVED) & set(app.conf.beat_schedule)
+    import budgets.tasks  # noqa: F401 (registers its tasks)
+    import gateway.worker.tasks  # noqa: F401
+
+    assert set(moved.MOVED.values()) <= set(app.tasks)

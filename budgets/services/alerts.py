@@ -5,8 +5,11 @@ as a signed JSON POST to the tenant's webhook, from the housekeeping lane.
 Every attempt is one AlertDelivery row, written after it (the delivery log the
 alerts page shows); an attempt that failed parks the next one in a Redis
 sorted set keyed by when it is due (never a Celery countdown: with the Redis
-broker a task held past visibility_timeout is delivered twice) and a beat
-task enqueues due ones. Attempts, backoff and the webhook URL guard are the
+broker a task held past visibility_timeout is delivered twice) and the
+pacer (gateway/worker/pacer.py) enqueues due ones. It reads the set's head
+before each of its waits, which last at most a second, so a parked attempt
+needs no wake-up: it leaves at its time, or within a second of being parked
+when due sooner. Attempts, backoff and the webhook URL guard are the
 job callbacks' (tenants.outbound): https only unless allowed, public hosts
 only, checked again and pinned at each attempt. At least once: a receiver
 dedupes on the ``id`` and X-Sluice-Attempt.
@@ -178,14 +181,16 @@ def alert_retry_schedule(*, notification_id: int, channel: str, attempt: int, de
     return due_ms
 
 
-def alert_retries_release(*, limit: int = 100) -> int:
-    """Beat's step: enqueue every due attempt (ZREM is the claim, so two
-    beats send each once); returns how many."""
+def alert_retries_release(*, now_ms: float | None = None, limit: int = 100) -> int:
+    """The pacer's step for alerts (gateway/worker/pacer.py): enqueue every
+    attempt due by ``now_ms`` (Redis's clock; now when not given). ZREM is
+    the claim, so several pacers send each once; returns how many."""
     def send(member: str) -> None:
         notification_id, channel, attempt = member.split(":")
         _send(int(notification_id), channel, int(attempt))
 
-    return parked_release(key=keys.ALERT_RETRIES, now_ms=redis_now_ms(), send=send, what="alert", limit=limit)
+    now_ms = redis_now_ms() if now_ms is None else now_ms
+    return parked_release(key=keys.ALERT_RETRIES, now_ms=now_ms, send=send, what="alert", limit=limit)
 
 
 def _email(notification: Notification, recipients: list[str]) -> None:

@@ -1,13 +1,22 @@
 """The pacer: moves due jobs from the delayed sorted set onto their lanes,
-due job-callback retries onto the housekeeping lane, and requests held
+due job-callback and alert retries onto the housekeeping lane, requests held
 through an outage onto their lanes as the provider makes room for them
-(gateway/core/protection/held.py).
+(gateway/core/protection/held.py), and, every SLUICE_TAKEOVER_SWEEP_S, the
+requests of lost workers that no web process watches back onto theirs
+(gateway/core/request/takeover.py).
+
+Every one of these puts work back on a lane, and each look is a round trip
+or two of Redis when there is nothing to do: here it rides on a loop that
+runs anyway, where a beat entry would cost a task sent, picked up, traced
+and acknowledged per look.
 
 It does not poll. Between steps it waits in Redis (BLPOP on the wake-up key,
-gateway/core/pacer_wake.py) until the earliest delayed job or callback retry
-is due, never longer than WAIT_MAX_S; whoever parks work pushes a wake-up in
-the same round trip, so work due sooner than that is released at once, and
-a lost wake-up costs at most WAIT_MAX_S. While any pool has held requests
+gateway/core/pacer_wake.py) until the earliest delayed job, callback or
+alert retry is due, never longer than WAIT_MAX_S; whoever parks a job or a
+callback retry pushes a wake-up in the same round trip, so work due sooner
+than that is released at once, and a lost wake-up costs at most WAIT_MAX_S.
+An alert retry pushes none (budgets may not import the wake-up key, and its
+backoff is seconds): it leaves within WAIT_MAX_S of being parked at worst. While any pool has held requests
 it steps every HELD_EVERY_S instead, without listening: their release
 follows the provider's room, which nobody announces, and an outage's
 admissions would each wake it.
@@ -34,8 +43,11 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import close_old_connections
 
+from budgets.admission.keys import ALERT_RETRIES
+from budgets.models import InferencePool
 from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
+from budgets.services.alerts import alert_retries_release
 
 from gateway.core import keys
 from gateway.core.batches.lifecycle import FEED_EVERY_S, batches_step
@@ -43,6 +55,7 @@ from gateway.core.jobs.callbacks import callback_retries_release
 from gateway.core.request.enqueue import lane_publish
 from gateway.core.protection.held import held_release_call, mark_text
 from gateway.core.jobs.lifecycle import job_release
+from gateway.core.request.takeover import lost_requests_reap
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +85,15 @@ _batches_active = False
 BATCHES_IDLE_LOOK_S = 10.0
 _batches_look_next = 0.0
 _woken = False
+# When the next sweep for lost workers' requests is due (monotonic clock).
+_takeover_next = 0.0
 
 
 def pacer_step() -> int:
-    """Release every job and callback retry due now, and feed running
-    batches their next lines; returns how many this pacer released."""
+    """Release every job, callback and alert retry due now, feed running
+    batches their next lines, and take over lost workers' requests when the
+    sweep is due; returns how many jobs, retries and held requests this
+    pacer released."""
     global _batches_active
     client = get_redis()
     now_ms = redis_now_ms(client)
@@ -91,10 +108,35 @@ def pacer_step() -> int:
                 # Put it back a second later rather than lose it.
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
-    released += callback_retries_release(now_ms=now_ms) + _held_step_due(client)
+    released += (callback_retries_release(now_ms=now_ms) + alert_retries_release(now_ms=now_ms)
+                 + _held_step_due(client))
     if _batches_look_due():
         _batches_active = batches_step() > 0
+    _takeover_step_due()
     return released
+
+
+def _takeover_step_due() -> int:
+    """Ask gateway/core/request/claim.lua about the started requests of
+    every pool's lanes, at most every SLUICE_TAKEOVER_SWEEP_S (0: never), and
+    take over those whose worker is lost: jobs, and calls whose web process
+    is gone too (a waiting web process asks about its own each second). A
+    heartbeat lives SLUICE_HEARTBEAT_TTL_S, so such a request moves within
+    that, the sweep's period and one wait. Several pacers may sweep: the
+    script moves each request once. Returns how many moved. A failure (the
+    database or Redis away) is logged and waits for the next sweep: the
+    releases of the step do not wait on it."""
+    global _takeover_next
+    every = settings.SLUICE_TAKEOVER_SWEEP_S
+    now = time.monotonic()
+    if every <= 0 or now < _takeover_next:
+        return 0
+    _takeover_next = now + every
+    try:
+        return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+    except Exception:
+        logger.warning("taking over lost workers' requests failed; the next sweep tries again", exc_info=True)
+        return 0
 
 
 def _batches_look_due() -> bool:
@@ -157,7 +199,7 @@ def _head_ms(reply) -> float | None:
 
 
 def pacer_wait(client=None) -> PacerWait:
-    """Until the earliest delayed job or callback retry is due (at most
+    """Until the earliest delayed job, callback or alert retry is due (at most
     WAIT_MAX_S; at most until the next held step while pools hold requests).
     Takes the wake-ups pushed so far in the same round trip as it reads the
     heads: work they announced is in what it reads, and work parked after it
@@ -165,15 +207,16 @@ def pacer_wait(client=None) -> PacerWait:
     global _woken
     client = client or get_redis()
     now_ms = redis_now_ms(client)
-    woken, delayed, retries, held_pools = (
+    woken, delayed, retries, alerts, held_pools = (
         Commands()
         .command("DEL", keys.PACER_WAKE)
         .command("ZRANGE", keys.DELAYED_JOBS, 0, 0, "WITHSCORES")
         .command("ZRANGE", keys.CALLBACK_RETRIES, 0, 0, "WITHSCORES")
+        .command("ZRANGE", ALERT_RETRIES, 0, 0, "WITHSCORES")
         .command("SCARD", keys.HELD_POOLS)
         .run(client))
     seconds = WAIT_MAX_S
-    for head_ms in (_head_ms(delayed), _head_ms(retries)):
+    for head_ms in (_head_ms(delayed), _head_ms(retries), _head_ms(alerts)):
         if head_ms is not None:
             seconds = min(seconds, (head_ms - now_ms) / 1000)
     held = int(held_pools) > 0

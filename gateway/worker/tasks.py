@@ -87,7 +87,9 @@ def reap_leases() -> int:
 @shared_task(name="gateway.take_over_lost_requests", ignore_result=True)
 def take_over_lost_requests() -> int:
     """Requests of lost workers that no web process watches (jobs, or a web
-    host lost too): the waiting web process handles its own each second."""
+    host lost too): the waiting web process handles its own each second.
+    The pacer sweeps every 5 s (gateway/worker/pacer.py); the task is kept
+    for a run by hand."""
     return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
 
 

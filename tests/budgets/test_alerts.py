@@ -73,11 +73,14 @@ def test_bad_recipients_and_events_are_refused(world):
 
 @pytest.mark.django_db(transaction=True)
 def test_an_alert_is_mailed_and_posted_signed_and_a_failing_webhook_is_retried(world, private_receivers,
-                                                                              redis_client, monkeypatch):
+                                                                              redis_of_its_own, monkeypatch):
     # The attempts this test makes itself, in order: what would go to the
     # broker is recorded instead, so a housekeeping worker left running by an
-    # earlier test (the session's platform) cannot make them first. The
-    # broker's side is test_alerts_go_out_from_the_housekeeping_worker's.
+    # earlier test (the session's platform) cannot make them first, and the
+    # retry is parked in a Redis database of the test's own, so the session's
+    # pacer cannot release it first. The broker's side is
+    # test_alerts_go_out_from_the_housekeeping_worker's.
+    redis_client = redis_of_its_own
     enqueued: list[tuple[int, str, int]] = []
     monkeypatch.setattr(alerts_service, "_send", lambda *attempt: enqueued.append(attempt))
     with CallbackReceiver(statuses=[500, 204]) as receiver:
@@ -98,7 +101,7 @@ def test_an_alert_is_mailed_and_posted_signed_and_a_failing_webhook_is_retried(w
         assert (first.status_code, first.delivered, first.error) == (500, False, "HTTP 500")
         assert first.next_attempt_at is not None
         assert redis_client.zrange(keys.ALERT_RETRIES, 0, -1) == [f"{notification.id}:webhook:2"]
-        # once due, beat's release takes it off the set (and enqueues it)
+        # once due, the pacer's release takes it off the set (and enqueues it)
         deadline = time.monotonic() + 5
         while alert_retries_release() == 0:
             assert time.monotonic() < deadline

@@ -13,7 +13,8 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from budgets.redis.clients import get_redis
+from budgets.admission.keys import ALERT_RETRIES
+from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.jobs.lifecycle import job_submit
@@ -101,6 +102,28 @@ def test_a_stop_asked_while_the_pacer_waits_ends_it_within_its_longest_wait(redi
     # then it ends without waking anyone (generous bound: WAIT_MAX_S plus a step on a slow machine)
     thread.join(timeout=pacer.WAIT_MAX_S + 4)
     assert not thread.is_alive()
+
+
+def test_an_alert_retry_parked_while_the_pacer_waits_leaves_at_its_time_not_before(
+        redis_of_its_own, running_pacer, monkeypatch):
+    # given a running pacer, and alert attempts recorded with Redis's clock
+    # when they go to the broker
+    from budgets.services import alerts
+
+    sent: list[tuple[tuple, float]] = []
+    monkeypatch.setattr(alerts, "_send", lambda *attempt: sent.append((attempt, redis_now_ms())))
+    running_pacer()
+    wait_until(lambda: pacer_waiting_in_blpop(redis_of_its_own), "the pacer to wait in BLPOP", 10)
+    # when a failed webhook parks its next attempt 1.5 s out (no wake-up: budgets pushes none)
+    due_ms = alerts.alert_retry_schedule(notification_id=41, channel="webhook", attempt=2, delay_s=1.5)
+    assert redis_of_its_own.llen(keys.PACER_WAKE) == 0
+    # then the pacer sends it once it is due, not before, and within its
+    # longest wait after (generous bound for a loaded machine)
+    wait_until(lambda: sent, "the alert retry's release", 10)
+    (attempt, sent_ms), = sent
+    assert attempt == (41, "webhook", 2)
+    assert due_ms <= sent_ms <= due_ms + (pacer.WAIT_MAX_S + 1.5) * 1000
+    assert redis_of_its_own.zcard(ALERT_RETRIES) == 0
 
 
 def batch_reads(queries) -> int:

@@ -190,6 +190,51 @@ def test_the_reaper_takes_over_what_no_web_process_watches(platform, make_caller
 
 
 @pytest.mark.redis_cluster
+def test_the_pacer_takes_over_what_no_web_process_watches_once_its_sweep_is_due(
+        platform, make_caller, redis_client, settings, monkeypatch):
+    # given two requests whose worker died, watched by no web process, and a
+    # pacer stepping in this process (the session's own pacers do not sweep)
+    from gateway.worker import pacer
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool)
+    platform.sim_reset()
+    swept, unswept = (admitted(redis_client, caller, request_id, output_tokens=5)
+                      for request_id in ("req_swept", "req_unswept"))
+    started_by_a_worker_that_dies(redis_client, swept)
+    settings.SLUICE_TAKEOVER_SWEEP_S = 5.0
+
+    def owner(record) -> str:
+        return redis_client.get(gateway_keys.request_owner(record.request_id))
+
+    # when the pacer steps before its sweep is due
+    monkeypatch.setattr(pacer, "_takeover_next", time.monotonic() + 60)
+    pacer.pacer_step()
+    # then the request stays with its lost worker
+    assert owner(swept) == "worker:0"
+    # when the sweep comes due and the pacer steps twice
+    monkeypatch.setattr(pacer, "_takeover_next", 0.0)
+    pacer.pacer_step()
+    pacer.pacer_step()
+    # then it was put back on its lane as delivery 1, once: a live worker of
+    # its lane runs it and it settles once
+    assert owner(swept).startswith("queued:1:") or owner(swept) == "worker:1"
+    deadline = time.monotonic() + 30
+    while not UsageRecord.objects.filter(request_id="req_swept").exists():
+        assert time.monotonic() < deadline, "the request was not run again"
+        time.sleep(0.1)
+    row = UsageRecord.objects.get(request_id="req_swept")
+    assert (row.status, row.actual_output_tokens) == ("ok", 5)
+    assert platform.sim_stats()["requests_total"] == 1
+    # and with the sweep off (0), a due pacer step leaves a lost request alone
+    started_by_a_worker_that_dies(redis_client, unswept)
+    settings.SLUICE_TAKEOVER_SWEEP_S = 0
+    monkeypatch.setattr(pacer, "_takeover_next", 0.0)
+    pacer.pacer_step()
+    assert owner(unswept) == "worker:0"
+
+
+@pytest.mark.redis_cluster
 def test_a_worker_lost_between_its_answers_publish_and_its_ledger_row_is_finished_by_the_reaper(
         make_caller, redis_client):
     # given a worker that stored, settled and published its own answer in one
