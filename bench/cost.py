@@ -237,7 +237,8 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
 
         # /proc counts CPU in ticks of 10 ms, per process: over 30 s each of the
         # nine processes' idle reads within about 0.3 ms per s of CPU, and the
-        # window holds six runs of beat's 5 s entries and three of its 10 s one.
+        # window holds six of the pacer's 5 s sweeps and three runs of beat's
+        # 10 s entry (its 60 s ones fall in or out: part of the spread).
         idle_s = 2.0 if quick else 30.0
         before = meter.read()
         time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
