@@ -50,6 +50,19 @@ def started_by_a_worker_that_dies(redis_client, record: RequestRecord) -> None:
     redis_client.delete(gateway_keys.request_heartbeat(record.request_id))
 
 
+def run_again_once(platform, request_id: str, *, output_tokens: int) -> UsageRecord:
+    """Wait for the ledger row of a request a live worker runs again after a
+    takeover; it settled ok, once, with one call at the pool. Returns the row."""
+    deadline = time.monotonic() + 30
+    while not UsageRecord.objects.filter(request_id=request_id).exists():
+        assert time.monotonic() < deadline, "the request was not run again"
+        time.sleep(0.1)
+    row = UsageRecord.objects.get(request_id=request_id)
+    assert (row.status, row.actual_output_tokens) == ("ok", output_tokens)
+    assert platform.sim_stats()["requests_total"] == 1
+    return row
+
+
 def wait_for_redis_clock(ms: float) -> None:
     deadline = time.monotonic() + 10
     while redis_now_ms() <= ms:
@@ -178,13 +191,7 @@ def test_the_reaper_takes_over_what_no_web_process_watches(platform, make_caller
     assert lost_requests_reap(pool_ids=[pool.id]) == 1
     assert lost_requests_reap(pool_ids=[pool.id]) == 0
     # then a live worker of its lane runs it (delivery 1) and it settles once
-    deadline = time.monotonic() + 30
-    while not UsageRecord.objects.filter(request_id="req_orphan").exists():
-        assert time.monotonic() < deadline, "the request was not run again"
-        time.sleep(0.1)
-    row = UsageRecord.objects.get(request_id="req_orphan")
-    assert (row.status, row.actual_output_tokens) == ("ok", 5)
-    assert platform.sim_stats()["requests_total"] == 1
+    row = run_again_once(platform, "req_orphan", output_tokens=5)
     assert counters(redis_client, pool.id)[f"{caller.workload.id}.debited_tok"] == \
         row.actual_input_tokens + row.actual_output_tokens
 
@@ -219,13 +226,7 @@ def test_the_pacer_takes_over_what_no_web_process_watches_once_its_sweep_is_due(
     # then it was put back on its lane as delivery 1, once: a live worker of
     # its lane runs it and it settles once
     assert owner(swept).startswith("queued:1:") or owner(swept) == "worker:1"
-    deadline = time.monotonic() + 30
-    while not UsageRecord.objects.filter(request_id="req_swept").exists():
-        assert time.monotonic() < deadline, "the request was not run again"
-        time.sleep(0.1)
-    row = UsageRecord.objects.get(request_id="req_swept")
-    assert (row.status, row.actual_output_tokens) == ("ok", 5)
-    assert platform.sim_stats()["requests_total"] == 1
+    run_again_once(platform, "req_swept", output_tokens=5)
     # and with the sweep off (0), a due pacer step leaves a lost request alone
     started_by_a_worker_that_dies(redis_client, unswept)
     settings.SLUICE_TAKEOVER_SWEEP_S = 0
