@@ -84,12 +84,21 @@ def paced_pool(request) -> Iterator[callable]:
 
 def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
     """A reader blocked on the request's stream, as the web process waits for
-    its first chunk; what its first read returned."""
+    its first chunk; what its first read returned (an error of the read is
+    raised by ``_joined``, not lost with its thread)."""
     got: list = []
+    client = get_redis(blocking=True)
+    # The connection is made here, before the reader's thread starts: on a
+    # loaded machine a connect inside it can take longer than the test's
+    # connect timeout, which is not what this test is about.
+    client.ping()
 
     def read() -> None:
-        reply = get_redis(blocking=True).xread({keys.request_stream(request_id): "0-0"}, block=10_000)
-        got.extend(reply[0][1] if reply else [])
+        try:
+            reply = client.xread({keys.request_stream(request_id): "0-0"}, block=10_000)
+            got.extend(reply[0][1] if reply else [])
+        except Exception as exc:
+            got.append(exc)
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -97,12 +106,21 @@ def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
     return reader, got
 
 
+def _joined(reader: threading.Thread, got: list) -> list:
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "the reader's first read did not end"
+    for item in got:
+        if isinstance(item, Exception):
+            raise item
+    return got
+
+
 def test_the_opening_chunk_reaches_the_reader_with_the_first_token(paced_pool, redis_client):
     request_id = "req_opening"
     reader, first = _first_read(redis_client, request_id)
     # when the pool sends its opening chunk, then its first token 0.3 s later
     outcome = stream_call(request_id, paced_pool(), "paced")
-    reader.join(timeout=10)
+    _joined(reader, first)
     # then the caller's first read has both: one relay, not one per chunk
     # (and whatever else came in the same read of the pool's socket: the
     # relay appends one batch per read)
@@ -132,7 +150,7 @@ def test_chunks_appended_together_wake_a_blocked_reader_once_with_all_of_them(re
     reader, first = _first_read(redis_client, request_id)
     cancelled = stream_append(redis_client, request_id=request_id, chunks=["a", "b", "c"], watch=True,
                               answer_if_lost='{"status": "worker_lost"}')
-    reader.join(timeout=10)
+    _joined(reader, first)
     assert not cancelled
     assert [fields[CHUNK_FIELD] for _, fields in first] == ["a", "b", "c"]
     # the stored answer went first, and the stream has its TTL
