@@ -16,10 +16,10 @@ alert retry is due, never longer than WAIT_MAX_S; whoever parks a job or a
 callback retry pushes a wake-up in the same round trip, so work due sooner
 than that is released at once, and a lost wake-up costs at most WAIT_MAX_S.
 An alert retry pushes none (budgets may not import the wake-up key, and its
-backoff is seconds): it leaves within WAIT_MAX_S of being parked at worst. While any pool has held requests
-it steps every HELD_EVERY_S instead, without listening: their release
-follows the provider's room, which nobody announces, and an outage's
-admissions would each wake it.
+backoff is seconds): it leaves within WAIT_MAX_S of being parked at worst.
+While any pool has held requests it steps every HELD_EVERY_S instead,
+without listening: their release follows the provider's room, which nobody
+announces, and an outage's admissions would each wake it.
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them; a wake-up wakes one of them, which is
@@ -44,7 +44,6 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from budgets.admission.keys import ALERT_RETRIES
-from budgets.models import InferencePool
 from budgets.redis.clients import get_redis, redis_now_ms
 from budgets.redis.composition import Commands
 from budgets.services.alerts import alert_retries_release
@@ -55,7 +54,7 @@ from gateway.core.jobs.callbacks import callback_retries_release
 from gateway.core.request.enqueue import lane_publish
 from gateway.core.protection.held import held_release_call, mark_text
 from gateway.core.jobs.lifecycle import job_release
-from gateway.core.request.takeover import lost_requests_reap
+from gateway.core.request.takeover import lost_requests_reap_all
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ def _takeover_step_due() -> int:
         return 0
     _takeover_next = now + every
     try:
-        return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+        return lost_requests_reap_all()
     except Exception:
         logger.warning("taking over lost workers' requests failed; the next sweep tries again", exc_info=True)
         return 0

@@ -21,7 +21,7 @@ from gateway.core.key_usage import key_last_used_flush
 from gateway.core.log_context import log_context
 from gateway.core.jobs.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.jobs.schedules import schedule_run
-from gateway.core.request.takeover import lost_requests_reap
+from gateway.core.request.takeover import lost_requests_reap_all
 from gateway.worker.callbacks import callback_deliver
 from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
 from gateway.worker.shutdown import HandBack, pause
@@ -90,7 +90,7 @@ def take_over_lost_requests() -> int:
     host lost too): the waiting web process handles its own each second.
     The pacer sweeps every 5 s (gateway/worker/pacer.py); the task is kept
     for a run by hand."""
-    return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
+    return lost_requests_reap_all()
 
 
 @shared_task(name="gateway.flush_key_last_used", ignore_result=True)

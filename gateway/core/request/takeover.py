@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+from budgets.models import InferencePool
 from budgets.redis.clients import SyncRedis, get_redis
 from gateway.core import keys
 from gateway.core.request.enqueue import record_requeue
@@ -75,6 +76,11 @@ def lost_requests_reap(*, pool_ids: list[int]) -> int:
                 except Exception:  # one request must not stop the pass; the next pass tries again
                     logger.exception("taking over request %s failed", request_id)
     return moved
+
+
+def lost_requests_reap_all() -> int:
+    """``lost_requests_reap`` over every pool (the pacer's sweep, and the task for a run by hand)."""
+    return lost_requests_reap(pool_ids=list(InferencePool.objects.values_list("id", flat=True)))
 
 
 def _reap_one(client: SyncRedis, request_id: str) -> int:
