@@ -6,9 +6,12 @@ SLUICE_AUTH_CACHE_S; budgets take effect at once, since they live in Redis.
 Revocation and expiry are faster than the cache. A cached key is kept no
 later than its ``expires_at``. Revocations: every
 SLUICE_AUTH_REVOCATION_POLL_S (0.5 s) at most, the first request past that
-mark asks the database which keys were revoked lately (one indexed query per
-process, not per request) and drops them from the cache, so a revoked key
-stops working everywhere within about poll + query time, under a second.
+mark starts a poll that asks the database which keys were revoked lately
+(one indexed query per process, not per request) and drops them from the
+cache, so a revoked key stops working everywhere within about poll + query
+time, under a second. The poll runs beside the requests, one at a time: no
+request waits for it, so a slow or restarting database never holds up a
+caller whose key is cached.
 The query looks back REVOCATION_OVERLAP_S past the previous poll: a
 revocation whose transaction committed after that poll began, or a web host
 whose clock runs a little ahead, is still seen.
@@ -52,7 +55,6 @@ from datetime import timedelta
 from asgiref.sync import sync_to_async
 from cachetools import TLRUCache
 from django.conf import settings
-from django.db import DatabaseError
 from django.utils import timezone
 
 from budgets.redis.clients import REDIS_UNAVAILABLE
@@ -129,6 +131,7 @@ class _Tick:
         self.next_push = 0.0
         self.last_used: dict[int, float] = {}  # key id -> unix seconds
         self.push: asyncio.Task | asyncio.TimerHandle | None = None  # the push pending, if any
+        self.poll: asyncio.Task | None = None  # the revocation poll running, if any
 
 
 _tick = _Tick()
@@ -170,18 +173,28 @@ def _issued_apply(issued: list[tuple[int, str, int]]) -> None:
         _issued.last_id = max(_issued.last_id, key_id)
 
 
-async def _tick_run(now: float) -> None:
-    """At most once per poll interval per process: drop revoked keys from the
-    cache. A failure only delays it to the next tick."""
+def _poll_due(now: float) -> None:
+    """At most once per poll interval per process, start the poll that drops
+    revoked keys from the cache, on this event loop, without waiting for it.
+    One poll at a time: while a slow database holds one, no other starts."""
     if now < _tick.next_poll:
         return
-    # Claimed before the first await: one event loop, so one poll at a time.
+    running = _tick.poll
+    loop = asyncio.get_running_loop()
+    if running is not None and not running.done() and running.get_loop() is loop:
+        return
     _tick.next_poll = now + settings.SLUICE_AUTH_REVOCATION_POLL_S
+    _tick.poll = loop.create_task(_poll())
+
+
+async def _poll() -> None:
+    """Drop the keys revoked lately, learn the keys issued since the last
+    poll. A failure only delays it to the next tick."""
     started = timezone.now()
     try:
         hashes, issued = await sync_to_async(api_key_changes, thread_sensitive=False)(
             revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S), issued_after_id=_issued.last_id)
-    except DatabaseError:
+    except Exception:  # noqa: BLE001 - nobody awaits the poll: the database away, or anything else, is logged here
         logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
     else:
         _issued_apply(issued)
@@ -273,7 +286,7 @@ def caller_line(authorization: str | None) -> tuple[int, str] | None:
 
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     digest = _digest(raw_key)
-    await _tick_run(time.monotonic())
+    _poll_due(time.monotonic())
     cached = _kept(_valid, digest)
     if cached is not None:
         return _noted(cached)

@@ -23,19 +23,20 @@ def breaker(settings):
 
 @pytest.fixture
 def key_lookups_close_their_connections(monkeypatch):
-    """Key lookups (gateway/web/auth.py) run in executor threads; their
-    database connections are closed after each, or they would hold the test
-    database open at teardown."""
+    """Key lookups and revocation polls (gateway/web/auth.py) run in executor
+    threads; their database connections are closed after each, or they would
+    hold the test database open at teardown."""
     from django.db import connection
 
     from gateway.web import auth
 
-    load = auth._load_context
+    def closing(read):
+        def read_and_close(*args, **kwargs):
+            try:
+                return read(*args, **kwargs)
+            finally:
+                connection.close()
+        return read_and_close
 
-    def load_and_close(raw_key):
-        try:
-            return load(raw_key)
-        finally:
-            connection.close()
-
-    monkeypatch.setattr(auth, "_load_context", load_and_close)
+    monkeypatch.setattr(auth, "_load_context", closing(auth._load_context))
+    monkeypatch.setattr(auth, "api_key_changes", closing(auth.api_key_changes))

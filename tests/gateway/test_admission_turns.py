@@ -285,7 +285,7 @@ def test_a_request_waits_as_its_tenants_key_or_in_the_unknown_line(make_caller, 
     monkeypatch.setattr(auth._issued, "digests", None)
     monkeypatch.setattr(auth._issued, "last_id", 0)
     assert auth.caller_line(header) is None  # before the first poll: not known yet
-    asyncio.run(auth._tick_run(float("inf")))  # the poll loads every key issued
+    asyncio.run(auth._poll())  # the poll loads every key issued
     digest = auth._digest(caller.api_key)
     # the same line for its first request and every later one, cached or not
     assert auth.caller_line(header) == (caller.tenant.id, digest)

@@ -5,20 +5,29 @@ processes: tests/gateway/test_key_revocation.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import timedelta
 
+import psycopg
 import pytest
 from asgiref.sync import async_to_sync
+from django.db import connection
 from django.utils import timezone
 
 from gateway.web import auth
-from gateway.web.auth import key_check
+from gateway.web.auth import KeyCheck, key_check
 from tenants.models import ApiKey
 from tenants.services import api_key_create
 
 check = async_to_sync(key_check)
 ADDRESS = "198.51.100.40"
+
+
+def _connect_kwargs() -> dict:
+    """The test database's connection parameters (PostgreSQL: tests run on it)."""
+    params = connection.get_connection_params()
+    return {k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")}
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +62,50 @@ def test_a_revocation_the_poll_finds_drops_the_cached_key(make_caller, monkeypat
     ApiKey.objects.filter(workload=revoked.workload).update(revoked_at=timezone.now())
     assert check(revoked.api_key, address=ADDRESS).context is not None
     monkeypatch.setattr(auth._tick, "next_poll", 0.0)
-    # then the next check runs the poll and refuses it; the other key still passes
-    assert check(revoked.api_key, address=ADDRESS).context is None
+
+    async def poll_then_check() -> tuple[bool, KeyCheck, KeyCheck]:
+        # the check past the poll's mark starts it and goes on with what the cache holds
+        first = await key_check(revoked.api_key, address=ADDRESS)
+        started = auth._tick.poll is not None and not auth._tick.poll.done()
+        await auth._tick.poll
+        return started, first, await key_check(revoked.api_key, address=ADDRESS)
+
+    started, first, after = async_to_sync(poll_then_check)()
+    assert started and first.context is not None
+    # then once the poll is done the key is refused; the other key still passes
+    assert after.context is None
     assert check(kept.api_key, address=ADDRESS).context.workload_id == kept.workload.id
+
+
+def test_no_check_waits_for_a_poll_the_database_holds_up(make_caller, monkeypatch, settings):
+    # given a cached key, a poll due every 50 ms, and the key table locked by
+    # another connection (a database that does not answer the poll)
+    settings.SLUICE_AUTH_REVOCATION_POLL_S = 0.05
+    caller = make_caller()
+    assert check(caller.api_key, address=ADDRESS).context.workload_id == caller.workload.id
+    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
+    locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
+    try:
+        locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+
+        async def checks_while_the_poll_waits() -> tuple[list[KeyCheck], bool, int]:
+            try:
+                # (a bound for a check that waited on the lock, not a timing)
+                answers = [await asyncio.wait_for(key_check(caller.api_key, address=ADDRESS), 5) for _ in range(3)]
+                poll = auth._tick.poll
+                await asyncio.sleep(0.3)  # past the next mark; the poll's query is blocked on the lock meanwhile
+                answers.append(await asyncio.wait_for(key_check(caller.api_key, address=ADDRESS), 5))
+                held = not poll.done()
+                polls = sum(1 for task in asyncio.all_tasks() if task.get_coro().__name__ == "_poll")
+            finally:
+                locker.rollback()  # the database answers again
+            await poll
+            return answers, held, polls
+
+        answers, held, polls = async_to_sync(checks_while_the_poll_waits)()
+    finally:
+        locker.close()
+    # then every check was answered from the cache while the poll was held
+    # up, and the checks past its mark started no second poll
+    assert [a.context.workload_id for a in answers] == [caller.workload.id] * 4
+    assert held and polls == 1
