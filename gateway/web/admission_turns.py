@@ -49,6 +49,7 @@ from django.conf import settings
 
 from gateway.core.observability import door_waited_out_observe, door_waiting_observe
 from gateway.web.auth import caller_line
+from gateway.web.per_loop import PerLoop
 
 # (tenant, key) as gateway/web/auth.py's caller_line gives them.
 Caller = tuple[object, object]
@@ -180,7 +181,7 @@ def _give_up(waiter: asyncio.Future) -> None:
         door_waited_out_observe()
 
 
-_doors: dict[asyncio.AbstractEventLoop, Door] = {}
+_doors: PerLoop[Door] = PerLoop()
 _turn: contextvars.ContextVar[Turn | None] = contextvars.ContextVar("admission_turn", default=None)
 
 
@@ -189,13 +190,8 @@ def door() -> Door | None:
     at_once = settings.SLUICE_WEB_ADMISSIONS_AT_ONCE
     if at_once <= 0:
         return None
-    loop = asyncio.get_running_loop()
-    found = _doors.get(loop)
-    if found is None or found.at_once != at_once:
-        for old in [other for other in _doors if other.is_closed()]:
-            del _doors[old]
-        found = _doors[loop] = Door(at_once=at_once, wait_max_s=settings.SLUICE_REDIS_BUSY_WAIT_S)
-    return found
+    return _doors.get(lambda: Door(at_once=at_once, wait_max_s=settings.SLUICE_REDIS_BUSY_WAIT_S),
+                      fits=lambda found: found.at_once == at_once)
 
 
 def _authorization(scope: dict) -> str | None:

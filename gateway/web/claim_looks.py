@@ -29,6 +29,7 @@ import asyncio
 from budgets.redis.clients import get_async_redis
 from budgets.redis.composition import RoundTrip, Step
 from gateway.core.request.records import WATCH, Claim, RequestRecord, claim_call, heartbeat_holder
+from gateway.web.per_loop import PerLoop
 
 # Looks in one round trip at most: a script of that many claims holds Redis
 # for well under a millisecond.
@@ -79,16 +80,11 @@ async def _send(looks: list[tuple[RequestRecord, asyncio.Future]]) -> None:
             answer.set_result(answers[str(i)])
 
 
-_looks: dict[asyncio.AbstractEventLoop, _Looks] = {}
+_looks: PerLoop[_Looks] = PerLoop()
 
 
 async def claim_look(record: RequestRecord) -> Claim:
     """The claim script's WATCH step for ``record``, sent with the other looks of
     this turn of the loop; raises what the round trip raised."""
-    loop = asyncio.get_running_loop()
-    looks = _looks.get(loop)
-    if looks is None:
-        for closed in [other for other in _looks if other.is_closed()]:
-            del _looks[closed]
-        looks = _looks[loop] = _Looks(loop)
+    looks = _looks.get(lambda: _Looks(asyncio.get_running_loop()))
     return await looks.ask(record)

@@ -18,21 +18,21 @@ from __future__ import annotations
 import asyncio
 
 from gateway.core.observability import web_loop_lag_observe
+from gateway.web.per_loop import PerLoop
 
 INTERVAL_S = 0.5
 
-_watched: set[asyncio.AbstractEventLoop] = set()
+_watched: PerLoop[bool] = PerLoop()
 
 
 def loop_lag_watch() -> None:
     """Watch this event loop's lag from now on (once per loop)."""
-    loop = asyncio.get_running_loop()
-    if loop in _watched:
-        return
-    for closed in [other for other in _watched if other.is_closed()]:
-        _watched.discard(closed)
-    _watched.add(loop)
-    _set(loop)
+    _watched.get(_watch_start)
+
+
+def _watch_start() -> bool:
+    _set(asyncio.get_running_loop())
+    return True
 
 
 def _set(loop: asyncio.AbstractEventLoop) -> None:

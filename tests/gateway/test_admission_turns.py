@@ -236,7 +236,7 @@ def refusing(platform, make_caller, settings, key_lookups_close_their_connection
     admission_turns._doors.clear()
     auth._valid.clear()
     auth._throttled.clear()
-    auth._tick.next_poll = 0.0  # the next request polls: the door knows both keys from then on
+    auth._tick.next_poll = 0.0  # the next request starts a poll: the door knows both keys once it is done
     return storm, other
 
 
