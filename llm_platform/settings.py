@@ -309,6 +309,9 @@ SLUICE_AUTH_CACHE_SIZE = env_int("SLUICE_AUTH_CACHE_SIZE", 10_000)
 # How often (at most) each web process asks the database which keys were
 # revoked lately: a revoked key stops working within about this long.
 SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)
+# While the database is away, a key a web process checked within this long is
+# served as it was last checked (0: never); a key it cannot check answers 503.
+SLUICE_AUTH_STALE_S = env_float("SLUICE_AUTH_STALE_S", 300.0)
 # Key last-use: each web process sends its notes to Redis at most this often;
 # beat writes them to ApiKey.last_used_at every SLUICE_KEY_LAST_USED_FLUSH_S.
 SLUICE_KEY_LAST_USED_PUSH_S = env_float("SLUICE_KEY_LAST_USED_PUSH_S", 5.0)

@@ -9,10 +9,16 @@ sends the request path's database work (the ledger row, a job's completion)
 to ``SLUICE_WORKER_DB_THREADS`` threads of its own and waits for it: as
 many connections per process, each kept (``DB_CONN_MAX_AGE``), the call's
 result or exception returned to the calling thread as if it had run there.
-Any other process (web, beat, the pacer) runs the work where it is called."""
+Any other process (web, beat, the pacer) runs the work where it is called.
+
+``connection_checked``: the web's database work runs in executor threads
+(``sync_to_async``), which Django's request signals never reach, so nothing
+there would replace a connection a database restart broke: each call checks
+its thread's connection first."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -58,6 +64,18 @@ def _run(fn: Callable[..., T], args: tuple, kwargs: dict[str, Any]) -> T:
     # at its start (gateway/worker/tasks.py).
     close_old_connections()
     return fn(*args, **kwargs)
+
+
+def connection_checked(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with this thread's database connection checked first: one a
+    database restart broke, or older than DB_CONN_MAX_AGE, is replaced."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> T:
+        close_old_connections()
+        return fn(*args, **kwargs)
+
+    return checked
 
 
 def on_database(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -23,6 +23,12 @@ def budget_unavailable() -> Rejected:
                     status=503, retry_after_ms=1000, error_type="service_unavailable")
 
 
+def database_unavailable() -> Rejected:
+    """PostgreSQL (keys this process cannot vouch for, jobs, batches) did not answer."""
+    return Rejected(reason="database_unavailable", message="Sluice cannot reach its database right now; retry shortly.",
+                    status=503, retry_after_ms=1000, error_type="service_unavailable")
+
+
 def no_reservation(*, on_any_pool: bool = False) -> Rejected:
     where = "any pool" if on_any_pool else "its pool"
     return Rejected(reason="no_reservation", message=f"This workload has no budget on {where}.", status=403,

@@ -16,6 +16,16 @@ The query looks back REVOCATION_OVERLAP_S past the previous poll: a
 revocation whose transaction committed after that poll began, or a web host
 whose clock runs a little ahead, is still seen.
 
+The database away (a restart, a fail-over): a key this process checked in
+the last SLUICE_AUTH_STALE_S is served as it was last checked, its lookup
+tried again at most once a second, so the requests of known callers go on
+(their admission, lane and pool live in Redis and the workers); a key it
+cannot check answers 503 ``database_unavailable`` with a Retry-After, never a
+500. Revocations drop these entries too, and a key is never served past its
+``expires_at``; a revocation committed in the poll interval just before the
+database went away is the one thing that waits for it to come back (at most
+SLUICE_AUTH_STALE_S).
+
 Last use: each request notes its key in process memory; a timer on the
 event loop sends the notes to Redis (ZADD GT, one round trip per
 SLUICE_KEY_LAST_USED_PUSH_S, also when no request follows) and a beat task
@@ -55,9 +65,11 @@ from datetime import timedelta
 from asgiref.sync import sync_to_async
 from cachetools import TLRUCache
 from django.conf import settings
+from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
 from budgets.redis.clients import REDIS_UNAVAILABLE
+from gateway.core.db_threads import connection_checked
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.protection.throttle import api_key_address_budget
@@ -67,6 +79,15 @@ from tenants.selectors import api_key_changes, api_key_lookup
 logger = logging.getLogger(__name__)
 
 REVOCATION_OVERLAP_S = 5.0
+# While the database is away, a key served as last checked is looked up
+# again at most this often (per key and process).
+STALE_RETRY_S = 1.0
+DATABASE_AWAY = (OperationalError, InterfaceError)
+
+
+class KeyStoreUnavailable(Exception):
+    """The database did not answer a key's lookup, and this process has not
+    checked the key recently enough to serve it as last checked."""
 
 @dataclass(frozen=True)
 class CachedKey:
@@ -101,6 +122,7 @@ def _kept(cache: TLRUCache, digest: str):
 
 
 _valid = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> CachedKey
+_stale = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> CachedKey: served while the database is away
 _unknown = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)  # digest -> True
 
 
@@ -161,6 +183,7 @@ _throttled = key_cache(settings.SLUICE_AUTH_CACHE_SIZE)
 def _revocations_apply(hashes: list[str]) -> None:
     for digest in hashes:
         _valid.pop(digest, None)
+        _stale.pop(digest, None)
         if _issued.digests is not None:
             _issued.digests.pop(digest, None)
 
@@ -192,7 +215,7 @@ async def _poll() -> None:
     poll. A failure only delays it to the next tick."""
     started = timezone.now()
     try:
-        hashes, issued = await sync_to_async(api_key_changes, thread_sensitive=False)(
+        hashes, issued = await sync_to_async(connection_checked(api_key_changes), thread_sensitive=False)(
             revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S), issued_after_id=_issued.last_id)
     except Exception:  # noqa: BLE001 - nobody awaits the poll: the database away, or anything else, is logged here
         logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
@@ -325,15 +348,35 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
         # Past its throttle, an address is looked up for keys Sluice issued
         # only (a key issued since the last poll waits for the next one).
         return await _failure_count(address), None
-    loaded = await sync_to_async(_load_context, thread_sensitive=False)(raw_key)
+    try:
+        loaded = await sync_to_async(connection_checked(_load_context), thread_sensitive=False)(raw_key)
+    except DATABASE_AWAY as exc:
+        return _served_stale(digest, exc)
     cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
+        _stale.pop(digest, None)
         _keep(_unknown, digest, True, cache_s)
         return await _failure_count(address), None
     cached, expires_in = loaded
     # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
     _keep(_valid, digest, cached, cache_s if expires_in is None else min(cache_s, expires_in))
+    stale_s = settings.SLUICE_AUTH_STALE_S
+    _keep(_stale, digest, cached, stale_s if expires_in is None else min(stale_s, expires_in))
     return _noted(cached), loaded
+
+
+def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:
+    """The database did not answer a key's lookup: the key as this process
+    last checked it, if that is recent enough; else KeyStoreUnavailable."""
+    kept = _stale.get(digest)
+    if kept is None:
+        raise KeyStoreUnavailable() from error
+    cached = kept.value
+    logger.warning("the database did not answer the lookup of API key %s (%s); serving it as last checked",
+                   cached.key_id, type(error).__name__)
+    # Looked up again at most every STALE_RETRY_S, never past the stale bound.
+    _keep(_valid, digest, cached, min(STALE_RETRY_S, kept.until - time.monotonic()))
+    return _noted(cached), (cached, None)
 
 
 async def _failure_count(address: str) -> KeyCheck:

@@ -17,10 +17,15 @@ from gateway.core.batches.files import READ_CHUNK, file_delete, file_of_workload
 from gateway.core.errors import bad_request
 from gateway.core.batches.lifecycle import batch_cancel, batch_create, batch_list, batch_of_workload, batch_view
 from gateway.models import BatchFile
+from gateway.core.db_threads import connection_checked
 from gateway.web.responses import openai_error, rejected_response
-from gateway.web.views import caller_authenticate, get_only, json_body_read, redis_unavailable_is_503
+from gateway.web.views import caller_authenticate, get_only, json_body_read, unavailable_is_503
 
-off_loop = sync_to_async  # every database and storage step runs in a thread, off the event loop
+
+def off_loop(fn, **options):
+    """Every database and storage step runs in a thread, off the event loop, its
+    connection checked first (gateway/core/db_threads.py ``connection_checked``)."""
+    return sync_to_async(connection_checked(fn), **options)
 
 
 def _not_allowed(allowed: str) -> JsonResponse:
@@ -55,7 +60,7 @@ async def _answer(request: HttpRequest, work) -> JsonResponse:
 
 
 @csrf_exempt
-@redis_unavailable_is_503
+@unavailable_is_503
 async def files(request: HttpRequest) -> JsonResponse:
     """POST /v1/files (multipart: ``file``, ``purpose=batch``); GET /v1/files."""
     if request.method == "POST":
@@ -80,7 +85,7 @@ async def files(request: HttpRequest) -> JsonResponse:
 
 
 @csrf_exempt
-@redis_unavailable_is_503
+@unavailable_is_503
 async def file_detail(request: HttpRequest, file_id: str) -> JsonResponse:
     """GET or DELETE /v1/files/{id}."""
     if request.method not in ("GET", "HEAD", "DELETE"):
@@ -97,7 +102,7 @@ async def file_detail(request: HttpRequest, file_id: str) -> JsonResponse:
     return await _answer(request, work)
 
 
-@redis_unavailable_is_503
+@unavailable_is_503
 async def file_content(request: HttpRequest, file_id: str):
     """GET /v1/files/{id}/content: the stored bytes, streamed."""
     if (refused := get_only(request)) is not None:
@@ -131,7 +136,7 @@ async def file_streamed(stored: BatchFile) -> StreamingHttpResponse:
 
 
 @csrf_exempt
-@redis_unavailable_is_503
+@unavailable_is_503
 async def batches(request: HttpRequest) -> JsonResponse:
     """POST /v1/batches; GET /v1/batches (newest first, ``after``/``limit``)."""
     if request.method == "POST":
@@ -146,7 +151,7 @@ async def batches(request: HttpRequest) -> JsonResponse:
     return _not_allowed("GET, HEAD, POST")
 
 
-@redis_unavailable_is_503
+@unavailable_is_503
 async def batch_detail(request: HttpRequest, batch_id: str) -> JsonResponse:
     if (refused := get_only(request)) is not None:
         return refused
@@ -158,7 +163,7 @@ async def batch_detail(request: HttpRequest, batch_id: str) -> JsonResponse:
 
 
 @csrf_exempt
-@redis_unavailable_is_503
+@unavailable_is_503
 async def batch_cancel_view(request: HttpRequest, batch_id: str) -> JsonResponse:
     """POST /v1/batches/{id}/cancel."""
     if request.method != "POST":

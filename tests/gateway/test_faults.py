@@ -180,3 +180,69 @@ def test_database_outage_under_a_worker_loses_nothing(platform, make_caller, red
     counters = redis_client.hgetall(keys.pool_counters(pool.id))
     assert int(counters[f"{caller.workload.id}.debited_tok"]) == sum(r.actual_input_tokens + r.actual_output_tokens
                                                                      for r in rows)
+
+
+def test_keys_a_web_process_knows_are_served_while_its_database_is_away(platform, make_caller, tmp_path):
+    """PostgreSQL away from a web process: a key it checked before is
+    served from what it knew, for SLUICE_AUTH_STALE_S at most (the request
+    runs: admission, lane and pool live in Redis and the workers); a key it
+    never saw, or a job, is answered 503 database_unavailable, not a 500;
+    once the database is back, the process's connections are replaced."""
+    from django.conf import settings
+
+    from llm_platform import processes
+    from tests.platform_harness import Process, free_port, wait_http
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    known, unseen = make_caller(pool=pool), make_caller(pool=pool)
+    db = settings.DATABASES["default"]
+    proxy = CuttableProxy(int(db.get("PORT") or 5432))
+    port = free_port()
+    web_url = f"http://127.0.0.1:{port}"
+    env = {**platform.env, "DB_CONN_MAX_AGE": "60",
+           "DATABASE_URL": f"postgres://{db.get('USER') or 'postgres'}@127.0.0.1:{proxy.port}/{db['NAME']}",
+           # a known key lapses from the cache after 1 s, is served stale for 4 s
+           "SLUICE_AUTH_CACHE_S": "1", "SLUICE_AUTH_STALE_S": "4", "SLUICE_AUTH_REVOCATION_POLL_S": "0.5"}
+    web = Process("web-db-proxied", processes.web_command(port=port), env, tmp_path).start()
+
+    def chat(caller) -> httpx.Response:
+        return httpx.post(f"{web_url}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {caller.api_key}"},
+                          json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
+
+    try:
+        wait_http(f"{web_url}/healthz", web)
+        # given a key the web process checked
+        assert chat(known).status_code == 200
+        checked = time.monotonic()
+        # when its database goes away, and the key's cache entry lapses
+        proxy.cut()
+        time.sleep(1.5)
+        served = chat(known)
+        refused = chat(unseen)
+        job = httpx.post(f"{web_url}/v1/jobs", timeout=30, headers={"Authorization": f"Bearer {known.api_key}"},
+                         json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
+        late_s = checked + 4.5 - time.monotonic()
+        if late_s > 0:
+            time.sleep(late_s)  # past the stale bound
+        lapsed = chat(known)
+        proxy.restore()
+        # then the known key is served, the unseen one is a 503 with a retry
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] > 0
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "database_unavailable"
+        assert int(refused.headers["Retry-After"]) >= 1
+        # and a job, which needs the database, is a 503 too
+        assert job.status_code == 503 and job.json()["error"]["code"] == "database_unavailable", job.text
+        # and not past the stale bound
+        assert lapsed.status_code == 503 and lapsed.json()["error"]["code"] == "database_unavailable"
+        # and once the database is back both keys are checked and served again
+        deadline = time.monotonic() + 10
+        while chat(unseen).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert chat(known).status_code == 200
+    finally:
+        web.stop()
+        proxy.stop()
