@@ -28,7 +28,8 @@ ERROR_CODES = {
     429: ["workload_tpm", "workload_rpm", "pool_tpm", "pool_rpm", "pool_input_tpm", "pool_output_tpm",
           "pool_saturated", "workload_concurrency", "pool_backoff", "spend_budget", "overflow_spend_budget",
           "deadline_unreachable", "too_many_invalid_api_keys", "provider_tpm", "provider_rpm"],
-    503: ["budget_unavailable", "queue_timeout", "pool_unavailable", "pool_circuit_open", "worker_lost"],
+    503: ["budget_unavailable", "database_unavailable", "queue_timeout", "pool_unavailable", "pool_circuit_open",
+          "worker_lost"],
 }
 
 RATE_HEADERS = {
