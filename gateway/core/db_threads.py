@@ -14,18 +14,24 @@ Any other process (web, beat, the pacer) runs the work where it is called.
 ``connection_checked``: the web's database work runs in executor threads
 (``sync_to_async``), which Django's request signals never reach, so nothing
 there would replace a connection a database restart broke: each call checks
-its thread's connection first."""
+its thread's connection first (``database_off_loop``: such a call for an
+event loop to await)."""
 
 from __future__ import annotations
 
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
-from django.db import close_old_connections, connections
+from asgiref.sync import sync_to_async
+from django.db import InterfaceError, OperationalError, close_old_connections, connections
 
 T = TypeVar("T")
+
+# The database away (a restart, a fail-over, a cut connection): waited out,
+# retried or answered 503, never a 500.
+DATABASE_AWAY = (OperationalError, InterfaceError)
 
 _executor: ThreadPoolExecutor | None = None
 _size = 0
@@ -76,6 +82,12 @@ def connection_checked(fn: Callable[..., T]) -> Callable[..., T]:
         return fn(*args, **kwargs)
 
     return checked
+
+
+def database_off_loop(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
+    """``fn`` for an event loop to await: on an executor thread, its
+    connection checked first."""
+    return sync_to_async(connection_checked(fn), thread_sensitive=False)
 
 
 def on_database(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

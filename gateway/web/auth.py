@@ -62,14 +62,12 @@ import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
-from asgiref.sync import sync_to_async
 from cachetools import TLRUCache
 from django.conf import settings
-from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
 from budgets.redis.clients import REDIS_UNAVAILABLE
-from gateway.core.db_threads import connection_checked
+from gateway.core.db_threads import DATABASE_AWAY, database_off_loop
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.protection.throttle import api_key_address_budget
@@ -82,12 +80,6 @@ REVOCATION_OVERLAP_S = 5.0
 # While the database is away, a key served as last checked is looked up
 # again at most this often (per key and process).
 STALE_RETRY_S = 1.0
-DATABASE_AWAY = (OperationalError, InterfaceError)
-
-
-class KeyStoreUnavailable(Exception):
-    """The database did not answer a key's lookup, and this process has not
-    checked the key recently enough to serve it as last checked."""
 
 @dataclass(frozen=True)
 class CachedKey:
@@ -215,7 +207,7 @@ async def _poll() -> None:
     poll. A failure only delays it to the next tick."""
     started = timezone.now()
     try:
-        hashes, issued = await sync_to_async(connection_checked(api_key_changes), thread_sensitive=False)(
+        hashes, issued = await database_off_loop(api_key_changes)(
             revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S), issued_after_id=_issued.last_id)
     except Exception:  # noqa: BLE001 - nobody awaits the poll: the database away, or anything else, is logged here
         logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
@@ -349,7 +341,7 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
         # only (a key issued since the last poll waits for the next one).
         return await _failure_count(address), None
     try:
-        loaded = await sync_to_async(connection_checked(_load_context), thread_sensitive=False)(raw_key)
+        loaded = await database_off_loop(_load_context)(raw_key)
     except DATABASE_AWAY as exc:
         return _served_stale(digest, exc)
     cache_s = settings.SLUICE_AUTH_CACHE_S
@@ -367,10 +359,11 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
 
 def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:
     """The database did not answer a key's lookup: the key as this process
-    last checked it, if that is recent enough; else KeyStoreUnavailable."""
+    last checked it, if that is recent enough; else the error (the /v1
+    views answer it 503 database_unavailable: views.py ``unavailable_is_503``)."""
     kept = _stale.get(digest)
     if kept is None:
-        raise KeyStoreUnavailable() from error
+        raise error
     cached = kept.value
     logger.warning("the database did not answer the lookup of API key %s (%s); serving it as last checked",
                    cached.key_id, type(error).__name__)

@@ -16,8 +16,8 @@ from budgets.errors import Rejected
 from gateway.core.batches.files import READ_CHUNK, file_delete, file_of_workload, file_store, file_view
 from gateway.core.errors import bad_request
 from gateway.core.batches.lifecycle import batch_cancel, batch_create, batch_list, batch_of_workload, batch_view
-from gateway.models import BatchFile
 from gateway.core.db_threads import connection_checked
+from gateway.models import BatchFile
 from gateway.web.responses import openai_error, rejected_response
 from gateway.web.views import caller_authenticate, get_only, json_body_read, unavailable_is_503
 

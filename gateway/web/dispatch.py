@@ -11,7 +11,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from budgets.admission.buckets import Admission
@@ -21,7 +20,7 @@ from budgets.redis.composition import Commands
 from budgets.errors import BudgetUnavailable, Rejected
 from budgets.ledger.writer import usage_record_write
 from gateway.core import keys
-from gateway.core.db_threads import connection_checked
+from gateway.core.db_threads import database_off_loop
 from gateway.core.request.admission import lease_ttl_ms
 from gateway.core.request.routing import request_route_admit_async
 from gateway.core.request.endpoints import ApiRequest
@@ -169,7 +168,7 @@ async def _claim(record: RequestRecord) -> Claim:
 
 async def _take_over(record: RequestRecord, claim: Claim) -> None:
     try:
-        await sync_to_async(connection_checked(request_take_over), thread_sensitive=False)(record=record, claim=claim)
+        await database_off_loop(request_take_over)(record=record, claim=claim)
     except Exception:  # the database or Redis: the reaper and the lease settle it later
         logger.exception("request %s: taking it over (%s) failed", record.request_id, claim.verdict)
 
@@ -212,7 +211,7 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord,
             if claim.changed:
                 # We own the refund: the worker will drop the task unrun.
                 await request_refund_async(record)
-                await sync_to_async(connection_checked(_record_timeout), thread_sensitive=False)(record, int(ctx.queue_timeout_s * 1000))
+                await database_off_loop(_record_timeout)(record, int(ctx.queue_timeout_s * 1000))
             raise queue_timeout(queue_timeout_s=ctx.queue_timeout_s)
         if claim.verdict == EXPIRED:
             # The worker found the deadline passed; it refunds and records.

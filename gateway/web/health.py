@@ -31,7 +31,7 @@ from django.http import HttpRequest
 from budgets.admission.pool_status import pool_statuses
 from budgets.redis.clients import get_async_redis, get_redis
 from budgets.models import InferencePool
-from gateway.core.db_threads import connection_checked
+from gateway.core.db_threads import database_off_loop
 from tenants.roles import user_is_platform_admin
 
 DATABASE_TIMEOUT_S = 2.0
@@ -110,7 +110,7 @@ async def readiness_report(*, detailed: bool) -> tuple[bool, dict]:
         report["redis"] = {"ok": redis_ok, "detail": redis_detail}
         if ready:
             try:
-                report["pools"] = await sync_to_async(connection_checked(_pools_report), thread_sensitive=False)()
+                report["pools"] = await database_off_loop(_pools_report)()
             except Exception as exc:  # noqa: BLE001
                 report["pools_error"] = _short(exc)
     return ready, report

@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -24,7 +23,7 @@ from gateway.core.request.chat import body_digest, parse_json_body, request_chec
 from gateway.core.request.completions import validate_completion_request, validate_embedding_request
 from gateway.core.request.endpoints import ApiRequest
 from gateway.core.request.context import CallerContext
-from gateway.core.db_threads import connection_checked
+from gateway.core.db_threads import DATABASE_AWAY, database_off_loop
 from gateway.core.errors import bad_request, budget_unavailable, database_unavailable
 from gateway.core.jobs.lifecycle import (IdempotencyConflict, job_list_params, job_list_view, job_submit, job_view,
                                jobs_of_workload)
@@ -34,7 +33,7 @@ from gateway.core.metrics import pool_live_metrics
 from gateway.models import Job
 from gateway.core.protection.throttle import request_client_address
 from gateway.web.admission_turns import turn_leave
-from gateway.web.auth import DATABASE_AWAY, KeyStoreUnavailable, bearer_key, key_check
+from gateway.web.auth import bearer_key, key_check
 from gateway.web.dispatch import request_dispatch
 from gateway.web.health import health_details_allowed, liveness_report, readiness_report
 from gateway.web.idempotency import (MAX_KEY_LENGTH, idempotency_claim, idempotency_release, idempotency_store,
@@ -54,7 +53,8 @@ UNCOUNTED_REASONS = {"budget_unavailable", "result_unavailable"}
 def unavailable_is_503(view):
     """Redis down or hung anywhere under a /v1 view (buckets, results,
     idempotency, jobs' pacing) answers 503 budget_unavailable, and the
-    database away (jobs, batches, files) 503 database_unavailable, not 500."""
+    database away (a key the process cannot vouch for, jobs, batches, files)
+    503 database_unavailable, not 500."""
 
     @functools.wraps(view)
     async def wrapper(request: HttpRequest, *args, **kwargs):
@@ -83,10 +83,7 @@ async def caller_authenticate(request: HttpRequest) -> CallerContext | JsonRespo
     if raw_key is None:
         return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
                             error_type="invalid_request_error", code="missing_api_key")
-    try:
-        check = await key_check(raw_key, address=request_client_address(request.META))
-    except KeyStoreUnavailable:
-        return rejected_response(database_unavailable())
+    check = await key_check(raw_key, address=request_client_address(request.META))
     if check.retry_after_ms is not None:
         retry_after_s = max(1, -(-check.retry_after_ms // 1000))
         return openai_error(status=429, message="Too many requests with incorrect API keys from this address; "
@@ -277,7 +274,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
         chat = validate_chat_request(body)
         request_check(ctx, chat)
         idem_key = _idempotency_key(request)
-        submitted = await sync_to_async(connection_checked(job_submit), thread_sensitive=False)(
+        submitted = await database_off_loop(job_submit)(
             ctx=ctx, chat=chat, body=body, callback_url=callback_url, idempotency_key=idem_key, deadline_s=deadline,
             session_id=_header(request, "HTTP_X_SESSION_ID")[:128],
         )
@@ -287,7 +284,7 @@ async def jobs(request: HttpRequest) -> JsonResponse:
         return await _rejection(request, ctx, rejected)
     job = submitted.job
     log_annotate(job_id=str(job.id), job_request_id=job.request_id or "")
-    view = await sync_to_async(connection_checked(job_view), thread_sensitive=False)(job, base_url=base_url)
+    view = await database_off_loop(job_view)(job, base_url=base_url)
     if job.status == Job.Status.REJECTED:
         error = (job.result or {}).get("error", {})
         refused = Rejected(reason=job.reason or "rejected", message=error.get("message", "Rejected."), status=429,
@@ -316,7 +313,7 @@ async def _jobs_list(request: HttpRequest) -> JsonResponse:
                              base_url=base_url)
 
     try:
-        return JsonResponse(await sync_to_async(connection_checked(load), thread_sensitive=False)())
+        return JsonResponse(await database_off_loop(load)())
     except Rejected as rejected:
         return rejected_response(rejected)
 
@@ -340,7 +337,7 @@ async def job_detail(request: HttpRequest, job_id) -> JsonResponse:
         job = Job.objects.select_related("workload").filter(pk=job_id, workload_id=auth.workload_id).first()
         return job_view(job, base_url=f"{request.scheme}://{request.get_host()}") if job else None
 
-    view = await sync_to_async(connection_checked(load), thread_sensitive=False)()
+    view = await database_off_loop(load)()
     if view is None:
         return openai_error(status=404, message="No such job.", error_type="invalid_request_error", code="job_not_found")
     return JsonResponse(view)

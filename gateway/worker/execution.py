@@ -19,7 +19,6 @@ from dataclasses import replace
 from functools import partial
 
 import openai
-from django.db import InterfaceError, OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -32,7 +31,7 @@ from budgets.redis.scripts import LuaScript, ScriptCall
 from budgets.admission import keys as budget_keys
 from budgets.errors import BudgetUnavailable
 from budgets.ledger.writer import usage_record_write
-from gateway.core.db_threads import on_database
+from gateway.core.db_threads import DATABASE_AWAY, on_database
 from gateway.core import keys
 from gateway.core.request.endpoints import pool_path
 from gateway.core.protection.concurrency import lane_limited
@@ -61,7 +60,6 @@ logger = logging.getLogger(__name__)
 # Infrastructure away: the request is fine, so the task waits for Redis or
 # retries for the database (gateway/worker/tasks.py) instead of failing it.
 REDIS_AWAY = (BudgetUnavailable, RedisConnectionError, RedisTimeoutError)
-DATABASE_AWAY = (OperationalError, InterfaceError)
 INFRASTRUCTURE_AWAY = (*REDIS_AWAY, *DATABASE_AWAY)
 
 WORKER_ERROR = "worker_error"

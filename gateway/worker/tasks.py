@@ -17,13 +17,14 @@ from gateway.core.batches.lifecycle import FINALIZE_TASK, VALIDATE_TASK, batch_f
 from gateway.core.jobs.callbacks import DELIVER_CALLBACK_TASK
 from gateway.core.request.enqueue import EXECUTE_REQUEST_TASK, CallHint
 from gateway.core.protection.held import mark_parse
+from gateway.core.db_threads import DATABASE_AWAY
 from gateway.core.key_usage import key_last_used_flush
 from gateway.core.log_context import log_context
 from gateway.core.jobs.schedules import TASK_NAME as RUN_SCHEDULE_TASK
 from gateway.core.jobs.schedules import schedule_run
 from gateway.core.request.takeover import lost_requests_reap_all
 from gateway.worker.callbacks import callback_deliver
-from gateway.worker.execution import DATABASE_AWAY, REDIS_AWAY, leases_reap, request_execute
+from gateway.worker.execution import REDIS_AWAY, leases_reap, request_execute
 from gateway.worker.shutdown import HandBack, pause
 
 logger = logging.getLogger(__name__)
