@@ -152,6 +152,19 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL; PRAGMA busy_timeout=20000;",
     }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A PostgreSQL that does not answer (a hung host, a network that drops
+    # packets) fails a connection attempt after DB_CONNECT_TIMEOUT_S and a
+    # kept connection after about 30 s, instead of libpq's wait without end
+    # and the kernel's minutes of retransmissions: the thread waiting on it
+    # gets the database's error (retried, or answered 503) and is free
+    # again. Options in DATABASE_URL's query win.
+    for _option, _value in {
+        "connect_timeout": env_int("DB_CONNECT_TIMEOUT_S", 5),
+        "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,  # ms of data sent and not acknowledged
+    }.items():
+        DATABASES["default"].setdefault("OPTIONS", {}).setdefault(_option, _value)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The demo database cannot enforce unique-with-NULLs constraints; the
@@ -312,6 +325,9 @@ SLUICE_AUTH_REVOCATION_POLL_S = env_float("SLUICE_AUTH_REVOCATION_POLL_S", 0.5)
 # While the database is away, a key a web process checked within this long is
 # served as it was last checked (0: never); a key it cannot check answers 503.
 SLUICE_AUTH_STALE_S = env_float("SLUICE_AUTH_STALE_S", 300.0)
+# A key lookup the database has not answered in this long counts as the
+# database away (the key served as last checked, else 503); it goes on.
+SLUICE_AUTH_LOOKUP_WAIT_S = env_float("SLUICE_AUTH_LOOKUP_WAIT_S", 2.0)
 # Key last-use: each web process sends its notes to Redis at most this often;
 # beat writes them to ApiKey.last_used_at every SLUICE_KEY_LAST_USED_FLUSH_S.
 SLUICE_KEY_LAST_USED_PUSH_S = env_float("SLUICE_KEY_LAST_USED_PUSH_S", 5.0)

@@ -194,3 +194,34 @@ def test_the_redis_down_page_reloads_itself_without_a_script():
     assert response.status_code == 503 and response["Retry-After"] == "5"
     assert '<meta http-equiv="refresh" content="5">' in page
     assert "<script" not in page and '<style nonce="n0nce">' in page
+
+
+def test_a_postgresql_that_never_answers_fails_the_connection_instead_of_hanging():
+    import socket
+    import threading
+    import time
+
+    import psycopg
+    from django.db import connection
+
+    # given a listener that completes TCP handshakes and never says a word
+    # (a hung server), and the connection parameters settings.py gives
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    params = {**connection.get_connection_params(), "host": "127.0.0.1", "port": listener.getsockname()[1]}
+    # (the wait's end if nothing bounded it: the listener goes after 20 s)
+    closer = threading.Timer(20, listener.close)
+    closer.start()
+    started = time.monotonic()
+    try:
+        # when a connection is opened to it
+        with pytest.raises(psycopg.OperationalError):
+            psycopg.connect(**params)
+        waited = time.monotonic() - started
+    finally:
+        closer.cancel()
+        listener.close()
+    # then it fails after DB_CONNECT_TIMEOUT_S (5 s), not when the host gives up
+    assert params["connect_timeout"] == 5 and params["tcp_user_timeout"] == 30_000
+    assert 4 <= waited < 15

@@ -25,6 +25,12 @@ cannot check answers 503 ``database_unavailable`` with a Retry-After, never a
 ``expires_at``; a revocation committed in the poll interval just before the
 database went away is the one thing that waits for it to come back (at most
 SLUICE_AUTH_STALE_S).
+A database that holds a lookup up instead of failing it (a lock, a hung
+host, a network that drops packets) counts as away once the lookup has run
+SLUICE_AUTH_LOOKUP_WAIT_S: its callers are answered as above while it goes
+on. A key has one lookup at a time per process, and a process at most
+LOOKUPS_MAX, so a hung database holds a few executor threads, never one
+per request, and no caller waits past the bound.
 
 Last use: each request notes its key in process memory; a timer on the
 event loop sends the notes to Redis (ZADD GT, one round trip per
@@ -56,6 +62,7 @@ first caller's lookup fail, each waiter goes its own way as before."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -64,6 +71,7 @@ from datetime import timedelta
 
 from cachetools import TLRUCache
 from django.conf import settings
+from django.db import OperationalError
 from django.utils import timezone
 
 from budgets.redis.clients import REDIS_UNAVAILABLE
@@ -80,6 +88,10 @@ REVOCATION_OVERLAP_S = 5.0
 # While the database is away, a key served as last checked is looked up
 # again at most this often (per key and process).
 STALE_RETRY_S = 1.0
+# Key lookups in flight per process at most (each on an executor thread or
+# waiting for one); past it a key not cached is answered as if the database
+# were away. Far above what a healthy database leaves in flight.
+LOOKUPS_MAX = 256
 
 @dataclass(frozen=True)
 class CachedKey:
@@ -341,7 +353,7 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
         # only (a key issued since the last poll waits for the next one).
         return await _failure_count(address), None
     try:
-        loaded = await database_off_loop(_load_context)(raw_key)
+        loaded = await _looked_up(raw_key, digest)
     except DATABASE_AWAY as exc:
         return _served_stale(digest, exc)
     cache_s = settings.SLUICE_AUTH_CACHE_S
@@ -355,6 +367,47 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
     stale_s = settings.SLUICE_AUTH_STALE_S
     _keep(_stale, digest, cached, stale_s if expires_in is None else min(stale_s, expires_in))
     return _noted(cached), loaded
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """A key's lookup in flight, and the monotonic time its callers stop waiting for it."""
+
+    task: asyncio.Task
+    answer_by: float
+
+
+_lookups: dict[str, _Lookup] = {}  # digest -> its lookup in flight (this process's loop)
+
+
+async def _looked_up(raw_key: str, digest: str) -> tuple[CachedKey, float | None] | None:
+    """``_load_context(raw_key)``, one lookup per key at a time, waited for
+    until SLUICE_AUTH_LOOKUP_WAIT_S after it started: past that, or with
+    LOOKUPS_MAX lookups already in flight, the database counts as away
+    (OperationalError) while the lookup goes on; the key's next lookup
+    starts once it has ended."""
+    loop = asyncio.get_running_loop()
+    lookup = _lookups.get(digest)
+    if lookup is None or lookup.task.get_loop() is not loop:
+        if len(_lookups) >= LOOKUPS_MAX:
+            raise OperationalError(f"{LOOKUPS_MAX} API key lookups are waiting for the database")
+        lookup = _Lookup(task=loop.create_task(database_off_loop(_load_context)(raw_key)),
+                         answer_by=time.monotonic() + settings.SLUICE_AUTH_LOOKUP_WAIT_S)
+        _lookups[digest] = lookup
+        lookup.task.add_done_callback(functools.partial(_lookup_done, digest))
+    try:
+        return await asyncio.wait_for(asyncio.shield(lookup.task), max(0.0, lookup.answer_by - time.monotonic()))
+    except TimeoutError:
+        raise OperationalError(
+            f"the database did not answer an API key lookup within {settings.SLUICE_AUTH_LOOKUP_WAIT_S:g} s") from None
+
+
+def _lookup_done(digest: str, task: asyncio.Task) -> None:
+    lookup = _lookups.get(digest)
+    if lookup is not None and lookup.task is task:
+        del _lookups[digest]
+    if not task.cancelled():
+        task.exception()  # its callers may all have stopped waiting: retrieved here, raised to them
 
 
 def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:

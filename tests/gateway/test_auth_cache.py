@@ -12,7 +12,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 from asgiref.sync import async_to_sync
-from django.db import connection
+from django.db import OperationalError, connection
 from django.utils import timezone
 
 from gateway.web import auth
@@ -109,3 +109,96 @@ def test_no_check_waits_for_a_poll_the_database_holds_up(make_caller, monkeypatc
     # up, and the checks past its mark started no second poll
     assert [a.context.workload_id for a in answers] == [caller.workload.id] * 4
     assert held and polls == 1
+
+
+def _counted_lookups(monkeypatch) -> list[str]:
+    """The keys' lookups as they reach the database (one entry each)."""
+    started: list[str] = []
+    load = auth._load_context
+
+    def counted(raw_key):
+        started.append(raw_key)
+        return load(raw_key)
+
+    monkeypatch.setattr(auth, "_load_context", counted)
+    return started
+
+
+def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_caller, monkeypatch, settings):
+    # given a key checked once whose cache entry has lapsed, a key never
+    # checked, lookups waited for 0.3 s, and the key table locked by another
+    # connection (a database that holds lookups up instead of failing them)
+    settings.SLUICE_AUTH_CACHE_S = 0.1
+    settings.SLUICE_AUTH_LOOKUP_WAIT_S = 0.3
+    known, unseen = make_caller(), make_caller()
+    assert check(known.api_key, address=ADDRESS).context.workload_id == known.workload.id
+    time.sleep(0.15)
+    lookups = _counted_lookups(monkeypatch)
+    locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
+    try:
+        locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+
+        async def checks_while_the_database_holds_the_lookups():
+            answers, refusals = [], []
+            try:
+                # (bounds for a check that waits on the lock, not timings)
+                answers.append(await asyncio.wait_for(key_check(known.api_key, address=ADDRESS), 5))
+                for _ in range(2):
+                    try:
+                        await asyncio.wait_for(key_check(unseen.api_key, address=ADDRESS), 5)
+                    except OperationalError as exc:
+                        refusals.append(str(exc))
+                await asyncio.sleep(1.1)  # past the stale entry's retry mark, the lookups still held
+                answers += [await asyncio.wait_for(key_check(known.api_key, address=ADDRESS), 5) for _ in range(3)]
+                held = [lookup.task for lookup in auth._lookups.values()]
+                waiting = len(lookups), all(not task.done() for task in held)
+            finally:
+                locker.rollback()  # the database answers again
+            await asyncio.gather(*held)
+            return answers, refusals, waiting, await key_check(unseen.api_key, address=ADDRESS)
+
+        answers, refusals, waiting, after = async_to_sync(checks_while_the_database_holds_the_lookups)()
+    finally:
+        locker.close()
+    # then the known key was served as last checked, the unseen one refused
+    # as the database away (twice, on one lookup), and two lookups in all
+    # reached the database while it held them (one per key, not per check)
+    assert [a.context.workload_id for a in answers] == [known.workload.id] * 4
+    assert len(refusals) == 2 and "did not answer" in refusals[0]
+    assert waiting == (2, True)
+    # and once it answers, the unseen key is looked up again and gets in
+    assert after.context.workload_id == unseen.workload.id
+    assert auth._lookups == {}
+
+
+def test_past_the_lookups_a_process_may_hold_a_new_key_is_not_looked_up(make_caller, monkeypatch, settings):
+    # given one lookup in flight at most, and the key table locked
+    settings.SLUICE_AUTH_LOOKUP_WAIT_S = 0.2
+    monkeypatch.setattr(auth, "LOOKUPS_MAX", 1)
+    first, second = make_caller(), make_caller()
+    lookups = _counted_lookups(monkeypatch)
+    locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
+    try:
+        locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+
+        async def two_new_keys():
+            errors = []
+            try:
+                for caller in (first, second):
+                    try:
+                        await asyncio.wait_for(key_check(caller.api_key, address=ADDRESS), 5)
+                    except OperationalError as exc:
+                        errors.append(str(exc))
+                held = [lookup.task for lookup in auth._lookups.values()]
+            finally:
+                locker.rollback()
+            await asyncio.gather(*held)
+            return errors
+
+        errors = async_to_sync(two_new_keys)()
+    finally:
+        locker.close()
+    # then the first key's lookup waited out its bound and the second key
+    # started none: both were answered as the database away
+    assert "did not answer" in errors[0] and "lookups are waiting" in errors[1]
+    assert lookups == [first.api_key]
