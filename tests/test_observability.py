@@ -187,8 +187,9 @@ def test_metrics_labels_never_carry_request_ids_or_keys(platform, make_caller):
     label_names = {name for family in text_string_to_metric_families(text) for s in family.samples for name in s.labels}
     assert label_names <= {"pool_id", "pool", "workload_id", "workload", "tenant", "lane", "borrowed", "reason",
                            "route", "status", "direction", "budget", "le",
-                           # bounded enums: a circuit's state; tokens or requests
-                           "state", "unit",
+                           # bounded enums: a circuit's state; tokens or requests; what a key
+                           # check the database did not answer got (served, refused)
+                           "state", "unit", "answer",
                            # the process collector of a single-process scrape
                            "generation", "implementation", "major", "minor", "patchlevel", "version"}
 

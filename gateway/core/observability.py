@@ -72,6 +72,14 @@ DOOR_WAITING = Gauge("sluice_web_door_waiting", "Requests waiting at the web pro
 DOOR_WAITED_OUT = Counter("sluice_web_door_waited_out", "Requests that waited at the door for their whole bound "
                           "(SLUICE_REDIS_BUSY_WAIT_S) and went on without a turn.")
 
+# Key checks the database did not answer (gateway/web/auth.py): away, or
+# holding the lookup past SLUICE_AUTH_LOOKUP_WAIT_S; by what the caller got.
+KEY_CHECKS_UNANSWERED = Counter("sluice_web_key_checks_unanswered",
+                                "Key checks the database did not answer (away, or holding the lookup past "
+                                "SLUICE_AUTH_LOOKUP_WAIT_S), by what the caller got: served as the key was last "
+                                "checked, or refused 503 database_unavailable.", ["answer"])
+KEY_CHECK_ANSWERS = ("served", "refused")
+
 # How late a timer fires on a web process's event loop, sampled twice a
 # second (gateway/web/loop_lag.py): what every step of every request waits
 # for when the loop is busy.
@@ -85,6 +93,8 @@ WEB_LOOP_LAG = Histogram("sluice_web_loop_lag_seconds", "How late a timer fired 
 for _lane in LANE_NAMES:
     for _histogram in (QUEUE_WAIT, UPSTREAM_TIME, TOTAL_TIME, TIME_TO_FIRST_TOKEN, LEDGER_LAG):
         _histogram.labels(lane=_lane)
+for _answer in KEY_CHECK_ANSWERS:
+    KEY_CHECKS_UNANSWERED.labels(answer=_answer)
 
 _failed: set[str] = set()
 
@@ -151,6 +161,11 @@ def door_waiting_observe(change: int) -> None:
 @_never_raises
 def door_waited_out_observe() -> None:
     DOOR_WAITED_OUT.inc()
+
+
+@_never_raises
+def key_check_unanswered_observe(*, served: bool) -> None:
+    KEY_CHECKS_UNANSWERED.labels(answer="served" if served else "refused").inc()
 
 
 @_never_raises

@@ -78,6 +78,7 @@ from budgets.redis.clients import REDIS_UNAVAILABLE
 from gateway.core.db_threads import DATABASE_AWAY, database_off_loop
 from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
+from gateway.core.observability import key_check_unanswered_observe
 from gateway.core.protection.throttle import api_key_address_budget
 from tenants.keys import KEY_PREFIX
 from tenants.selectors import api_key_changes, api_key_lookup
@@ -415,6 +416,7 @@ def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:
     last checked it, if that is recent enough; else the error (the /v1
     views answer it 503 database_unavailable: views.py ``unavailable_is_503``)."""
     kept = _stale.get(digest)
+    key_check_unanswered_observe(served=kept is not None)
     if kept is None:
         raise error
     cached = kept.value

@@ -9,6 +9,7 @@ import asyncio
 import time
 from datetime import timedelta
 
+import prometheus_client
 import psycopg
 import pytest
 from asgiref.sync import async_to_sync
@@ -111,6 +112,12 @@ def test_no_check_waits_for_a_poll_the_database_holds_up(make_caller, monkeypatc
     assert held and polls == 1
 
 
+def _unanswered(answer: str) -> float:
+    """Key checks the database did not answer, by what the caller got (this process's counter)."""
+    return prometheus_client.REGISTRY.get_sample_value("sluice_web_key_checks_unanswered_total",
+                                                       {"answer": answer}) or 0.0
+
+
 def _counted_lookups(monkeypatch) -> list[str]:
     """The keys' lookups as they reach the database (one entry each)."""
     started: list[str] = []
@@ -134,6 +141,7 @@ def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_ca
     assert check(known.api_key, address=ADDRESS).context.workload_id == known.workload.id
     time.sleep(0.15)
     lookups = _counted_lookups(monkeypatch)
+    served, refused = _unanswered("served"), _unanswered("refused")
     locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
     try:
         locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
@@ -166,6 +174,9 @@ def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_ca
     assert [a.context.workload_id for a in answers] == [known.workload.id] * 4
     assert len(refusals) == 2 and "did not answer" in refusals[0]
     assert waiting == (2, True)
+    # (on /metrics: two checks served as last checked, the other two cached
+    # by the first; two refused)
+    assert (_unanswered("served") - served, _unanswered("refused") - refused) == (2, 2)
     # and once it answers, the unseen key is looked up again and gets in
     assert after.context.workload_id == unseen.workload.id
     assert auth._lookups == {}

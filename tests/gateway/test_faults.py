@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from budgets.admission import keys
@@ -210,10 +211,17 @@ def test_keys_a_web_process_knows_are_served_while_its_database_is_away(platform
                           headers={"Authorization": f"Bearer {caller.api_key}"},
                           json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
 
+    def unanswered() -> dict[str, float]:
+        """sluice_web_key_checks_unanswered_total on /metrics, by answer."""
+        text = httpx.get(f"{web_url}/metrics", timeout=30).text
+        return {sample.labels["answer"]: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "sluice_web_key_checks_unanswered_total"}
+
     try:
         wait_http(f"{web_url}/healthz", web)
         # given a key the web process checked
         assert chat(known).status_code == 200
+        counted = unanswered()
         checked = time.monotonic()
         # when its database goes away, and the key's cache entry lapses
         proxy.cut()
@@ -243,6 +251,9 @@ def test_keys_a_web_process_knows_are_served_while_its_database_is_away(platform
             assert time.monotonic() < deadline
             time.sleep(0.2)
         assert chat(known).status_code == 200
+        # and /metrics counted the checks the database did not answer
+        now = unanswered()
+        assert now["served"] - counted["served"] >= 1 and now["refused"] - counted["refused"] >= 2
     finally:
         web.stop()
         proxy.stop()
