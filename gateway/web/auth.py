@@ -28,9 +28,10 @@ SLUICE_AUTH_STALE_S).
 A database that holds a lookup up instead of failing it (a lock, a hung
 host, a network that drops packets) counts as away once the lookup has run
 SLUICE_AUTH_LOOKUP_WAIT_S: its callers are answered as above while it goes
-on. A key has one lookup at a time per process, and a process at most
-LOOKUPS_MAX, so a hung database holds a few executor threads, never one
-per request, and no caller waits past the bound.
+on. A key has one lookup at a time per process, and a process starts no
+new one past LOOKUPS_MAX in flight while the database holds them up, so a
+hung database holds a few executor threads, never one per request, and no
+caller waits past the bound.
 
 Last use: each request notes its key in process memory; a timer on the
 event loop sends the notes to Redis (ZADD GT, one round trip per
@@ -89,9 +90,10 @@ REVOCATION_OVERLAP_S = 5.0
 # While the database is away, a key served as last checked is looked up
 # again at most this often (per key and process).
 STALE_RETRY_S = 1.0
-# Key lookups in flight per process at most (each on an executor thread or
-# waiting for one); past it a key not cached is answered as if the database
-# were away. Far above what a healthy database leaves in flight.
+# Key lookups in flight per process at most while the database holds them
+# up (the oldest past its wait): past it a key not cached is answered as if
+# the database were away. A database that answers is never capped: a web
+# process that starts under the traffic of thousands of keys looks them all up.
 LOOKUPS_MAX = 256
 
 @dataclass(frozen=True)
@@ -384,16 +386,18 @@ _lookups: dict[str, _Lookup] = {}  # digest -> its lookup in flight (this proces
 async def _looked_up(raw_key: str, digest: str) -> tuple[CachedKey, float | None] | None:
     """``_load_context(raw_key)``, one lookup per key at a time, waited for
     until SLUICE_AUTH_LOOKUP_WAIT_S after it started: past that, or with
-    LOOKUPS_MAX lookups already in flight, the database counts as away
-    (OperationalError) while the lookup goes on; the key's next lookup
-    starts once it has ended."""
+    LOOKUPS_MAX lookups already in flight while the database holds them up,
+    the database counts as away (OperationalError) while the lookup goes on;
+    the key's next lookup starts once it has ended."""
     loop = asyncio.get_running_loop()
     lookup = _lookups.get(digest)
     if lookup is None or lookup.task.get_loop() is not loop:
-        if len(_lookups) >= LOOKUPS_MAX:
+        # The oldest lookup in flight comes first (a dict keeps its order).
+        if len(_lookups) >= LOOKUPS_MAX and next(iter(_lookups.values())).answer_by < time.monotonic():
             raise OperationalError(f"{LOOKUPS_MAX} API key lookups are waiting for the database")
         lookup = _Lookup(task=loop.create_task(database_off_loop(_load_context)(raw_key)),
                          answer_by=time.monotonic() + settings.SLUICE_AUTH_LOOKUP_WAIT_S)
+        _lookups.pop(digest, None)  # (another loop's) so the dict's order stays the lookups' age
         _lookups[digest] = lookup
         lookup.task.add_done_callback(functools.partial(_lookup_done, digest))
     try:

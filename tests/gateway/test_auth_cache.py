@@ -183,10 +183,18 @@ def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_ca
 
 
 def test_past_the_lookups_a_process_may_hold_a_new_key_is_not_looked_up(make_caller, monkeypatch, settings):
-    # given one lookup in flight at most, and the key table locked
+    # given one lookup in flight at most while the database holds them up
     settings.SLUICE_AUTH_LOOKUP_WAIT_S = 0.2
     monkeypatch.setattr(auth, "LOOKUPS_MAX", 1)
-    first, second = make_caller(), make_caller()
+    first, second, third, fourth = make_caller(), make_caller(), make_caller(), make_caller()
+
+    async def at_once(*callers):
+        return await asyncio.gather(*(key_check(caller.api_key, address=ADDRESS) for caller in callers))
+
+    # while the database answers, keys beyond it are looked up all the same
+    assert [c.context.workload_id for c in async_to_sync(at_once)(third, fourth)] == \
+        [third.workload.id, fourth.workload.id]
+    # and with the key table locked
     lookups = _counted_lookups(monkeypatch)
     locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
     try:
