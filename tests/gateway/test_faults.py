@@ -257,3 +257,63 @@ def test_keys_a_web_process_knows_are_served_while_its_database_is_away(platform
     finally:
         web.stop()
         proxy.stop()
+
+
+def test_a_database_that_holds_key_lookups_up_holds_no_caller_past_the_wait(platform, make_caller, tmp_path):
+    """PostgreSQL that neither answers nor fails a key's lookup (here: the
+    key table locked by another connection, as a migration would): a web
+    process answers within SLUICE_AUTH_LOOKUP_WAIT_S, serving a key it
+    checked before and refusing one it never saw 503 database_unavailable,
+    and serves both once the lock goes."""
+    import psycopg
+    from django.db import connection
+
+    from llm_platform import processes
+    from tenants.models import ApiKey
+    from tests.platform_harness import Process, free_port, wait_http
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    known, unseen = make_caller(pool=pool), make_caller(pool=pool)
+    port = free_port()
+    web_url = f"http://127.0.0.1:{port}"
+    # a known key lapses from the cache after 1 s; lookups are waited for 1 s
+    env = {**platform.env, "SLUICE_AUTH_CACHE_S": "1", "SLUICE_AUTH_LOOKUP_WAIT_S": "1"}
+    web = Process("web-db-held", processes.web_command(port=port), env, tmp_path).start()
+
+    def chat(caller) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        response = httpx.post(f"{web_url}/v1/chat/completions", timeout=30,
+                              headers={"Authorization": f"Bearer {caller.api_key}"},
+                              json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
+        return response, time.monotonic() - started
+
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                             autocommit=False)
+    try:
+        wait_http(f"{web_url}/healthz", web)
+        # given a key the web process checked, then the key table locked
+        assert chat(known)[0].status_code == 200
+        locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        time.sleep(1.2)  # the known key's cache entry lapses
+        # when both keys call
+        served, served_s = chat(known)
+        refused, refused_s = chat(unseen)
+        locker.rollback()  # the lock goes
+        # then neither waited for the lock (bounds, not timings: the lookup
+        # wait is 1 s, the lock was held for seconds)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] > 0
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "database_unavailable"
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert served_s < 5 and refused_s < 5
+        # and once the lock is gone both keys are served
+        deadline = time.monotonic() + 10
+        while chat(unseen)[0].status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert chat(known)[0].status_code == 200
+    finally:
+        locker.close()
+        web.stop()
