@@ -54,11 +54,14 @@ costs no lookup, and past its throttle an address is looked up only for
 keys Sluice issued (``_Issued``, kept with the revocation poll), so a flood
 of made-up keys cannot turn into a flood of database lookups.
 
-A cache miss is single-flight per key and process: when the cached context
-of a busy key expires, the first caller looks it up and every caller of the
-same key arriving meanwhile waits for that one check (no attempt taken from
-its address: it causes no lookup) instead of N lookups at once. Should the
-first caller's lookup fail, each waiter goes its own way as before."""
+A key has one lookup at a time per process, and its callers share it: when
+the cached context of a busy key lapses, the first caller starts the lookup
+and every caller of the same key arriving meanwhile waits for that one
+(no attempt taken from its address for an unknown key: one lookup, one
+failure, the first caller's), instead of N lookups at once. A key checked in
+the last REFRESH_AHEAD_S of its cache entry starts its next lookup beside
+the request, so a key in steady use is looked up again before its entry
+lapses and none of its callers waits for the database."""
 
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ from gateway.core.request.context import CallerContext, context_for_workload
 from gateway.core.key_usage import key_last_used_push
 from gateway.core.observability import key_check_unanswered_observe
 from gateway.core.protection.throttle import api_key_address_budget
+from gateway.web.per_loop import PerLoop
 from tenants.keys import KEY_PREFIX
 from tenants.selectors import api_key_changes, api_key_lookup
 
@@ -95,6 +99,9 @@ STALE_RETRY_S = 1.0
 # the database were away. A database that answers is never capped: a web
 # process that starts under the traffic of thousands of keys looks them all up.
 LOOKUPS_MAX = 256
+# A key checked this close to its cache entry's end (at most half the
+# entry's life) is looked up again beside the request.
+REFRESH_AHEAD_S = 1.0
 
 @dataclass(frozen=True)
 class CachedKey:
@@ -104,10 +111,13 @@ class CachedKey:
 
 @dataclass(frozen=True)
 class Kept:
-    """A cache entry and the monotonic time it lapses."""
+    """A cache entry, the monotonic time it lapses and the time from which a
+    check of it starts the key's next lookup (never, for an entry served
+    while the database is away: that is retried only once it lapses)."""
 
     value: object
     until: float
+    refresh_at: float = float("inf")
 
 
 def key_cache(size: int) -> TLRUCache:
@@ -115,10 +125,13 @@ def key_cache(size: int) -> TLRUCache:
     return TLRUCache(maxsize=max(1, size), ttu=lambda _key, kept, _now: kept.until, timer=time.monotonic)
 
 
-def _keep(cache: TLRUCache, digest: str, value: object, seconds: float) -> None:
-    """Keep ``value`` for ``seconds`` (0 or less: not kept)."""
+def _keep(cache: TLRUCache, digest: str, value: object, seconds: float, *, refresh: bool = False) -> None:
+    """Keep ``value`` for ``seconds`` (0 or less: not kept); ``refresh``: a
+    check in the entry's last REFRESH_AHEAD_S starts its next lookup."""
     if seconds > 0:
-        cache[digest] = Kept(value=value, until=time.monotonic() + seconds)
+        until = time.monotonic() + seconds
+        refresh_at = until - min(REFRESH_AHEAD_S, seconds / 2) if refresh else float("inf")
+        cache[digest] = Kept(value=value, until=until, refresh_at=refresh_at)
     else:
         cache.pop(digest, None)
 
@@ -267,20 +280,6 @@ async def _last_used_push() -> None:
             _push_schedule()
 
 
-# digest -> the first caller's check in flight in this process (one event
-# loop per web process): its lookup's result (_load_context's; None for a
-# key already known bad), or _FAILED when the lookup failed.
-_inflight: dict[str, asyncio.Future] = {}
-_FAILED = object()
-
-
-def _inflight_done(digest: str, shared: asyncio.Future, result: object) -> None:
-    if _inflight.get(digest) is shared:
-        del _inflight[digest]
-    if not shared.done():
-        shared.set_result(result)
-
-
 def key_use_noted(*, key_id: int) -> float | None:
     """When this process last saw the key used and has not pushed it to
     Redis yet (unix seconds), or None."""
@@ -316,33 +315,13 @@ def caller_line(authorization: str | None) -> tuple[int, str] | None:
 
 async def key_check(raw_key: str, *, address: str) -> KeyCheck:
     digest = _digest(raw_key)
-    _poll_due(time.monotonic())
-    cached = _kept(_valid, digest)
-    if cached is not None:
-        return _noted(cached)
-    loop = asyncio.get_running_loop()
-    pending = _inflight.get(digest)
-    if pending is not None and pending.get_loop() is loop:
-        # Another caller of this key is checking it: its answer is this one's.
-        shared = await asyncio.shield(pending)
-        if shared is None:
-            return KeyCheck(None)
-        if shared is not _FAILED:
-            return _noted(shared[0])
-        return (await _key_load(raw_key, digest=digest, address=address))[0]
-    pending = _inflight[digest] = loop.create_future()
-    result: object = _FAILED
-    try:
-        check, result = await _key_load(raw_key, digest=digest, address=address)
-        return check
-    finally:
-        _inflight_done(digest, pending, result)
-
-
-async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyCheck, object]:
-    """The check of a key not in the valid cache, and what callers waiting on
-    it take from it: the lookup's result (None: unknown), or _FAILED when
-    the lookup itself failed."""
+    now = time.monotonic()
+    _poll_due(now)
+    kept = _valid.get(digest)
+    if kept is not None:
+        if now >= kept.refresh_at:
+            _refresh(raw_key, digest)
+        return _noted(kept.value)
     # The key is looked at before its address's throttle: callers behind one
     # NAT or load balancer share an address with whoever floods it with bad
     # keys, and a valid key must still get in. Only a failure costs the
@@ -350,26 +329,25 @@ async def _key_load(raw_key: str, *, digest: str, address: str) -> tuple[KeyChec
     # A key Sluice never issued (every one starts with KEY_PREFIX) or one this
     # process already found bad costs no lookup.
     if not raw_key.startswith(KEY_PREFIX) or _kept(_unknown, digest):
-        return await _failure_count(address), None
-    if _kept(_throttled, address) and _issued.digests is not None and digest not in _issued.digests:
-        # Past its throttle, an address is looked up for keys Sluice issued
-        # only (a key issued since the last poll waits for the next one).
-        return await _failure_count(address), None
+        return await _failure_count(address)
+    lookups = _lookups.get(dict)
+    lookup = lookups.get(digest)
+    first = lookup is None
     try:
-        loaded = await _looked_up(raw_key, digest)
+        if first:
+            if _kept(_throttled, address) and _issued.digests is not None and digest not in _issued.digests:
+                # Past its throttle, an address is looked up for keys Sluice issued
+                # only (a key issued since the last poll waits for the next one).
+                return await _failure_count(address)
+            lookup = _lookup_start(lookups, raw_key, digest)
+        loaded = await _answer(lookup)
     except DATABASE_AWAY as exc:
         return _served_stale(digest, exc)
-    cache_s = settings.SLUICE_AUTH_CACHE_S
     if loaded is None:
-        _stale.pop(digest, None)
-        _keep(_unknown, digest, True, cache_s)
-        return await _failure_count(address), None
-    cached, expires_in = loaded
-    # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
-    _keep(_valid, digest, cached, cache_s if expires_in is None else min(cache_s, expires_in))
-    stale_s = settings.SLUICE_AUTH_STALE_S
-    _keep(_stale, digest, cached, stale_s if expires_in is None else min(stale_s, expires_in))
-    return _noted(cached), loaded
+        # Unknown or revoked: one failure per lookup against the address, its
+        # first caller's; a caller that waited on it caused no lookup.
+        return await _failure_count(address) if first else KeyCheck(None)
+    return _noted(loaded[0])
 
 
 @dataclass(frozen=True)
@@ -380,26 +358,43 @@ class _Lookup:
     answer_by: float
 
 
-_lookups: dict[str, _Lookup] = {}  # digest -> its lookup in flight (this process's loop)
+# This loop's lookups in flight, digest -> _Lookup, oldest first (a dict keeps its order).
+_lookups: PerLoop[dict[str, _Lookup]] = PerLoop()
 
 
-async def _looked_up(raw_key: str, digest: str) -> tuple[CachedKey, float | None] | None:
-    """``_load_context(raw_key)``, one lookup per key at a time, waited for
-    until SLUICE_AUTH_LOOKUP_WAIT_S after it started: past that, or with
-    LOOKUPS_MAX lookups already in flight while the database holds them up,
-    the database counts as away (OperationalError) while the lookup goes on;
-    the key's next lookup starts once it has ended."""
-    loop = asyncio.get_running_loop()
-    lookup = _lookups.get(digest)
-    if lookup is None or lookup.task.get_loop() is not loop:
-        # The oldest lookup in flight comes first (a dict keeps its order).
-        if len(_lookups) >= LOOKUPS_MAX and next(iter(_lookups.values())).answer_by < time.monotonic():
-            raise OperationalError(f"{LOOKUPS_MAX} API key lookups are waiting for the database")
-        lookup = _Lookup(task=loop.create_task(database_off_loop(_load_context)(raw_key)),
-                         answer_by=time.monotonic() + settings.SLUICE_AUTH_LOOKUP_WAIT_S)
-        _lookups.pop(digest, None)  # (another loop's) so the dict's order stays the lookups' age
-        _lookups[digest] = lookup
-        lookup.task.add_done_callback(functools.partial(_lookup_done, digest))
+def _lookup_start(lookups: dict[str, _Lookup], raw_key: str, digest: str) -> _Lookup:
+    """Start the key's lookup on this loop; with LOOKUPS_MAX lookups already
+    in flight and the oldest past its wait (the database holding them up),
+    the database counts as away (OperationalError) and none starts."""
+    if len(lookups) >= LOOKUPS_MAX and next(iter(lookups.values())).answer_by < time.monotonic():
+        raise OperationalError(f"{LOOKUPS_MAX} API key lookups are waiting for the database")
+    lookup = lookups[digest] = _Lookup(task=asyncio.get_running_loop().create_task(_lookup(raw_key, digest)),
+                                       answer_by=time.monotonic() + settings.SLUICE_AUTH_LOOKUP_WAIT_S)
+    lookup.task.add_done_callback(functools.partial(_lookup_done, lookups, digest))
+    return lookup
+
+
+async def _lookup(raw_key: str, digest: str) -> tuple[CachedKey, float | None] | None:
+    """``_load_context(raw_key)`` off the loop, and what it found kept in the
+    caches, whether or not anybody still waits for it."""
+    loaded = await database_off_loop(_load_context)(raw_key)
+    cache_s = settings.SLUICE_AUTH_CACHE_S
+    if loaded is None:
+        _valid.pop(digest, None)
+        _stale.pop(digest, None)
+        _keep(_unknown, digest, True, cache_s)
+        return None
+    cached, expires_in = loaded
+    # Kept no later than the key's expiry (a timeout of 0 or less: not kept).
+    _keep(_valid, digest, cached, cache_s if expires_in is None else min(cache_s, expires_in), refresh=True)
+    stale_s = settings.SLUICE_AUTH_STALE_S
+    _keep(_stale, digest, cached, stale_s if expires_in is None else min(stale_s, expires_in))
+    return loaded
+
+
+async def _answer(lookup: _Lookup) -> tuple[CachedKey, float | None] | None:
+    """The lookup's result, waited for until its ``answer_by``: past that the
+    database counts as away (OperationalError) while the lookup goes on."""
     try:
         return await asyncio.wait_for(asyncio.shield(lookup.task), max(0.0, lookup.answer_by - time.monotonic()))
     except TimeoutError:
@@ -407,15 +402,27 @@ async def _looked_up(raw_key: str, digest: str) -> tuple[CachedKey, float | None
             f"the database did not answer an API key lookup within {settings.SLUICE_AUTH_LOOKUP_WAIT_S:g} s") from None
 
 
-def _lookup_done(digest: str, task: asyncio.Task) -> None:
-    lookup = _lookups.get(digest)
+def _lookup_done(lookups: dict[str, _Lookup], digest: str, task: asyncio.Task) -> None:
+    lookup = lookups.get(digest)
     if lookup is not None and lookup.task is task:
-        del _lookups[digest]
+        del lookups[digest]
     if not task.cancelled():
         task.exception()  # its callers may all have stopped waiting: retrieved here, raised to them
 
 
-def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:
+def _refresh(raw_key: str, digest: str) -> None:
+    """The key's next lookup, started beside its request, unless one is in
+    flight or the database holds LOOKUPS_MAX up (then the entry lapses and
+    its next caller looks the key up, or is answered as the database away)."""
+    lookups = _lookups.get(dict)
+    if digest not in lookups:
+        try:
+            _lookup_start(lookups, raw_key, digest)
+        except DATABASE_AWAY:
+            pass
+
+
+def _served_stale(digest: str, error: Exception) -> KeyCheck:
     """The database did not answer a key's lookup: the key as this process
     last checked it, if that is recent enough; else the error (the /v1
     views answer it 503 database_unavailable: views.py ``unavailable_is_503``)."""
@@ -428,7 +435,7 @@ def _served_stale(digest: str, error: Exception) -> tuple[KeyCheck, object]:
                    cached.key_id, type(error).__name__)
     # Looked up again at most every STALE_RETRY_S, never past the stale bound.
     _keep(_valid, digest, cached, min(STALE_RETRY_S, kept.until - time.monotonic()))
-    return _noted(cached), (cached, None)
+    return _noted(cached)
 
 
 async def _failure_count(address: str) -> KeyCheck:

@@ -158,14 +158,15 @@ def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_ca
                         refusals.append(str(exc))
                 await asyncio.sleep(1.1)  # past the stale entry's retry mark, the lookups still held
                 answers += [await asyncio.wait_for(key_check(known.api_key, address=ADDRESS), 5) for _ in range(3)]
-                held = [lookup.task for lookup in auth._lookups.values()]
+                held = [lookup.task for lookup in auth._lookups.get(dict).values()]
                 waiting = len(lookups), all(not task.done() for task in held)
             finally:
                 locker.rollback()  # the database answers again
             await asyncio.gather(*held)
-            return answers, refusals, waiting, await key_check(unseen.api_key, address=ADDRESS)
+            after = await key_check(unseen.api_key, address=ADDRESS)
+            return answers, refusals, waiting, after, dict(auth._lookups.get(dict))
 
-        answers, refusals, waiting, after = async_to_sync(checks_while_the_database_holds_the_lookups)()
+        answers, refusals, waiting, after, in_flight = async_to_sync(checks_while_the_database_holds_the_lookups)()
     finally:
         locker.close()
     # then the known key was served as last checked, the unseen one refused
@@ -177,9 +178,9 @@ def test_a_lookup_the_database_holds_up_is_answered_as_the_database_away(make_ca
     # (on /metrics: two checks served as last checked, the other two cached
     # by the first; two refused)
     assert (_unanswered("served") - served, _unanswered("refused") - refused) == (2, 2)
-    # and once it answers, the unseen key is looked up again and gets in
+    # and once it answers, the lookup it held fills the cache: the unseen key gets in
     assert after.context.workload_id == unseen.workload.id
-    assert auth._lookups == {}
+    assert in_flight == {}
 
 
 def test_past_the_lookups_a_process_may_hold_a_new_key_is_not_looked_up(make_caller, monkeypatch, settings):
@@ -208,7 +209,7 @@ def test_past_the_lookups_a_process_may_hold_a_new_key_is_not_looked_up(make_cal
                         await asyncio.wait_for(key_check(caller.api_key, address=ADDRESS), 5)
                     except OperationalError as exc:
                         errors.append(str(exc))
-                held = [lookup.task for lookup in auth._lookups.values()]
+                held = [lookup.task for lookup in auth._lookups.get(dict).values()]
             finally:
                 locker.rollback()
             await asyncio.gather(*held)
@@ -221,3 +222,48 @@ def test_past_the_lookups_a_process_may_hold_a_new_key_is_not_looked_up(make_cal
     # started none: both were answered as the database away
     assert "did not answer" in errors[0] and "lookups are waiting" in errors[1]
     assert lookups == [first.api_key]
+
+
+def test_a_key_in_steady_use_is_looked_up_again_before_its_entry_lapses(make_caller, monkeypatch, settings):
+    # given a key cached for 2 s (its next lookup due from its last second on),
+    # lookups waited for up to 5 s, and its first check's entry
+    settings.SLUICE_AUTH_CACHE_S = 2.0
+    settings.SLUICE_AUTH_LOOKUP_WAIT_S = 5.0
+    caller = make_caller()
+    digest = auth._digest(caller.api_key)
+    assert check(caller.api_key, address=ADDRESS).context.workload_id == caller.workload.id
+    first = auth._valid.get(digest)
+    lookups = _counted_lookups(monkeypatch)
+    # a check before the entry's last second starts no lookup
+    assert check(caller.api_key, address=ADDRESS).context.workload_id == caller.workload.id
+    assert lookups == []
+    time.sleep(max(0.0, first.refresh_at - time.monotonic()) + 0.01)
+    # when it is checked in that last second while the key table is locked
+    locker = psycopg.connect(**_connect_kwargs(), autocommit=False)
+    try:
+        locker.execute(f"LOCK TABLE {ApiKey._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+
+        async def check_while_its_lookup_waits():
+            try:
+                # (a bound for a check that waited on the lock, not a timing)
+                answer = await asyncio.wait_for(key_check(caller.api_key, address=ADDRESS), 1)
+                held = [lookup.task for lookup in auth._lookups.get(dict).values()]
+                waiting = [not task.done() for task in held]
+            finally:
+                locker.rollback()  # the database answers again
+            await asyncio.gather(*held)
+            return answer, waiting
+
+        answer, waiting = async_to_sync(check_while_its_lookup_waits)()
+    finally:
+        locker.close()
+    # then it was answered from the cache while its next lookup waited on the lock
+    assert answer.context.workload_id == caller.workload.id
+    assert waiting == [True] and lookups == [caller.api_key]
+    # and that lookup renewed the entry: past the first entry's end the key
+    # is still answered from the cache, with no other lookup
+    renewed = auth._valid.get(digest)
+    assert renewed.until > first.until
+    time.sleep(max(0.0, first.until - time.monotonic()) + 0.01)
+    assert check(caller.api_key, address=ADDRESS).context.workload_id == caller.workload.id
+    assert lookups == [caller.api_key]
