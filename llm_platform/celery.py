@@ -119,7 +119,7 @@ def _request_path_redis(**kwargs) -> None:
     (budgets/redis/clients.py), and its threads share a few database
     connections (gateway/core/db_threads.py)."""
     request_path_process()
-    database_threads_start(settings.SLUICE_WORKER_DB_THREADS)
+    database_threads_start(settings.SLUICE_WORKER_DB_THREADS, wait_s=settings.SLUICE_WORKER_DB_WAIT_S)
     if settings.SLUICE_LANE_BATCHED_PICKUP:
         lane_pickup_install()
 

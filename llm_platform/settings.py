@@ -379,6 +379,10 @@ SLUICE_LANE_CONCURRENCY = {lane.name: env_int(lane.concurrency_env, lane.default
 # Database connections per lane worker process: its calls' ledger rows go
 # through this many threads (gateway/core/db_threads.py), however many calls it runs.
 SLUICE_WORKER_DB_THREADS = env_int("SLUICE_WORKER_DB_THREADS", 8)
+# How long a lane worker's call waits for its database work (the ledger row, a
+# job's end) before it counts the database as away and its task is retried
+# later, so a lock or a hung database holds no lane thread (0: no bound).
+SLUICE_WORKER_DB_WAIT_S = env_float("SLUICE_WORKER_DB_WAIT_S", 2.0)
 # How often a lane worker looks whether its pools' in-flight limits rose.
 SLUICE_LANE_SIZE_CHECK_S = env_float("SLUICE_LANE_SIZE_CHECK_S", 5.0)
 # Worker processes per lane, its threads split evenly among them

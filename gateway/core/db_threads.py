@@ -11,6 +11,16 @@ many connections per process, each kept (``DB_CONN_MAX_AGE``), the call's
 result or exception returned to the calling thread as if it had run there.
 Any other process (web, beat, the pacer) runs the work where it is called.
 
+A database that holds that work up instead of failing it (a migration's lock
+on the ledger table, a hung host) counts as away once the caller has waited
+``SLUICE_WORKER_DB_WAIT_S``: the caller gets an OperationalError, as from a
+database that went away, and its task is retried later (gateway/worker/
+tasks.py ``IDEMPOTENT_TASK``; every step it replays is idempotent on the
+request id), so the lane's thread goes back to new calls instead of waiting
+on the lock. The held statement goes on and may still commit: the retry's
+row is then the same row (INSERT ... ON CONFLICT DO NOTHING). Work not
+started by then is dropped from the threads' queue.
+
 ``connection_checked``: the web's database work runs in executor threads
 (``sync_to_async``), which Django's request signals never reach, so nothing
 there would replace a connection a database restart broke: each call checks
@@ -22,6 +32,7 @@ from __future__ import annotations
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitedOut
 from typing import Any, Awaitable, Callable, TypeVar
 
 from asgiref.sync import sync_to_async
@@ -35,14 +46,18 @@ DATABASE_AWAY = (OperationalError, InterfaceError)
 
 _executor: ThreadPoolExecutor | None = None
 _size = 0
+_wait_s: float | None = None
 _NAME = "sluice-db"
 
 
-def database_threads_start(threads: int) -> None:
-    """Run this process's ``on_database`` work on ``threads`` threads (a lane worker, at start)."""
-    global _executor, _size
+def database_threads_start(threads: int, *, wait_s: float | None = None) -> None:
+    """Run this process's ``on_database`` work on ``threads`` threads (a lane
+    worker, at start), each caller waiting for its work ``wait_s`` at most
+    (None or 0: without a bound)."""
+    global _executor, _size, _wait_s
     if _executor is None:
         _size = max(1, threads)
+        _wait_s = wait_s if wait_s and wait_s > 0 else None
         _executor = ThreadPoolExecutor(max_workers=_size, thread_name_prefix=_NAME)
 
 
@@ -91,8 +106,16 @@ def database_off_loop(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
 
 
 def on_database(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` on the process's database threads when it has them, else here."""
+    """``fn(*args, **kwargs)`` on the process's database threads when it has
+    them, else here. Not done within their wait: OperationalError (the
+    database away), the work dropped if it has not started."""
     executor = _executor
     if executor is None or threading.current_thread().name.startswith(_NAME):
         return fn(*args, **kwargs)
-    return executor.submit(_run, fn, args, kwargs).result()
+    work = executor.submit(_run, fn, args, kwargs)
+    try:
+        return work.result(timeout=_wait_s)
+    except WaitedOut:
+        work.cancel()
+        raise OperationalError(f"the database did not finish {getattr(fn, '__name__', 'the work')} "
+                               f"within {_wait_s:g} s") from None

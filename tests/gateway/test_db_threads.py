@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
 from gateway.core.db_threads import database_threads_start, database_threads_stop, on_database
 
@@ -48,3 +48,33 @@ def test_the_callers_get_the_works_exception(two_database_threads):
 @pytest.mark.django_db(transaction=True)
 def test_without_database_threads_the_work_runs_where_it_is_called():
     assert on_database(lambda: threading.current_thread().name) == threading.current_thread().name
+
+
+@pytest.mark.django_db(transaction=True)
+def test_work_held_up_past_the_wait_is_answered_as_the_database_away():
+    # given one database thread whose callers wait 0.2 s at most
+    database_threads_start(1, wait_s=0.2)
+    try:
+        started, release, ran = threading.Event(), threading.Event(), []
+
+        def held_up() -> None:
+            started.set()
+            release.wait(10)
+
+        # when its work is held up (a lock) and another caller's work queues behind it
+        with ThreadPoolExecutor(1) as other:
+            held = other.submit(on_database, held_up)
+            assert started.wait(5)
+            with pytest.raises(OperationalError, match="did not finish append"):
+                on_database(ran.append, "queued")
+            # then both callers are answered as the database away, the held work going on
+            with pytest.raises(OperationalError, match="did not finish held_up"):
+                held.result(timeout=5)
+            assert not release.is_set()
+        release.set()
+        # and the queued work was dropped, not run later; the thread serves the next caller
+        assert on_database(lambda: "next") == "next"
+        assert ran == []
+    finally:
+        release.set()
+        database_threads_stop()

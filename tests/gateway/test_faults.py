@@ -317,3 +317,67 @@ def test_a_database_that_holds_key_lookups_up_holds_no_caller_past_the_wait(plat
     finally:
         locker.close()
         web.stop()
+
+
+def test_a_ledger_the_database_holds_up_holds_no_lane_thread(platform, make_caller, redis_client, tmp_path):
+    """PostgreSQL that neither writes nor fails a ledger row (here: the
+    ledger table locked by another connection, as a migration would): a
+    lane's only thread waits SLUICE_WORKER_DB_WAIT_S for its row, then goes
+    back to new calls while the row is retried, so call after call is
+    answered; once the lock goes every row lands once and nothing is
+    charged or called twice."""
+    import psycopg
+    from django.db import connection
+
+    from llm_platform import processes
+    from tests.platform_harness import Process
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, workload_class="batch")
+    # given the batch lane served by one worker with one thread, whose calls
+    # wait 1 s for their ledger rows
+    platform.stop_worker("batch")
+    hostname = f"batch@{socket.gethostname()}"
+    redis_client.hdel("sluice:workers:ready", hostname)
+    env = {**platform.env, "SLUICE_WORKERS_BATCH": "1", "SLUICE_WORKER_DB_WAIT_S": "1"}
+    worker = Process("batch-one-thread", processes.worker_command(lane="batch", concurrency=1), env, tmp_path).start()
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                             autocommit=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not redis_client.hexists("sluice:workers:ready", hostname):
+            worker.assert_alive()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        platform.sim_reset()
+        # when the ledger table is locked and three calls come one after another
+        locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        answers = []
+        with httpx.Client(timeout=20) as client:
+            for n in range(3):
+                answers.append(client.post(f"{platform.base_url}/v1/chat/completions",
+                                           headers={"Authorization": f"Bearer {caller.api_key}"},
+                                           json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
+                                                 "sim": {"output_tokens": 4 + n}}))
+        # then each was answered, the one thread freed from the row before it
+        assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+        assert [a.json()["usage"]["completion_tokens"] for a in answers] == [4, 5, 6]
+        locker.rollback()  # the lock goes
+        # and the rows land once the lock is gone, one per call
+        deadline = time.monotonic() + 60
+        while UsageRecord.objects.filter(workload=caller.workload).count() < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(2)  # any retry still due finds its row written
+    finally:
+        locker.close()
+        worker.stop()
+        platform.start_worker("batch")
+        platform.wait_workers_ready(["batch"])
+    rows = list(UsageRecord.objects.filter(workload=caller.workload))
+    assert sorted(r.actual_output_tokens for r in rows) == [4, 5, 6]
+    assert platform.sim_stats()["completed"] == 3
+    counters = redis_client.hgetall(keys.pool_counters(pool.id))
+    assert int(counters[f"{caller.workload.id}.debited_tok"]) == sum(r.actual_input_tokens + r.actual_output_tokens
+                                                                     for r in rows)
