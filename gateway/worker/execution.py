@@ -560,8 +560,10 @@ def leases_reap(*, pool_ids: list[int]) -> int:
             else:
                 settle_call(pool_id=pool_id, workload_id=workload_id, request_id=request_id,
                             actual_input_tokens=0, actual_output_tokens=0, pool_called=False).run(client)
-            client.zrem(budget_keys.pool_leases(pool_id), request_id)
             if data:
+                # The row before the lease goes: a database away here leaves the
+                # lease for the next pass, which settles nothing twice (a replay)
+                # and writes the same row (once, on the request id).
                 writing = time.monotonic()
                 on_database(usage_record_write, entry=ledger_entry(
                     record, status="lease_expired", actual_input_tokens=record.estimated_input_tokens,
@@ -570,6 +572,8 @@ def leases_reap(*, pool_ids: list[int]) -> int:
                     usage_source="estimate"))
                 lease_expiry_report(record=record, ledger_lag_s=(now_ms - record.admitted_ms) / 1000
                                     + (time.monotonic() - writing))
+            client.zrem(budget_keys.pool_leases(pool_id), request_id)
+            if data:
                 client.delete(keys.request_record(request_id))
             reaped += 1
     return reaped

@@ -65,6 +65,58 @@ def test_expired_leases_are_reaped_once_and_recorded(make_caller, redis_client):
     assert request_execute(request_id="req_lost") == "missing"
 
 
+def test_a_lease_whose_row_the_database_refuses_is_reaped_again_and_charged_once(make_caller, redis_client):
+    """The reaper writes an expired lease's row before it lets the lease go:
+    the database failing that row (here: a lock past this connection's
+    lock_timeout) leaves the lease for the next pass, which writes the row
+    once and settles nothing twice."""
+    import psycopg
+    from django.db import OperationalError, connection
+
+    from gateway.core import keys as gateway_keys
+    from gateway.core.request.records import RequestRecord
+    from gateway.worker.execution import leases_reap
+
+    caller = make_caller()
+    admission = admit(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id="req_held_row",
+                      input_tokens=10, output_tokens=20, lease_ttl_ms=1)
+    record = RequestRecord(
+        request_id="req_held_row", tenant_id=caller.tenant.id, workload_id=caller.workload.id,
+        pool_id=caller.pool.id, pool_base_url=caller.pool.base_url, pool_api_key_env="", model="sim-small",
+        lane="interactive", borrowed=False, estimated_input_tokens=10, estimated_output_tokens=20,
+        admitted_ms=admission.admitted_ms, deadline_ms=admission.admitted_ms + 1, payload={},
+    )
+    redis_client.hset(gateway_keys.request_record("req_held_row"), mapping=record.to_redis())
+    time.sleep(0.01)
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                             autocommit=False)
+    # given the ledger table locked, and this connection giving up on a lock after 0.2 s
+    try:
+        locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        # when the reaper finds the expired lease
+        with pytest.raises(OperationalError):
+            leases_reap(pool_ids=[caller.pool.id])
+    finally:
+        locker.rollback()
+        locker.close()
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    # then the lease is still there for the next pass
+    assert redis_client.zscore(keys.pool_leases(caller.pool.id), "req_held_row") is not None
+    # which writes the row once and lets it go
+    assert leases_reap(pool_ids=[caller.pool.id]) == 1
+    assert leases_reap(pool_ids=[caller.pool.id]) == 0
+    assert list(UsageRecord.objects.filter(request_id="req_held_row").values_list("status", flat=True)) == \
+        ["lease_expired"]
+    # and the estimate was charged once
+    counters = redis_client.hgetall(keys.pool_counters(caller.pool.id))
+    assert int(counters[f"{caller.workload.id}.debited_tok"]) == 30
+    assert redis_client.zcard(keys.pool_leases(caller.pool.id)) == 0
+
+
 class CuttableProxy:
     """A TCP proxy to PostgreSQL that the test can cut and restore: the
     database going away, for one worker only."""
