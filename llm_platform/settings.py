@@ -158,12 +158,21 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # kept connection after about 30 s, instead of libpq's wait without end
     # and the kernel's minutes of retransmissions: the thread waiting on it
     # gets the database's error (retried, or answered 503) and is free
-    # again. Options in DATABASE_URL's query win.
-    for _option, _value in {
+    # again. A statement that waits on a lock (a migration's, a stuck
+    # transaction's) fails after DB_LOCK_TIMEOUT_S, cancelled by the server
+    # (nothing it wrote commits later), instead of queueing every later
+    # statement on that table behind it (0: no bound, and no startup
+    # ``options`` sent: a pooler such as PgBouncer refuses them unless told
+    # to ignore them). Options in DATABASE_URL's query win.
+    _bounds = {
         "connect_timeout": env_int("DB_CONNECT_TIMEOUT_S", 5),
         "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
         "tcp_user_timeout": 30_000,  # ms of data sent and not acknowledged
-    }.items():
+    }
+    DB_LOCK_TIMEOUT_S = env_float("DB_LOCK_TIMEOUT_S", 10.0)
+    if DB_LOCK_TIMEOUT_S > 0:
+        _bounds["options"] = f"-c lock_timeout={max(1, round(DB_LOCK_TIMEOUT_S * 1000))}"
+    for _option, _value in _bounds.items():
         DATABASES["default"].setdefault("OPTIONS", {}).setdefault(_option, _value)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":

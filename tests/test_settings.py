@@ -225,3 +225,43 @@ def test_a_postgresql_that_never_answers_fails_the_connection_instead_of_hanging
     # then it fails after DB_CONNECT_TIMEOUT_S (5 s), not when the host gives up
     assert params["connect_timeout"] == 5 and params["tcp_user_timeout"] == 30_000
     assert 4 <= waited < 15
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_waiting_on_a_lock_fails_after_db_lock_timeout(tmp_path):
+    import psycopg
+
+    from tenants.models import Tenant
+    from tests.conftest import _database_url
+
+    # given a table locked by another connection (a migration's lock)
+    locker = psycopg.connect(_database_url(), autocommit=False)
+    code = ("import time\nfrom django.db import OperationalError\nfrom tenants.models import Tenant\n"
+            "started = time.monotonic()\ntry:\n    Tenant.objects.count()\n    print('answered')\n"
+            "except OperationalError as exc:\n    print(type(exc.__cause__).__name__, round(time.monotonic() - started, 1))")
+    try:
+        locker.execute(f"LOCK TABLE {Tenant._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        # when a process with DB_LOCK_TIMEOUT_S=0.5 reads it
+        result = _manage(["shell", "-c", code], tmp_path=tmp_path, DATABASE_URL=_database_url(),
+                         DB_LOCK_TIMEOUT_S="0.5", DJANGO_SECRET_KEY=secrets.token_urlsafe(50))
+    finally:
+        locker.rollback()
+        locker.close()
+    # then its statement fails with the server's lock timeout within about that, not when the lock goes
+    assert result.returncode == 0, result.stdout + result.stderr
+    name, waited = result.stdout.split()[-2:]
+    assert name == "LockNotAvailable" and float(waited) < 5
+    # and with 0 no bound is asked for (no startup options: what a pooler refuses)
+    shown = _manage(["shell", "-c", "from django.db import connection; print(connection.get_connection_params())"],
+                    tmp_path=tmp_path, DATABASE_URL=_database_url(), DB_LOCK_TIMEOUT_S="0",
+                    DJANGO_SECRET_KEY=secrets.token_urlsafe(50))
+    assert shown.returncode == 0 and "'connect_timeout': 5" in shown.stdout and "options" not in shown.stdout
+
+
+@pytest.mark.django_db
+def test_the_default_lock_timeout_reaches_the_server():
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        assert cursor.fetchone()[0] == "10s"
