@@ -5,6 +5,7 @@ under a worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -20,6 +21,41 @@ from budgets.models import UsageRecord
 pytestmark = pytest.mark.django_db(transaction=True)
 
 HELLO = [{"role": "user", "content": "still there?"}]
+
+
+def _other_connection():
+    """A PostgreSQL connection of the test's own, outside Django, to hold a
+    lock (a migration's) while the platform works."""
+    import psycopg
+    from django.db import connection
+
+    params = connection.get_connection_params()
+    return psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                           autocommit=False)
+
+
+@contextlib.contextmanager
+def _batch_worker_instead(platform, redis_client, name: str, env: dict[str, str], tmp_path, *, concurrency: int):
+    """The batch lane served, inside the block, by a worker started with
+    ``env`` (once it is ready); the session's batch worker back after it."""
+    from llm_platform import processes
+    from tests.platform_harness import Process
+
+    platform.stop_worker("batch")
+    hostname = f"batch@{socket.gethostname()}"
+    redis_client.hdel("sluice:workers:ready", hostname)
+    worker = Process(name, processes.worker_command(lane="batch", concurrency=concurrency), env, tmp_path).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not redis_client.hexists("sluice:workers:ready", hostname):
+            worker.assert_alive()
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        yield worker
+    finally:
+        worker.stop()
+        platform.start_worker("batch")
+        platform.wait_workers_ready(["batch"])
 
 
 def test_bucket_config_lost_by_redis_is_rebuilt_on_the_next_request(platform, make_caller, redis_client):
@@ -70,7 +106,6 @@ def test_a_lease_whose_row_the_database_refuses_is_reaped_again_and_charged_once
     the database failing that row (here: a lock past this connection's
     lock_timeout) leaves the lease for the next pass, which writes the row
     once and settles nothing twice."""
-    import psycopg
     from django.db import OperationalError, connection
 
     from gateway.core import keys as gateway_keys
@@ -88,9 +123,7 @@ def test_a_lease_whose_row_the_database_refuses_is_reaped_again_and_charged_once
     )
     redis_client.hset(gateway_keys.request_record("req_held_row"), mapping=record.to_redis())
     time.sleep(0.01)
-    params = connection.get_connection_params()
-    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
-                             autocommit=False)
+    locker = _other_connection()
     # given the ledger table locked, and this connection giving up on a lock after 0.2 s
     try:
         locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
@@ -181,50 +214,38 @@ def test_database_outage_under_a_worker_loses_nothing(platform, make_caller, red
     from django.conf import settings
 
     from gateway.models import Job
-    from llm_platform import processes
-    from tests.platform_harness import Process
 
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool, workload_class="batch")
     db = settings.DATABASES["default"]
     proxy = CuttableProxy(int(db.get("PORT") or 5432))
     # given the batch lane's only worker reaches PostgreSQL through the proxy
-    platform.stop_worker("batch")
     worker_url = f"postgres://{db.get('USER') or 'postgres'}@127.0.0.1:{proxy.port}/{db['NAME']}"
-    hostname = f"batch@{socket.gethostname()}"
-    redis_client.hdel("sluice:workers:ready", hostname)
-    worker = Process("batch-proxied", processes.worker_command(lane="batch", concurrency=2),
-                     {**platform.env, "DATABASE_URL": worker_url, "DB_CONN_MAX_AGE": "60"}, tmp_path).start()
     try:
-        deadline = time.monotonic() + 60
-        while not redis_client.hexists("sluice:workers:ready", hostname):
-            worker.assert_alive()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        platform.sim_reset()
-        # when the database goes away while jobs are accepted and running
-        proxy.cut()
-        ids = []
-        for n in range(3):
-            response = httpx.post(f"{platform.base_url}/v1/jobs", timeout=30,
-                                  headers={"Authorization": f"Bearer {caller.api_key}"},
-                                  json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
-                                        "sim": {"output_tokens": 4 + n}})
-            assert response.status_code == 202
-            ids.append(response.json()["id"])
-        time.sleep(3)  # the worker calls the pool, then fails to write the ledger
-        assert UsageRecord.objects.filter(workload=caller.workload).count() == 0
-        # and comes back
-        proxy.restore()
-        deadline = time.monotonic() + 60
-        while Job.objects.filter(pk__in=ids, status="succeeded").count() < 3:
-            assert time.monotonic() < deadline, list(Job.objects.filter(pk__in=ids).values_list("status", flat=True))
-            time.sleep(0.2)
+        with _batch_worker_instead(platform, redis_client, "batch-proxied",
+                                   {**platform.env, "DATABASE_URL": worker_url, "DB_CONN_MAX_AGE": "60"}, tmp_path,
+                                   concurrency=2):
+            platform.sim_reset()
+            # when the database goes away while jobs are accepted and running
+            proxy.cut()
+            ids = []
+            for n in range(3):
+                response = httpx.post(f"{platform.base_url}/v1/jobs", timeout=30,
+                                      headers={"Authorization": f"Bearer {caller.api_key}"},
+                                      json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
+                                            "sim": {"output_tokens": 4 + n}})
+                assert response.status_code == 202
+                ids.append(response.json()["id"])
+            time.sleep(3)  # the worker calls the pool, then fails to write the ledger
+            assert UsageRecord.objects.filter(workload=caller.workload).count() == 0
+            # and comes back
+            proxy.restore()
+            deadline = time.monotonic() + 60
+            while Job.objects.filter(pk__in=ids, status="succeeded").count() < 3:
+                assert time.monotonic() < deadline, list(Job.objects.filter(pk__in=ids).values_list("status", flat=True))
+                time.sleep(0.2)
     finally:
-        worker.stop()
         proxy.stop()
-        platform.start_worker("batch")
-        platform.wait_workers_ready(["batch"])
     # then every job ran once: the pool was called three times, not more
     rows = list(UsageRecord.objects.filter(workload=caller.workload))
     assert len(rows) == 3
@@ -317,9 +338,6 @@ def test_a_database_that_holds_key_lookups_up_holds_no_caller_past_the_wait(plat
     process answers within SLUICE_AUTH_LOOKUP_WAIT_S, serving a key it
     checked before and refusing one it never saw 503 database_unavailable,
     and serves both once the lock goes."""
-    import psycopg
-    from django.db import connection
-
     from llm_platform import processes
     from tenants.models import ApiKey
     from tests.platform_harness import Process, free_port, wait_http
@@ -339,9 +357,7 @@ def test_a_database_that_holds_key_lookups_up_holds_no_caller_past_the_wait(plat
                               json={"model": "sim-small", "messages": HELLO, "max_tokens": 5})
         return response, time.monotonic() - started
 
-    params = connection.get_connection_params()
-    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
-                             autocommit=False)
+    locker = _other_connection()
     try:
         wait_http(f"{web_url}/healthz", web)
         # given a key the web process checked, then the key table locked
@@ -378,55 +394,34 @@ def test_a_ledger_the_database_holds_up_holds_no_lane_thread(platform, make_call
     back to new calls while the row is retried, so call after call is
     answered; once the lock goes every row lands once and nothing is
     charged or called twice."""
-    import psycopg
-    from django.db import connection
-
-    from llm_platform import processes
-    from tests.platform_harness import Process
-
     pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
     caller = make_caller(pool=pool, workload_class="batch")
     # given the batch lane served by one worker with one thread, whose calls
     # wait 1 s for their ledger rows
-    platform.stop_worker("batch")
-    hostname = f"batch@{socket.gethostname()}"
-    redis_client.hdel("sluice:workers:ready", hostname)
-    env = {**platform.env, "SLUICE_WORKERS_BATCH": "1", "SLUICE_WORKER_DB_WAIT_S": "1"}
-    worker = Process("batch-one-thread", processes.worker_command(lane="batch", concurrency=1), env, tmp_path).start()
-    params = connection.get_connection_params()
-    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
-                             autocommit=False)
-    try:
-        deadline = time.monotonic() + 60
-        while not redis_client.hexists("sluice:workers:ready", hostname):
-            worker.assert_alive()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    with _batch_worker_instead(platform, redis_client, "batch-one-thread",
+                               {**platform.env, "SLUICE_WORKERS_BATCH": "1", "SLUICE_WORKER_DB_WAIT_S": "1"},
+                               tmp_path, concurrency=1):
         platform.sim_reset()
-        # when the ledger table is locked and three calls come one after another
-        locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
-        answers = []
-        with httpx.Client(timeout=20) as client:
-            for n in range(3):
-                answers.append(client.post(f"{platform.base_url}/v1/chat/completions",
-                                           headers={"Authorization": f"Bearer {caller.api_key}"},
-                                           json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
-                                                 "sim": {"output_tokens": 4 + n}}))
+        locker = _other_connection()
+        try:
+            # when the ledger table is locked and three calls come one after another
+            locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+            with httpx.Client(timeout=20) as client:
+                answers = [client.post(f"{platform.base_url}/v1/chat/completions",
+                                       headers={"Authorization": f"Bearer {caller.api_key}"},
+                                       json={"model": "sim-small", "messages": HELLO, "max_tokens": 9,
+                                             "sim": {"output_tokens": 4 + n}}) for n in range(3)]
+        finally:
+            locker.close()  # the lock goes
         # then each was answered, the one thread freed from the row before it
         assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
         assert [a.json()["usage"]["completion_tokens"] for a in answers] == [4, 5, 6]
-        locker.rollback()  # the lock goes
         # and the rows land once the lock is gone, one per call
         deadline = time.monotonic() + 60
         while UsageRecord.objects.filter(workload=caller.workload).count() < 3:
             assert time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(2)  # any retry still due finds its row written
-    finally:
-        locker.close()
-        worker.stop()
-        platform.start_worker("batch")
-        platform.wait_workers_ready(["batch"])
     rows = list(UsageRecord.objects.filter(workload=caller.workload))
     assert sorted(r.actual_output_tokens for r in rows) == [4, 5, 6]
     assert platform.sim_stats()["completed"] == 3
