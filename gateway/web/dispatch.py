@@ -37,7 +37,7 @@ from gateway.core.request.streams import CHUNK_FIELD, STREAMING, stream_cancel
 from gateway.core.request.takeover import request_take_over
 from gateway.web.admission_turns import turn_leave
 from gateway.web.claim_looks import claim_look
-from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe
+from gateway.web.stream_reads import STREAM_READ_BATCH, StreamSub, shared_reads, stream_subscribe, stream_wake_key
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class _StreamFirstWait:
             if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
                 # Subscribed once for the whole wait, not per heartbeat
                 # interval: each subscription wakes the shared read.
-                self.sub = self.sub or stream_subscribe(self.stream_key)
+                self.sub = self.sub or stream_subscribe(self.stream_key, notified=bool(self.record.stream_wake))
                 entries = await self.sub.read(timeout_s)
                 if entries:
                     self.close()
@@ -266,7 +266,9 @@ async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_i
         # Retries must end while the caller still waits for them.
         retry_deadline_ms=admission.admitted_ms + (ctx.queue_timeout_s + settings.SLUICE_UPSTREAM_TIMEOUT_S / 2) * 1000,
         fallback_pool_ids=routed.fallback_pool_ids, endpoint=request.endpoint,
-    ), stream=request.stream, stream_usage=request.stream_usage, tokenizer=ctx.tokenizer)
+    ), stream=request.stream, stream_usage=request.stream_usage, tokenizer=ctx.tokenizer,
+        # Its appends name it on this loop's notice stream (gateway/web/stream_reads.py).
+        stream_wake=stream_wake_key() if request.stream and shared_reads() else "")
     log_annotate(lane=record.lane, pool_id=ctx.pool_id)
     await record_enqueue_async(record, lease_ms=lease_ms)
     turn_leave()  # on its lane: the next request's turn at the door

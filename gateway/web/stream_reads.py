@@ -10,6 +10,20 @@ instead of one per stream per batch, and no pooled connection held per
 waiting stream: a burst of a thousand streams opens no thousand
 connections.
 
+A read names only the streams that may have news, because its cost in
+Redis grows with the streams it names (a read naming a thousand streams
+held Redis for 1.7 ms, a hundred times a second, in a burst of a thousand
+streams). The reader's wake stream is also its notice stream: a worker
+that appends to a stream whose record names this reader
+(``RequestRecord.stream_wake``) names the request there in the same write,
+after the chunks (gateway/core/request/streams.py). A stream is named in
+the next read when it subscribes, when a notice names it, when its last
+read came back a whole batch (more is waiting), when its subscriber's wait
+ended quiet (a notice lost costs that interval, never a chunk), and in
+every read when its record names no reader. A reader that reads a whole
+batch of notices may have fallen behind them: its next read names every
+stream.
+
 A new subscriber wakes the blocked read by an XADD to the reader's own wake
 stream, which the read names too: the read that follows names the new
 stream, and a wake sent before the read reached Redis still wakes it (the
@@ -34,6 +48,7 @@ from django.conf import settings
 from budgets.redis.clients import REDIS_UNAVAILABLE, async_reader_client, get_async_redis
 from budgets.redis.composition import Commands
 from gateway.core import keys
+from gateway.core.request.streams import NOTICE_MAXLEN, NOTICE_TTL_MS, stream_notice_ids
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +58,6 @@ STREAM_READ_BATCH = 256
 # The shared read's own timeout: it ends early for every new subscriber, so
 # this only bounds how long a reader with no subscribers left lingers.
 READ_BLOCK_MS = 5_000
-WAKE_TTL_MS = 60_000
 
 Entry = tuple[str, dict]
 
@@ -55,10 +69,10 @@ def shared_reads() -> bool:
 class StreamSub:
     """One stream's subscription: its entries as the reader hands them over."""
 
-    __slots__ = ("key", "last_id", "entries", "error", "_waiter", "_reader")
+    __slots__ = ("key", "last_id", "notified", "entries", "error", "_waiter", "_reader")
 
-    def __init__(self, reader: _Reader, key: str, last_id: str) -> None:
-        self.key, self.last_id = key, last_id
+    def __init__(self, reader: _Reader, key: str, last_id: str, notified: bool) -> None:
+        self.key, self.last_id, self.notified = key, last_id, notified
         self.entries: list[Entry] = []
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -91,7 +105,12 @@ class StreamSub:
         if self.error is not None:
             raise self.error
         entries, self.entries = self.entries, []
-        if len(entries) >= STREAM_READ_BATCH:
+        if not entries:
+            # Quiet for a whole wait: named in the next read, in case its notice was lost.
+            self._reader.due.add(self.key)
+            self._reader.wake()
+        elif len(entries) >= STREAM_READ_BATCH:
+            self._reader.due.add(self.key)
             self._reader.wake()  # it was left out of the reads while full
         return entries
 
@@ -110,6 +129,10 @@ class _Reader:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.subs: dict[str, StreamSub] = {}
+        # The streams the next read names (beside those no notice names).
+        self.due: set[str] = set()
+        # Streams whose records name no reader: named in every read.
+        self.unnotified = 0
         token = uuid.uuid4().hex
         self.wake_key = keys.web_stream_wake(token)
         self.name = f"sluice-stream-reads-{token[:12]}"  # its connection's CLIENT LIST name
@@ -118,10 +141,18 @@ class _Reader:
         self.reading = False  # a read is out: a new subscriber must wake it
         self.woken = False  # a wake is on its way for the read that is out
         self.client = None
+        # Reads made and streams named in them (the wake stream not counted).
+        self.reads = self.named = 0
 
-    def subscribe(self, key: str, last_id: str) -> StreamSub:
-        sub = StreamSub(self, key, last_id)
+    def subscribe(self, key: str, last_id: str, notified: bool) -> StreamSub:
+        old = self.subs.get(key)
+        if old is not None and not old.notified:
+            self.unnotified -= 1
+        sub = StreamSub(self, key, last_id, notified)
         self.subs[key] = sub
+        self.due.add(key)
+        if not notified:
+            self.unnotified += 1
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._run(), name="stream-reads")
         else:
@@ -131,6 +162,9 @@ class _Reader:
     def unsubscribe(self, sub: StreamSub) -> None:
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
+            self.due.discard(sub.key)
+            if not sub.notified:
+                self.unnotified -= 1
 
     def wake(self) -> None:
         if self.reading and not self.woken:
@@ -139,10 +173,41 @@ class _Reader:
 
     async def _wake(self) -> None:
         try:
-            await (Commands().command("XADD", self.wake_key, "MAXLEN", "1", "*", "w", "1")
-                   .pexpire(self.wake_key, WAKE_TTL_MS).run_async(get_async_redis()))
+            await (Commands().command("XADD", self.wake_key, "MAXLEN", "~", NOTICE_MAXLEN, "*", "w", "1")
+                   .pexpire(self.wake_key, NOTICE_TTL_MS).run_async(get_async_redis()))
         except REDIS_UNAVAILABLE:
             pass  # the read itself fails then, and tells every subscriber
+
+    def _names(self) -> list[str]:
+        """The streams the next read names: the due ones and those no notice
+        names, each while its subscriber holds less than a batch. A due
+        stream left out (its subscriber full) stays due."""
+        chosen: list[str] = []
+        full: set[str] = set()
+        for key in self.due:
+            sub = self.subs.get(key)
+            if sub is not None:
+                (chosen.append(key) if len(sub.entries) < STREAM_READ_BATCH else full.add(key))
+        if self.unnotified:
+            due = self.due
+            chosen += [key for key, sub in self.subs.items()
+                       if not sub.notified and key not in due and len(sub.entries) < STREAM_READ_BATCH]
+        self.due = full
+        return chosen
+
+    def _noticed(self, entries: list) -> None:
+        """Read notices (and wakes): the streams they name are due. A whole
+        batch of them: the reader may be behind its notices (the oldest may
+        be trimmed), so every stream is due."""
+        self.wake_id = entries[-1][0]
+        if len(entries) >= STREAM_READ_BATCH:
+            self.due.update(self.subs)
+            return
+        for _, fields in entries:
+            for request_id in stream_notice_ids(fields):
+                key = keys.request_stream(request_id)
+                if key in self.subs:
+                    self.due.add(key)
 
     async def _run(self) -> None:
         try:
@@ -150,33 +215,37 @@ class _Reader:
                 self.client = async_reader_client(name=self.name)
             while self.subs:
                 names, ids = [self.wake_key], [self.wake_id]
-                for key, sub in self.subs.items():
-                    if len(sub.entries) < STREAM_READ_BATCH:
-                        names.append(key)
-                        ids.append(sub.last_id)
+                for key in self._names():
+                    names.append(key)
+                    ids.append(self.subs[key].last_id)
                 self.woken = False
                 self.reading = True
                 try:
-                    # Sent as it is (budgets/redis/composition.py Commands): a
-                    # read naming a thousand streams is packed in one call,
-                    # not argument by argument through redis-py's xread.
+                    # Sent as it is (budgets/redis/composition.py Commands):
+                    # a read naming many streams is packed in one call, not
+                    # argument by argument through redis-py's xread.
                     (reply,) = await Commands().command(
                         "XREAD", "COUNT", STREAM_READ_BATCH, "BLOCK", READ_BLOCK_MS, "STREAMS", *names, *ids,
                     ).run_async(self.client)
                 finally:
                     self.reading = False
+                self.reads += 1
+                self.named += len(names) - 1
                 for key, entries in _streams_read(reply):
                     if key == self.wake_key:
-                        self.wake_id = entries[-1][0]
+                        self._noticed(entries)
                         continue
                     sub = self.subs.get(key)
                     if sub is not None and entries:
                         sub._hand([(entry_id, _fields(fields)) for entry_id, fields in entries])
+                        if len(entries) >= STREAM_READ_BATCH:
+                            self.due.add(key)  # more is waiting
         except (Exception, asyncio.CancelledError) as exc:
             if not isinstance(exc, REDIS_UNAVAILABLE):
                 logger.exception("the web process's shared stream read failed")
             error = exc if isinstance(exc, REDIS_UNAVAILABLE) else ConnectionError("the shared stream read failed")
             subs, self.subs = list(self.subs.values()), {}
+            self.due, self.unnotified = set(), 0
             for sub in subs:
                 sub._hand(error=error)
             client, self.client = self.client, None
@@ -213,11 +282,23 @@ async def _close_quietly(client) -> None:
 _readers: dict[int, _Reader] = {}
 
 
-def stream_subscribe(key: str, last_id: str = "0-0") -> StreamSub:
-    """Subscribe to the stream ``key`` from after ``last_id``, on this event
-    loop's shared read. Close the subscription when done."""
+def _reader_of_loop() -> _Reader:
     loop = asyncio.get_running_loop()
     reader = _readers.get(id(loop))
     if reader is None or reader.loop is not loop:
         reader = _readers[id(loop)] = _Reader(loop)
-    return reader.subscribe(key, last_id)
+    return reader
+
+
+def stream_wake_key() -> str:
+    """This event loop's shared read's notice stream: what a record of a
+    stream this loop relays names (``RequestRecord.stream_wake``)."""
+    return _reader_of_loop().wake_key
+
+
+def stream_subscribe(key: str, last_id: str = "0-0", *, notified: bool = False) -> StreamSub:
+    """Subscribe to the stream ``key`` from after ``last_id``, on this event
+    loop's shared read. ``notified``: its appends name it on this loop's
+    notice stream (its record's ``stream_wake`` is ``stream_wake_key()``),
+    so reads name it only when it has news. Close the subscription when done."""
+    return _reader_of_loop().subscribe(key, last_id, notified)

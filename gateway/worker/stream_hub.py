@@ -34,7 +34,7 @@ import httpx
 
 from budgets.redis.clients import get_redis
 from budgets.redis.composition import Commands
-from gateway.core.request.streams import stream_append_cancelled, stream_append_commands
+from gateway.core.request.streams import stream_append_cancelled, stream_append_commands, stream_notice_commands
 from gateway.worker.pool_client import READ_BYTES, PlainStream, SseLines
 from gateway.worker.shutdown import shutdown_grace_over
 
@@ -51,6 +51,7 @@ class HubFlow(Protocol):
     """What a stream's relay tells the hub (gateway/worker/streaming.py)."""
 
     request_id: str
+    stream_wake: str  # the waiting web process's notice stream ('' none)
 
     def take(self, lines: list[str]) -> list[str]:
         """The events of one read's lines to relay now."""
@@ -282,14 +283,23 @@ class StreamHub:
         item.closing = True
 
     def _send(self, appends: list[tuple[_Stream, list[str]]]) -> None:
-        """Every stream's append of this pass in one write."""
+        """Every stream's append of this pass in one write, and after them
+        one notice per web process naming its streams of the pass."""
         batches = []
+        notices: dict[str, tuple[list[str], list[bool]]] = {}
         for item, chunks in appends:
             watch, answer_if_lost = item.flow.mark(chunks)
             batches.append((item, watch, stream_append_commands(request_id=item.flow.request_id, chunks=chunks,
                                                                 watch=watch, answer_if_lost=answer_if_lost)))
+            if item.flow.stream_wake:
+                named, renew = notices.setdefault(item.flow.stream_wake, ([], [False]))
+                named.append(item.flow.request_id)
+                renew[0] = renew[0] or watch
+        notice_commands = [stream_notice_commands(Commands(), wake=wake, request_ids=named, renew=renew[0])
+                           for wake, (named, renew) in notices.items()]
         try:
-            replies = Commands.run_together([commands for _, _, commands in batches], get_redis())
+            replies = Commands.run_together([commands for _, _, commands in batches] + notice_commands,
+                                            get_redis())[:len(batches)]
         except Exception as exc:
             for item, _, _ in batches:
                 item.error, item.closing = exc, True

@@ -123,7 +123,7 @@ def _append(client, relay: _Relay, chunks: list[str], started: float) -> bool:
     on (_first_chunk_answer), before the chunks are visible."""
     watch, answer_if_lost = relay_mark(relay, chunks, started)
     return stream_append(client, request_id=relay.record.request_id, chunks=chunks, watch=watch,
-                         answer_if_lost=answer_if_lost)
+                         answer_if_lost=answer_if_lost, wake=relay.record.stream_wake)
 
 
 def _first_chunk_answer(record: RequestRecord) -> str:
@@ -205,6 +205,7 @@ class _HubFlow:
     def __init__(self, relay: _Relay, started: float) -> None:
         self.relay, self.started = relay, started
         self.request_id = relay.record.request_id
+        self.stream_wake = relay.record.stream_wake
         self.opening: list[str] = []
 
     def take(self, lines: list[str]) -> list[str]:

@@ -198,3 +198,26 @@ def test_a_cancelled_caller_ends_its_stream_in_the_hub(chunked_pool, redis_clien
     # then the worker stops at its first append (which reads the flag)
     assert (outcome.status, outcome.http_status) == ("cancelled", 499)
     assert len(_relayed(redis_client, "req_hub_cancel")) < 200
+
+
+def test_each_pass_names_its_streams_once_on_each_web_process_notice_stream(chunked_pool, redis_client):
+    # given 30 streams at once whose records name one of two web processes' notice streams
+    wakes = [keys.web_stream_wake(f"hubtest{n}") for n in range(2)]
+    redis_client.delete(*wakes)
+    ids = [f"req_hub_notice_{i}" for i in range(30)]
+    threads = [threading.Thread(target=stream_call, args=(ids[i], chunked_pool["url"], "m-20", wakes[i % 2]))
+               for i in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    appended = sum(len(_relayed(redis_client, request_id)) for request_id in ids)
+    for n, wake in enumerate(wakes):
+        notices = [fields["r"].split() for _, fields in redis_client.xrange(wake)]
+        named = [request_id for notice in notices for request_id in notice]
+        # then every stream of that web process is named there, and no other's
+        assert set(named) == set(ids[n::2])
+        # and the notices come one per pass, not one per append: fewer than the appends they name
+        assert len(notices) < len(named) <= appended
+        # and the notice stream expires on its own (a web process gone leaves nothing behind)
+        assert 0 < redis_client.pttl(wake) <= 60_000

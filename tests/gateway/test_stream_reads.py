@@ -10,6 +10,7 @@ import time
 import pytest
 
 from budgets.redis.clients import REDIS_UNAVAILABLE, get_redis, reset_clients
+from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.request.streams import CHUNK_FIELD, stream_append
 from gateway.web import stream_reads
@@ -158,3 +159,91 @@ def test_a_read_hands_the_same_entries_whatever_protocol_its_connection_speaks(r
 
     # then each stream's entries come as (id, fields) with its own chunks, in order
     assert _run(main()) == [[f"{i}:a", f"{i}:b"] for i in range(3)]
+
+
+async def _append_noticed(request_id: str, chunks: list[str], wake: str) -> None:
+    # a worker's append to a stream whose record names this loop's reader
+    await asyncio.to_thread(stream_append, get_redis(), request_id=request_id, chunks=chunks, watch=False, wake=wake)
+
+
+def test_a_read_names_only_the_noticed_streams_not_every_stream_it_relays(redis_client):
+    async def main():
+        # given 300 streams whose records name this loop's notice stream, all quiet
+        wake = stream_reads.stream_wake_key()
+        ids = [f"req_notice_{i}" for i in range(300)]
+        subs = {i: stream_subscribe(keys.request_stream(i), notified=True) for i in ids}
+        await asyncio.sleep(0.3)
+        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        assert reader.reading
+        # (the read that is out names all 300: each is new, so due once)
+        await _append_noticed(ids[0], ["first"], wake)
+        assert len(await subs[ids[0]].read(3.0)) == 1
+        await asyncio.sleep(0.1)
+        reads, named = reader.reads, reader.named
+        # when 30 of them get a chunk, one after another, each read by its subscriber
+        rng = random.Random(5)
+        for n, request_id in enumerate(rng.sample(ids[1:], 30)):
+            started = time.monotonic()
+            await _append_noticed(request_id, [f"{request_id}:{n}"], wake)
+            got = await subs[request_id].read(3.0)
+            # then each chunk comes at once
+            assert [fields[CHUNK_FIELD] for _, fields in got] == [f"{request_id}:{n}"]
+            assert time.monotonic() - started < 1.0
+        # and the reads that brought them named a few streams each, not the 300
+        reads, named = reader.reads - reads, reader.named - named
+        assert reads >= 30
+        assert named <= 2 * reads
+        for sub in subs.values():
+            sub.close()
+        assert reader.subs == {} and reader.due == set()
+
+    _run(main())
+
+
+def test_a_stream_whose_notice_never_came_is_read_after_its_quiet_wait(redis_client):
+    async def main():
+        # given a notified stream the shared read already looked at, and
+        # read past (another stream's chunk and notice ended that read)
+        wake = stream_reads.stream_wake_key()
+        sub = stream_subscribe(keys.request_stream("req_unnoticed"), notified=True)
+        other = stream_subscribe(keys.request_stream("req_other"), notified=True)
+        await asyncio.sleep(0.3)
+        await _append_noticed("req_other", ["x"], wake)
+        assert len(await other.read(3.0)) == 1
+        await asyncio.sleep(0.2)
+        # when a chunk is appended with no notice (as if it were lost)
+        await _append("req_unnoticed", ["late"])
+        # then its subscriber's quiet wait ends empty, and the next wait reads the chunk at once
+        assert await sub.read(0.3) == []
+        started = time.monotonic()
+        assert [fields[CHUNK_FIELD] for _, fields in await sub.read(3.0)] == ["late"]
+        assert time.monotonic() - started < 1.0
+        sub.close()
+        other.close()
+
+    _run(main())
+
+
+def test_a_reader_a_whole_batch_of_notices_behind_reads_every_stream(redis_client):
+    async def main():
+        wake = stream_reads.stream_wake_key()
+        subs = [stream_subscribe(keys.request_stream(f"req_behind_{i}"), notified=True) for i in range(5)]
+        await asyncio.sleep(0.3)
+        await _append_noticed("req_behind_0", ["x"], wake)  # the read past the one that named them all
+        assert len(await subs[0].read(3.0)) == 1
+        await asyncio.sleep(0.2)
+        # given a chunk appended to one stream with no notice of its own
+        await _append("req_behind_3", ["missed"])
+        # when a whole batch of notices of other requests comes (its own may have been trimmed among them)
+        commands = Commands()
+        for n in range(STREAM_READ_BATCH + 10):
+            commands.command("XADD", wake, "*", "r", f"req_elsewhere_{n}")
+        await asyncio.to_thread(commands.run, get_redis())
+        # then the next read names every stream: the chunk comes well before the quiet wait's end
+        started = time.monotonic()
+        assert [fields[CHUNK_FIELD] for _, fields in await subs[3].read(3.0)] == ["missed"]
+        assert time.monotonic() - started < 1.0
+        for sub in subs:
+            sub.close()
+
+    _run(main())

@@ -219,6 +219,22 @@ def test_the_stream_key_expires_with_the_requests_other_keys(platform, caller, r
     assert 0 < ttl <= platform_result_ttl_ms()
 
 
+def test_a_streams_appends_and_its_end_name_it_on_its_web_processs_notice_stream(platform, caller, redis_client):
+    # given a stream relayed through the platform's web process and a lane worker
+    stream = sdk(platform, caller.api_key).chat.completions.create(
+        model="sim-small", messages=HELLO, max_tokens=10, stream=True, extra_body={"sim": {"output_tokens": 5}})
+    assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 5
+    request_id = UsageRecord.objects.get().request_id
+    # then its record names the web process's notice stream (its shared read's wake key)
+    wake = redis_client.hget(gateway_keys.request_record(request_id), "stream_wake")
+    assert wake.startswith("sluice:web:") and wake.endswith(":wake")
+    # and the worker's appends and the end marker named the request there (the
+    # thread path names one request a notice; the hub one per pass, here alone)
+    named = [fields["r"].split() for _, fields in redis_client.xrange(wake) if "r" in fields]
+    assert sum(1 for ids in named if request_id in ids) >= 2
+    assert 0 < redis_client.pttl(wake) <= 60_000
+
+
 def platform_result_ttl_ms() -> int:
     from django.conf import settings
 

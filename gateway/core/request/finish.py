@@ -88,7 +88,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     if record.stream:
         # After the publish: the web process relaying the stream wakes on it
         # and ends the caller's stream with the published outcome.
-        steps.append(("stream_end", lambda: stream_end(request_id=record.request_id)))
+        steps.append(("stream_end", lambda: stream_end(request_id=record.request_id, wake=record.stream_wake)))
     if record.job_id:
         steps.append(("job", lambda: on_database(job_complete, job_id=record.job_id, outcome=outcome)))
     return steps

@@ -81,6 +81,11 @@ class RequestRecord:
     stream: bool = False
     stream_usage: bool = False
     tokenizer: str = ""
+    # The waiting web process's notice stream (its shared read's wake key,
+    # gateway/web/stream_reads.py): each append to this request's stream
+    # names the request there, so that read names only streams with news.
+    # '' (a cluster, or a record of a web process without notices): none.
+    stream_wake: str = ""
     # Admitted while the pool's circuit was open, or a retry of such a
     # request: it waits in the pool's held set, not on its lane (gateway/core/protection/held.py).
     held: bool = False
@@ -148,6 +153,7 @@ class RequestRecord:
             stream=data.get("stream") == "1",
             stream_usage=data.get("stream_usage") == "1",
             tokenizer=data.get("tokenizer", ""),
+            stream_wake=data.get("stream_wake", ""),
             held=data.get("held") == "1",
             overflow=data.get("overflow") == "1",
             failed_over=data.get("failed_over") == "1",
