@@ -116,7 +116,7 @@ class _StreamFirstWait:
             if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
                 # Subscribed once for the whole wait, not per heartbeat
                 # interval: each subscription wakes the shared read.
-                self.sub = self.sub or stream_subscribe(self.stream_key, notified=bool(self.record.stream_wake))
+                self.sub = self.sub or stream_subscribe(self.stream_key)
                 entries = await self.sub.read(timeout_s)
                 if entries:
                     self.close()

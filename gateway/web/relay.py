@@ -56,7 +56,7 @@ async def stream_relay(*, record: RequestRecord, head: tuple = ()) -> AsyncItera
             else:
                 try:
                     if shared_reads():  # the process's one read of every stream (gateway/web/stream_reads.py)
-                        sub = sub or stream_subscribe(stream_key, last_id, notified=bool(record.stream_wake))
+                        sub = sub or stream_subscribe(stream_key, last_id)
                         entries = await sub.read(block_ms / 1000)
                         reply = [(stream_key, entries)] if entries else None
                     else:

@@ -18,9 +18,10 @@ that appends to a stream whose record names this reader
 (``RequestRecord.stream_wake``) names the request there in the same write,
 after the chunks (gateway/core/request/streams.py). A stream is named in
 the next read when it subscribes, when a notice names it, when its last
-read came back a whole batch (more is waiting), when its subscriber's wait
-ended quiet (a notice lost costs that interval, never a chunk), and in
-every read when its record names no reader. A reader that reads a whole
+read came back a whole batch (more is waiting), and when its subscriber's
+wait ended quiet (a notice lost costs that interval, never a chunk). Every
+stream it reads is one this process's dispatch recorded, naming this
+reader (``stream_wake_key``). A reader that reads a whole
 batch of notices may have fallen behind them: its next read names every
 stream.
 
@@ -69,10 +70,10 @@ def shared_reads() -> bool:
 class StreamSub:
     """One stream's subscription: its entries as the reader hands them over."""
 
-    __slots__ = ("key", "last_id", "notified", "entries", "error", "_waiter", "_reader")
+    __slots__ = ("key", "last_id", "entries", "error", "_waiter", "_reader")
 
-    def __init__(self, reader: _Reader, key: str, last_id: str, notified: bool) -> None:
-        self.key, self.last_id, self.notified = key, last_id, notified
+    def __init__(self, reader: _Reader, key: str, last_id: str) -> None:
+        self.key, self.last_id = key, last_id
         self.entries: list[Entry] = []
         self.error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
@@ -129,10 +130,8 @@ class _Reader:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.subs: dict[str, StreamSub] = {}
-        # The streams the next read names (beside those no notice names).
+        # The streams the next read names.
         self.due: set[str] = set()
-        # Streams whose records name no reader: named in every read.
-        self.unnotified = 0
         token = uuid.uuid4().hex
         self.wake_key = keys.web_stream_wake(token)
         self.name = f"sluice-stream-reads-{token[:12]}"  # its connection's CLIENT LIST name
@@ -144,15 +143,10 @@ class _Reader:
         # Reads made and streams named in them (the wake stream not counted).
         self.reads = self.named = 0
 
-    def subscribe(self, key: str, last_id: str, notified: bool) -> StreamSub:
-        old = self.subs.get(key)
-        if old is not None and not old.notified:
-            self.unnotified -= 1
-        sub = StreamSub(self, key, last_id, notified)
+    def subscribe(self, key: str, last_id: str) -> StreamSub:
+        sub = StreamSub(self, key, last_id)
         self.subs[key] = sub
         self.due.add(key)
-        if not notified:
-            self.unnotified += 1
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._run(), name="stream-reads")
         else:
@@ -163,8 +157,6 @@ class _Reader:
         if self.subs.get(sub.key) is sub:
             del self.subs[sub.key]
             self.due.discard(sub.key)
-            if not sub.notified:
-                self.unnotified -= 1
 
     def wake(self) -> None:
         if self.reading and not self.woken:
@@ -179,19 +171,15 @@ class _Reader:
             pass  # the read itself fails then, and tells every subscriber
 
     def _names(self) -> list[str]:
-        """The streams the next read names: the due ones and those no notice
-        names, each while its subscriber holds less than a batch. A due
-        stream left out (its subscriber full) stays due."""
+        """The streams the next read names: the due ones whose subscribers
+        hold less than a batch. A due stream left out (its subscriber full)
+        stays due."""
         chosen: list[str] = []
         full: set[str] = set()
         for key in self.due:
             sub = self.subs.get(key)
             if sub is not None:
                 (chosen.append(key) if len(sub.entries) < STREAM_READ_BATCH else full.add(key))
-        if self.unnotified:
-            due = self.due
-            chosen += [key for key, sub in self.subs.items()
-                       if not sub.notified and key not in due and len(sub.entries) < STREAM_READ_BATCH]
         self.due = full
         return chosen
 
@@ -245,7 +233,7 @@ class _Reader:
                 logger.exception("the web process's shared stream read failed")
             error = exc if isinstance(exc, REDIS_UNAVAILABLE) else ConnectionError("the shared stream read failed")
             subs, self.subs = list(self.subs.values()), {}
-            self.due, self.unnotified = set(), 0
+            self.due = set()
             for sub in subs:
                 sub._hand(error=error)
             client, self.client = self.client, None
@@ -296,9 +284,9 @@ def stream_wake_key() -> str:
     return _reader_of_loop().wake_key
 
 
-def stream_subscribe(key: str, last_id: str = "0-0", *, notified: bool = False) -> StreamSub:
+def stream_subscribe(key: str, last_id: str = "0-0") -> StreamSub:
     """Subscribe to the stream ``key`` from after ``last_id``, on this event
-    loop's shared read. ``notified``: its appends name it on this loop's
-    notice stream (its record's ``stream_wake`` is ``stream_wake_key()``),
-    so reads name it only when it has news. Close the subscription when done."""
-    return _reader_of_loop().subscribe(key, last_id, notified)
+    loop's shared read: its appends name it on this loop's notice stream
+    (its record's ``stream_wake`` is ``stream_wake_key()``), and reads name
+    it when it has news. Close the subscription when done."""
+    return _reader_of_loop().subscribe(key, last_id)

@@ -26,7 +26,14 @@ def _run(coro):
 
 
 async def _append(request_id: str, chunks: list[str]) -> None:
-    # a worker's append, from a thread as a lane worker makes it
+    # a worker's append, from a thread as a lane worker makes it, naming the
+    # request on this loop's notice stream as its record says
+    wake = stream_reads.stream_wake_key()
+    await asyncio.to_thread(stream_append, get_redis(), request_id=request_id, chunks=chunks, watch=False, wake=wake)
+
+
+async def _append_unnoticed(request_id: str, chunks: list[str]) -> None:
+    # an append whose notice was lost
     await asyncio.to_thread(stream_append, get_redis(), request_id=request_id, chunks=chunks, watch=False)
 
 
@@ -161,22 +168,16 @@ def test_a_read_hands_the_same_entries_whatever_protocol_its_connection_speaks(r
     assert _run(main()) == [[f"{i}:a", f"{i}:b"] for i in range(3)]
 
 
-async def _append_noticed(request_id: str, chunks: list[str], wake: str) -> None:
-    # a worker's append to a stream whose record names this loop's reader
-    await asyncio.to_thread(stream_append, get_redis(), request_id=request_id, chunks=chunks, watch=False, wake=wake)
-
-
 def test_a_read_names_only_the_noticed_streams_not_every_stream_it_relays(redis_client):
     async def main():
-        # given 300 streams whose records name this loop's notice stream, all quiet
-        wake = stream_reads.stream_wake_key()
+        # given 300 quiet streams
         ids = [f"req_notice_{i}" for i in range(300)]
-        subs = {i: stream_subscribe(keys.request_stream(i), notified=True) for i in ids}
+        subs = {i: stream_subscribe(keys.request_stream(i)) for i in ids}
         await asyncio.sleep(0.3)
         reader = stream_reads._readers[id(asyncio.get_running_loop())]
         assert reader.reading
         # (the read that is out names all 300: each is new, so due once)
-        await _append_noticed(ids[0], ["first"], wake)
+        await _append(ids[0], ["first"])
         assert len(await subs[ids[0]].read(3.0)) == 1
         await asyncio.sleep(0.1)
         reads, named = reader.reads, reader.named
@@ -184,7 +185,7 @@ def test_a_read_names_only_the_noticed_streams_not_every_stream_it_relays(redis_
         rng = random.Random(5)
         for n, request_id in enumerate(rng.sample(ids[1:], 30)):
             started = time.monotonic()
-            await _append_noticed(request_id, [f"{request_id}:{n}"], wake)
+            await _append(request_id, [f"{request_id}:{n}"])
             got = await subs[request_id].read(3.0)
             # then each chunk comes at once
             assert [fields[CHUNK_FIELD] for _, fields in got] == [f"{request_id}:{n}"]
@@ -202,17 +203,16 @@ def test_a_read_names_only_the_noticed_streams_not_every_stream_it_relays(redis_
 
 def test_a_stream_whose_notice_never_came_is_read_after_its_quiet_wait(redis_client):
     async def main():
-        # given a notified stream the shared read already looked at, and
-        # read past (another stream's chunk and notice ended that read)
-        wake = stream_reads.stream_wake_key()
-        sub = stream_subscribe(keys.request_stream("req_unnoticed"), notified=True)
-        other = stream_subscribe(keys.request_stream("req_other"), notified=True)
+        # given a stream the shared read already looked at, and read past
+        # (another stream's chunk and notice ended that read)
+        sub = stream_subscribe(keys.request_stream("req_unnoticed"))
+        other = stream_subscribe(keys.request_stream("req_other"))
         await asyncio.sleep(0.3)
-        await _append_noticed("req_other", ["x"], wake)
+        await _append("req_other", ["x"])
         assert len(await other.read(3.0)) == 1
         await asyncio.sleep(0.2)
         # when a chunk is appended with no notice (as if it were lost)
-        await _append("req_unnoticed", ["late"])
+        await _append_unnoticed("req_unnoticed", ["late"])
         # then its subscriber's quiet wait ends empty, and the next wait reads the chunk at once
         assert await sub.read(0.3) == []
         started = time.monotonic()
@@ -227,13 +227,13 @@ def test_a_stream_whose_notice_never_came_is_read_after_its_quiet_wait(redis_cli
 def test_a_reader_a_whole_batch_of_notices_behind_reads_every_stream(redis_client):
     async def main():
         wake = stream_reads.stream_wake_key()
-        subs = [stream_subscribe(keys.request_stream(f"req_behind_{i}"), notified=True) for i in range(5)]
+        subs = [stream_subscribe(keys.request_stream(f"req_behind_{i}")) for i in range(5)]
         await asyncio.sleep(0.3)
-        await _append_noticed("req_behind_0", ["x"], wake)  # the read past the one that named them all
+        await _append("req_behind_0", ["x"])  # the read past the one that named them all
         assert len(await subs[0].read(3.0)) == 1
         await asyncio.sleep(0.2)
         # given a chunk appended to one stream with no notice of its own
-        await _append("req_behind_3", ["missed"])
+        await _append_unnoticed("req_behind_3", ["missed"])
         # when a whole batch of notices of other requests comes (its own may have been trimmed among them)
         commands = Commands()
         for n in range(STREAM_READ_BATCH + 10):
