@@ -1,5 +1,6 @@
 """One value per event loop, for the web's helpers that keep state on the
-loop they run on (the door, the shared claim looks, the loop-lag watch): a
+loop they run on (the door, the shared claim looks, the loop-lag watch,
+the key lookups, the shared stream read): a
 web process has one loop, but tests and management commands run requests
 on loops of their own, which come and go. A closed loop's value is dropped
 when the next loop's is made, so the map holds only loops still open."""

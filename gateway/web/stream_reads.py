@@ -50,6 +50,7 @@ from budgets.redis.clients import REDIS_UNAVAILABLE, async_reader_client, get_as
 from budgets.redis.composition import Commands
 from gateway.core import keys
 from gateway.core.request.streams import NOTICE_MAXLEN, NOTICE_TTL_MS, stream_notice_ids
+from gateway.web.per_loop import PerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,7 @@ def _wait_over(waiter: asyncio.Future) -> None:
 class _Reader:
     """One event loop's shared read."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self.subs: dict[str, StreamSub] = {}
         # The streams the next read names.
         self.due: set[str] = set()
@@ -267,15 +267,12 @@ async def _close_quietly(client) -> None:
         pass
 
 
-_readers: dict[int, _Reader] = {}
+# This event loop's shared read.
+_readers: PerLoop[_Reader] = PerLoop()
 
 
 def _reader_of_loop() -> _Reader:
-    loop = asyncio.get_running_loop()
-    reader = _readers.get(id(loop))
-    if reader is None or reader.loop is not loop:
-        reader = _readers[id(loop)] = _Reader(loop)
-    return reader
+    return _readers.get(_Reader)
 
 
 def stream_wake_key() -> str:

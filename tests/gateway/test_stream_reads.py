@@ -64,7 +64,7 @@ def test_two_hundred_streams_each_get_their_own_chunks_in_order_from_one_read(re
         for request_id, got in zip(ids, results):
             assert got == [f"{request_id}:{n}" for n in range(10)]
         # and one reader task served them all
-        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        reader = stream_reads._reader_of_loop()
         assert reader.task is not None and reader.task.get_name() == "stream-reads"
         for sub in subs:
             sub.close()
@@ -78,7 +78,7 @@ def test_a_stream_subscribed_while_the_read_is_blocked_wakes_it_at_once(redis_cl
         # given the shared read blocked on one quiet stream
         quiet = stream_subscribe(keys.request_stream("req_quiet"))
         await asyncio.sleep(0.2)
-        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        reader = stream_reads._reader_of_loop()
         assert reader.reading
         # when a second stream subscribes and gets a chunk
         late = stream_subscribe(keys.request_stream("req_late"))
@@ -127,7 +127,7 @@ def test_a_lost_connection_fails_every_subscriber_and_the_next_read_starts_afres
     async def main():
         subs = [stream_subscribe(keys.request_stream(f"req_lost_{i}")) for i in range(3)]
         await asyncio.sleep(0.2)
-        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        reader = stream_reads._reader_of_loop()
         # when Redis drops the shared read's connection (named for its reader)
         blocked = [c for c in redis_client.client_list() if c["name"] == reader.name]
         assert len(blocked) == 1 and blocked[0]["cmd"] == "xread"
@@ -174,7 +174,7 @@ def test_a_read_names_only_the_noticed_streams_not_every_stream_it_relays(redis_
         ids = [f"req_notice_{i}" for i in range(300)]
         subs = {i: stream_subscribe(keys.request_stream(i)) for i in ids}
         await asyncio.sleep(0.3)
-        reader = stream_reads._readers[id(asyncio.get_running_loop())]
+        reader = stream_reads._reader_of_loop()
         assert reader.reading
         # (the read that is out names all 300: each is new, so due once)
         await _append(ids[0], ["first"])
