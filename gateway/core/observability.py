@@ -88,6 +88,15 @@ WEB_LOOP_LAG = Histogram("sluice_web_loop_lag_seconds", "How late a timer fired 
                          "loops (sampled every 0.5 s): how long a turn of the loop takes.",
                          buckets=LOOP_LAG_BUCKETS)
 
+# The web processes' shared stream reads (gateway/web/stream_reads.py): how
+# many streams each read names. A read holds Redis for every other caller
+# for a time that grows with the streams it names, so a tail here is time
+# the admissions and the workers' appends wait.
+STREAM_READ_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+WEB_STREAM_READS = Histogram("sluice_web_stream_read_streams", "Streams named in each of the web processes' "
+                             "shared stream reads (one XREAD each; the process's notice stream not counted).",
+                             buckets=STREAM_READ_BUCKETS)
+
 # Every lane's histograms exist from the start (zero counts), so a quiet lane
 # reads 0 instead of "no data" and rate() has a starting point.
 for _lane in LANE_NAMES:
@@ -171,6 +180,11 @@ def key_check_unanswered_observe(*, served: bool) -> None:
 @_never_raises
 def web_loop_lag_observe(seconds: float) -> None:
     WEB_LOOP_LAG.observe(seconds)
+
+
+@_never_raises
+def web_stream_read_observe(streams: int) -> None:
+    WEB_STREAM_READS.observe(streams)
 
 
 @_never_raises

@@ -49,6 +49,7 @@ from django.conf import settings
 from budgets.redis.clients import REDIS_UNAVAILABLE, async_reader_client, get_async_redis
 from budgets.redis.composition import Commands
 from gateway.core import keys
+from gateway.core.observability import web_stream_read_observe
 from gateway.core.request.streams import NOTICE_MAXLEN, NOTICE_TTL_MS, stream_notice_ids
 from gateway.web.per_loop import PerLoop
 
@@ -140,8 +141,6 @@ class _Reader:
         self.reading = False  # a read is out: a new subscriber must wake it
         self.woken = False  # a wake is on its way for the read that is out
         self.client = None
-        # Reads made and streams named in them (the wake stream not counted).
-        self.reads = self.named = 0
 
     def subscribe(self, key: str, last_id: str) -> StreamSub:
         sub = StreamSub(self, key, last_id)
@@ -217,8 +216,7 @@ class _Reader:
                     ).run_async(self.client)
                 finally:
                     self.reading = False
-                self.reads += 1
-                self.named += len(names) - 1
+                web_stream_read_observe(len(names) - 1)
                 for key, entries in _streams_read(reply):
                     if key == self.wake_key:
                         self._noticed(entries)
