@@ -112,7 +112,7 @@ def build_world(*, base_url: str = "http://127.0.0.1:9/v1", provider_tpm: int = 
 
 def ledger_add(*, workload, pool, at: datetime, model: str = "sim-small", input_tokens: int = 100,
                output_tokens: int = 50, estimated_output: int = 64, status: str = "ok",
-               endpoint: str = "/v1/chat/completions") -> str:
+               endpoint: str = "/v1/chat/completions", overflow: bool = False) -> str:
     """One ledger row through the real writer (price lookup included)."""
     from budgets.ledger.writer import LedgerEntry, usage_record_write
 
@@ -121,7 +121,7 @@ def ledger_add(*, workload, pool, at: datetime, model: str = "sim-small", input_
         request_id=request_id, created_at=at, tenant_id=workload.tenant_id, workload_id=workload.id, pool_id=pool.id,
         model=model, lane="interactive", status=status, borrowed=False, estimated_input_tokens=input_tokens,
         estimated_output_tokens=estimated_output, actual_input_tokens=input_tokens if status == "ok" else 0,
-        actual_output_tokens=output_tokens if status == "ok" else 0, endpoint=endpoint,
+        actual_output_tokens=output_tokens if status == "ok" else 0, endpoint=endpoint, overflow=overflow,
     ))
     return request_id
 

@@ -7,11 +7,17 @@ or concurrently with writers, gives the same rows. It recomputes:
 
 * every day touched by ledger rows with an id above the last run's high-water
   mark (cheap: the primary-key index), and
-* every day not yet *final*: a ledger row is stamped with its admission time
-  but may be written minutes later (queue timeout + upstream timeout + lease
-  reaping), and a transaction may commit an id below the mark after it was
-  read. So the recent days are recomputed on every run until they are older
-  than ``FINAL_LAG``; after that no row can still arrive for them.
+* every day that became *final* since the last run, once: a ledger row is
+  stamped with its admission time but may be written minutes later (queue
+  timeout + upstream timeout + lease reaping), and a transaction may commit
+  an id below the mark after it was read, so a day's rows are all there only
+  once it is older than ``FINAL_LAG``. Its rebuild then takes them all.
+
+A day not final yet is rebuilt only when new rows touch it: its rollup may
+miss a row that committed below the mark until the day turns final, and
+nobody reads it as complete before then. So a run with no new rows reads
+no ledger day: an idle platform's minute costs a look at the highest id,
+not a scan of the day's rows (which grows with the day's traffic).
 
 ``RollupState.final_through`` tells readers which days are complete: pages
 read DailyUsage up to it and the (at most a couple of) later days live from
@@ -123,13 +129,14 @@ def daily_usage_refresh(*, now: datetime | None = None) -> RefreshResult:
         )
         days.update(touched)
     final = final_through_at(now)
-    today = now.astimezone(dt_timezone.utc).date()
-    # Days after the previous run's final day up to today are not final yet.
-    start = (state.final_through + timedelta(days=1)) if state.final_through else final + timedelta(days=1)
-    day = min(start, final + timedelta(days=1))
-    while day <= today:
-        days.add(day)
-        day += timedelta(days=1)
+    # The days that turned final since the last run: rebuilt once more, now
+    # that no row can still arrive for them. (A first run has no such days:
+    # every id is new to it, so every day with rows is touched.)
+    if state.final_through is not None:
+        day = state.final_through + timedelta(days=1)
+        while day <= final:
+            days.add(day)
+            day += timedelta(days=1)
     rows = 0
     for day in sorted(days):
         rows += daily_usage_rebuild_day(day=day)

@@ -7,8 +7,9 @@ one hash per tenant and UTC month with fields ``T<tenant id>`` and one
 ``<workload id>`` per workload. Admission holds a request's estimated cost
 there before the pool admits it (budgets/admission/spend_holds.py) and
 settlement corrects it to the actual cost. Every minute ``spend_reconcile``
-rewrites it from the ledger, which is the truth, plus the requests still in
-flight, and pushes the hard caps beside it.
+rewrites it from the ledger, which is the truth (the month's final days
+through their daily rollups), plus the requests still in flight, and pushes
+the hard caps beside it.
 
 Keep month-to-date = the ledger's cost of the month + the estimate of every
 request admitted and not settled (+ the actual cost of those settled whose
@@ -26,7 +27,7 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import connection, transaction
-from django.db.models import Q, Sum
+from django.db.models import Count, Q, Sum
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -34,7 +35,9 @@ from tenants.models import Tenant, Workload
 
 from budgets.admission import keys
 from budgets.admission.spend_holds import spend_reconcile_call
-from budgets.models import UsageRecord
+from budgets.ledger.rollups import day_bounds, rollup_final_through
+from budgets.models import DailyUsage, UsageRecord
+from budgets.selectors.usage import cost_exact
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notification_create
 from budgets.redis.clients import get_redis, unavailable_note
@@ -142,16 +145,70 @@ def spend_caps_of_tenants(*, tenant_ids: list[int]) -> dict[int, dict[str, int]]
 # --- reading month-to-date ------------------------------------------------------------
 
 
-def _ledger_month_to_date(*, tenant_ids: set[int], workload_ids: set[int], at: datetime) -> dict[str, Decimal]:
+@dataclass
+class _MonthCost:
+    """One (tenant, workload)'s cost in a month, and its part on overflow slices."""
+
+    cost: Decimal = Decimal(0)
+    overflow_cost: Decimal = Decimal(0)
+    overflow_requests: int = 0
+
+
+def _month_costs(*, at: datetime, tenant_ids=None, workload_ids=None) -> dict[tuple[int, int], _MonthCost]:
+    """The ledger's cost of ``at``'s month per (tenant, workload) that has rows
+    in it, optionally only of some tenants or some workloads.
+
+    Read as the usage pages read it (budgets/selectors/usage.py): the days
+    the daily rollup holds as final from DailyUsage, the rest of the month
+    from the ledger. Every minute's reconciliation then reads a day or two of
+    ledger rows, not the month's, which grow all month. A final day's rollup
+    was rebuilt, with every row of that day, before ``final_through`` was
+    moved past it, in one commit of the rollup; a snapshot that sees the new
+    ``final_through`` sees those rows. Each part's sum is snapped to the
+    ledger's 8 places (``cost_exact``: SQLite sums decimals as floats) and
+    the parts are added as Decimals."""
     start, end = month_bounds(at)
-    month = UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end)
+    costs: dict[tuple[int, int], _MonthCost] = defaultdict(_MonthCost)
+
+    def scoped(queryset):
+        if tenant_ids is not None:
+            queryset = queryset.filter(tenant_id__in=tenant_ids)
+        if workload_ids is not None:
+            queryset = queryset.filter(workload_id__in=workload_ids)
+        return queryset.order_by().values("tenant_id", "workload_id")
+
+    live_from = start
+    final = rollup_final_through()
+    if final is not None and final >= start.date():
+        last = min(final, (end - timedelta(days=1)).date())
+        rolled = scoped(DailyUsage.objects.filter(day__gte=start.date(), day__lte=last)).annotate(
+            c=Sum("cost"), o=Sum("overflow_cost"), n=Sum("overflow_requests"))
+        for row in rolled:
+            cost = costs[(row["tenant_id"], row["workload_id"])]
+            cost.cost += cost_exact(row["c"])
+            cost.overflow_cost += cost_exact(row["o"])
+            cost.overflow_requests += row["n"] or 0
+        live_from = day_bounds(last)[1]
+    if live_from < end:
+        live = scoped(UsageRecord.objects.filter(created_at__gte=live_from, created_at__lt=end)).annotate(
+            c=Sum("cost"), o=Sum("cost", filter=Q(overflow=True)), n=Count("id", filter=Q(overflow=True)))
+        for row in live:
+            cost = costs[(row["tenant_id"], row["workload_id"])]
+            cost.cost += cost_exact(row["c"])
+            cost.overflow_cost += cost_exact(row["o"])
+            cost.overflow_requests += row["n"] or 0
+    return costs
+
+
+def _ledger_month_to_date(*, tenant_ids: set[int], workload_ids: set[int], at: datetime) -> dict[str, Decimal]:
     out: dict[str, Decimal] = {}
     if tenant_ids:
-        for row in month.filter(tenant_id__in=tenant_ids).order_by().values("tenant_id").annotate(c=Sum("cost")):
-            out[tenant_field(row["tenant_id"])] = row["c"] or Decimal(0)
+        for (tenant_id, _workload_id), cost in _month_costs(at=at, tenant_ids=tenant_ids).items():
+            field = tenant_field(tenant_id)
+            out[field] = out.get(field, Decimal(0)) + cost.cost
     if workload_ids:
-        for row in month.filter(workload_id__in=workload_ids).order_by().values("workload_id").annotate(c=Sum("cost")):
-            out[workload_field(row["workload_id"])] = row["c"] or Decimal(0)
+        for (_tenant_id, workload_id), cost in _month_costs(at=at, workload_ids=workload_ids).items():
+            out[workload_field(workload_id)] = cost.cost
     return out
 
 
@@ -304,19 +361,17 @@ def spend_tenants_sync(*, tenant_ids: list[int] | None = None, at: datetime | No
     (budgets/admission/spend_reconcile.lua says why)."""
     at = _utc(at)
     month = month_of(at)
-    start, end = month_bounds(at)
     client = get_redis()
     ledger: dict[int, dict[str, int]] = defaultdict(dict)
     with _one_snapshot():
-        rows = UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end).order_by()
-        if tenant_ids is not None:
-            rows = rows.filter(tenant_id__in=tenant_ids)
-        for row in rows.values("tenant_id", "workload_id").annotate(c=Sum("cost")):
-            ledger[row["tenant_id"]][workload_field(row["workload_id"])] = to_micro(row["c"] or 0)
-        for row in rows.values("tenant_id").annotate(c=Sum("cost")):
-            ledger[row["tenant_id"]][tenant_field(row["tenant_id"])] = to_micro(row["c"] or 0)
-        for row in rows.filter(overflow=True).values("tenant_id", "workload_id").annotate(c=Sum("cost")):
-            ledger[row["tenant_id"]][overflow_field(row["workload_id"])] = to_micro(row["c"] or 0)
+        tenant_costs: dict[int, Decimal] = defaultdict(Decimal)
+        for (tenant_id, workload_id), cost in _month_costs(at=at, tenant_ids=tenant_ids).items():
+            ledger[tenant_id][workload_field(workload_id)] = to_micro(cost.cost)
+            tenant_costs[tenant_id] += cost.cost
+            if cost.overflow_requests:
+                ledger[tenant_id][overflow_field(workload_id)] = to_micro(cost.overflow_cost)
+        for tenant_id, cost in tenant_costs.items():
+            ledger[tenant_id][tenant_field(tenant_id)] = to_micro(cost)
         if tenant_ids is None:
             tenants = sorted(set(Tenant.objects.values_list("id", flat=True)) | set(ledger))
         else:

@@ -70,6 +70,45 @@ def test_late_row_for_a_recent_day_is_picked_up(world):
     assert row.requests == 2
 
 
+def test_a_refresh_with_no_new_rows_reads_no_ledger_day(world):
+    # given a ledger rolled up, today's and yesterday's days not final yet
+    ledger_spread(world=world, now=NOW, days=3, per_day=2)
+    daily_usage_refresh(now=NOW)
+    snapshot = list(DailyUsage.objects.order_by("id").values())
+    # when the refresh runs again a minute later with no new row
+    with CaptureQueriesContext(connection) as queries:
+        result = daily_usage_refresh(now=NOW + timedelta(minutes=1))
+    # then it rebuilds no day: an idle minute does not scan the day's rows
+    assert result.days == [] and result.rows == 0
+    assert not [q["sql"] for q in queries.captured_queries if "GROUP BY" in q["sql"].upper()]
+    assert list(DailyUsage.objects.order_by("id").values()) == snapshot
+
+
+def test_a_row_that_committed_below_the_mark_is_rolled_up_when_its_day_turns_final(world):
+    # given today's rollup
+    ledger_spread(world=world, now=NOW, days=1, per_day=2)
+    daily_usage_refresh(now=NOW)
+    # and a row of today that committed after the next run read the highest
+    # id, below it (as a transaction that took its id earlier and committed
+    # later does): the run marks it read without seeing it
+    ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(minutes=1), input_tokens=1000, output_tokens=1)
+    RollupState.objects.update(last_ledger_id=UsageRecord.objects.order_by("-id").first().id)
+    daily_usage_refresh(now=NOW + timedelta(minutes=1))
+    day_row = DailyUsage.objects.get(day=NOW.date(), workload=world.wl_a)
+    assert day_row.requests == 2  # not final: nobody reads it as complete yet
+    # when the day turns final
+    later = NOW + timedelta(days=1, hours=7)
+    result = daily_usage_refresh(now=later)
+    # then it is rebuilt once more, with every row
+    assert NOW.date() in result.days and result.final_through == NOW.date()
+    day_row.refresh_from_db()
+    direct = ledger_totals(UsageRecord.objects.filter(workload=world.wl_a, created_at__date=NOW.date()))
+    assert day_row.requests == direct["n"] == 3
+    assert day_row.actual_input_tokens + day_row.actual_output_tokens == direct["tokens"]
+    # and a refresh after that one rebuilds nothing
+    assert daily_usage_refresh(now=later + timedelta(minutes=1)).days == []
+
+
 @pytest.mark.parametrize("group_by", [("tenant",), ("cost_center",), ("workload",), ("model",), ("endpoint",), ("day",),
                                       ("month",), ("tenant", "model")])
 def test_summary_equals_the_ledger_rows_across_final_and_live_days(world, group_by):

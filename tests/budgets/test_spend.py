@@ -4,12 +4,13 @@ reconciliation from the ledger, projections and threshold notifications."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import date, datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 import pytest
 
-from budgets.models import InferencePool, Notification, SpendBudget, UsageRecord
+from budgets.ledger.rollups import daily_usage_refresh, rollup_final_through
+from budgets.models import DailyUsage, InferencePool, Notification, SpendBudget, UsageRecord
 from budgets.ledger.spend import (
     from_micro,
     spend_caps_of_tenants,
@@ -122,6 +123,54 @@ def test_reconcile_overwrites_redis_from_the_ledger(world, redis_client):
     assert (result.tenants, result.fields, result.holds_counted, result.holds_dropped) == (2, 4, 0, 0)
     ledger_total = sum(UsageRecord.objects.values_list("cost", flat=True))
     assert spend_month_to_date(tenant=world.tenant_a, at=NOW) + spend_month_to_date(tenant=world.tenant_b, at=NOW) == ledger_total
+
+
+def test_reconcile_reads_the_months_final_days_from_the_rollup_and_the_rest_from_the_ledger(world, redis_client):
+    # given a month of ledger for two tenants, overflow rows among them, and
+    # rows of the month before
+    days_ago = [30, 14, 9, 3, 1, 0]
+    for n, back in enumerate(days_ago):
+        at = NOW - timedelta(days=back, hours=1)
+        ledger_add(workload=world.wl_a, pool=world.pool, at=at, input_tokens=100_000 * (n + 1), output_tokens=0)
+        ledger_add(workload=world.wl_a, pool=world.pool, at=at, input_tokens=10_000, output_tokens=0, overflow=True)
+        ledger_add(workload=world.wl_b, pool=world.pool, at=at, model="sim-large", input_tokens=0,
+                   output_tokens=1_000 * (n + 1))
+
+    def month_rows(**filters):
+        return UsageRecord.objects.filter(created_at__gte=NOW.replace(day=1), created_at__lt=NOW.replace(month=12, day=1),
+                                          **filters)
+
+    def expected() -> dict[str, dict[str, str]]:
+        out = {}
+        for tenant, workload in ((world.tenant_a, world.wl_a), (world.tenant_b, world.wl_b)):
+            cost = sum(month_rows(workload=workload).values_list("cost", flat=True))
+            fields = {f"T{tenant.id}": str(to_micro(cost)), str(workload.id): str(to_micro(cost))}
+            overflow = month_rows(workload=workload, overflow=True).values_list("cost", flat=True)
+            if overflow:
+                fields[f"O{workload.id}"] = str(to_micro(sum(overflow)))
+            out[spend_month_key(tenant_id=tenant.id, at=NOW)] = fields
+        return out
+
+    def reconciled() -> dict[str, dict[str, str]]:
+        spend_reconcile(at=NOW)
+        return {key: redis_client.hgetall(key) for key in expected()}
+
+    # then month-to-date is the ledger's month, rolled up or not
+    assert reconciled() == expected()
+    daily_usage_refresh(now=NOW)  # final through 14 November: the 15th and 16th are live
+    assert rollup_final_through() == date(2026, 11, 14)
+    assert reconciled() == expected()
+    # and the final days are read from the rollup, not from the ledger: a
+    # rollup row changed by hand (no ledger row is) moves month-to-date
+    row = DailyUsage.objects.filter(day=date(2026, 11, 6), workload=world.wl_b).get()
+    DailyUsage.objects.filter(pk=row.pk).update(cost=row.cost + Decimal("1"))
+    key_b = spend_month_key(tenant_id=world.tenant_b.id, at=NOW)
+    assert int(reconciled()[key_b][str(world.wl_b.id)]) == int(expected()[key_b][str(world.wl_b.id)]) + 1_000_000
+    # while the days after the final one are the ledger's own: a live day's
+    # rollup row changed by hand moves nothing
+    DailyUsage.objects.filter(pk=row.pk).update(cost=row.cost)
+    DailyUsage.objects.filter(day=date(2026, 11, 15), workload=world.wl_b).update(cost=Decimal("1000"))
+    assert reconciled() == expected()
 
 
 def test_soft_threshold_notifies_once_per_month_and_fires_the_hook(world):
