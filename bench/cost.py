@@ -12,8 +12,9 @@ the host, and more of it when each call waits on a slow pool; the figure
 with the idle rate taken off over the phase's wall time is kept as a
 secondary column (``net_ms_per_request``).
 
-* idle: the processes' CPU per second with no traffic, reported on its own
-  (as % of one core; target under 2 %);
+* idle: the processes' CPU per second with no traffic over one minute (one
+  period of beat's minute entries), reported on its own (as % of one core;
+  target under 2 %);
 * admitted: N non-streamed chat requests through the full path (CLIENTS
   closed-loop clients), once against the zero-latency simulator and once
   with each pool call taking POOL_LATENCY_MS (the simulator's per-request
@@ -235,11 +236,12 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         asyncio.run(_fixed(platform.sim_url, {}, 50, rng, "warm"))
         asyncio.run(_fixed(platform.sluice_url, open_auth, 20, rng, "streamed-warm"))
 
-        # /proc counts CPU in ticks of 10 ms, per process: over 30 s each of the
-        # nine processes' idle reads within about 0.3 ms per s of CPU, and the
-        # window holds six of the pacer's 5 s sweeps and three runs of beat's
-        # 10 s entry (its 60 s ones fall in or out: part of the spread).
-        idle_s = 2.0 if quick else 30.0
+        # /proc counts CPU in ticks of 10 ms, per process: over 60 s each of the
+        # nine processes' idle reads within about 0.17 ms per s of CPU. 60 s is
+        # one whole period of beat's minute entries (the rollup, the spend
+        # reconcile, the spike check), so the window holds each of them once:
+        # a 30 s window held them or not, and read their cost twice or not at all.
+        idle_s = 2.0 if quick else 60.0
         before = meter.read()
         time.sleep(idle_s)  # measuring the idle cost over a fixed span, not waiting on anything
         idle = {k: v / idle_s for k, v in delta(meter.read(), before).items()}
@@ -295,7 +297,7 @@ def main(seed: int = 1, quick: bool = False, services: Services | None = None, p
         if own:
             services.down()
     data = {"scenario": NAME, "seed": seed, "quick": quick, "requests_per_phase": n, "clients": CLIENTS,
-            "redis_counted": services.redis_process is not None, "idle_cpu_per_s": idle,
+            "redis_counted": services.redis_process is not None, "idle_cpu_per_s": idle, "idle_s": idle_s,
             "idle_core_pct": 100 * sum(idle.values()), "speed": speed, "pool_latency_ms": POOL_LATENCY_MS,
             "admitted": admitted, "refused": refused, "direct": direct, "slow_pool": slow, "streamed": streamed,
             "streamed_direct": streamed_direct, "stream_tokens": STREAM_TOKENS, "profiles": profiles}
@@ -368,7 +370,8 @@ def summarize(data: dict) -> str:
         md_table(["process", "ms CPU per admitted request, 0 ms pool", f"… {latency} ms pool",
                   "ms CPU per refusal, 0 ms pool", f"… {latency} ms pool", "idle ms CPU per s"], rows),
         "",
-        f"Idle, the whole platform with no traffic: **{fmt(data['idle_core_pct'], 2)} % of one core** "
+        f"Idle, the whole platform with no traffic, over {fmt(data.get('idle_s', 30), 0)} s: "
+        f"**{fmt(data['idle_core_pct'], 2)} % of one core** "
         f"(target < {TARGET_IDLE_CORE_PCT:g} %: {h['idle_verdict']}).",
         "",
         md_table(["target (scaled to this machine's speed)", "0 ms pool", f"{latency} ms pool", "verdict"], [
