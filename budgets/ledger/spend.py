@@ -161,9 +161,9 @@ def _month_costs(*, at: datetime, tenant_ids=None, workload_ids=None) -> dict[tu
     Read as the usage pages read it (budgets/selectors/usage.py): the days
     the daily rollup holds as final from DailyUsage, the rest of the month
     from the ledger. Every minute's reconciliation then reads a day or two of
-    ledger rows, not the month's, which grow all month. A final day's rollup
-    was rebuilt, with every row of that day, before ``final_through`` was
-    moved past it, in one commit of the rollup; a snapshot that sees the new
+    ledger rows, not the month's, which grow all month. The rollup rebuilds a
+    day that turned final, with every row of that day, and commits it before
+    it moves ``final_through`` past it: a snapshot that sees the new
     ``final_through`` sees those rows. Each part's sum is snapped to the
     ledger's 8 places (``cost_exact``: SQLite sums decimals as floats) and
     the parts are added as Decimals."""
@@ -177,26 +177,25 @@ def _month_costs(*, at: datetime, tenant_ids=None, workload_ids=None) -> dict[tu
             queryset = queryset.filter(workload_id__in=workload_ids)
         return queryset.order_by().values("tenant_id", "workload_id")
 
+    def add(sums) -> None:
+        for row in sums:
+            cost = costs[(row["tenant_id"], row["workload_id"])]
+            cost.cost += cost_exact(row["c"])
+            cost.overflow_cost += cost_exact(row["o"])
+            cost.overflow_requests += row["n"] or 0
+
     live_from = start
     final = rollup_final_through()
     if final is not None and final >= start.date():
         last = min(final, (end - timedelta(days=1)).date())
         rolled = scoped(DailyUsage.objects.filter(day__gte=start.date(), day__lte=last)).annotate(
             c=Sum("cost"), o=Sum("overflow_cost"), n=Sum("overflow_requests"))
-        for row in rolled:
-            cost = costs[(row["tenant_id"], row["workload_id"])]
-            cost.cost += cost_exact(row["c"])
-            cost.overflow_cost += cost_exact(row["o"])
-            cost.overflow_requests += row["n"] or 0
+        add(rolled)
         live_from = day_bounds(last)[1]
     if live_from < end:
         live = scoped(UsageRecord.objects.filter(created_at__gte=live_from, created_at__lt=end)).annotate(
             c=Sum("cost"), o=Sum("cost", filter=Q(overflow=True)), n=Count("id", filter=Q(overflow=True)))
-        for row in live:
-            cost = costs[(row["tenant_id"], row["workload_id"])]
-            cost.cost += cost_exact(row["c"])
-            cost.overflow_cost += cost_exact(row["o"])
-            cost.overflow_requests += row["n"] or 0
+        add(live)
     return costs
 
 
