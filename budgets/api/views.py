@@ -200,7 +200,7 @@ class LedgerExportView(APIView):
                    summary="Ledger rows as CSV, streamed (same filters as the usage summary)")
     def get(self, request):
         filters = _usage_query(request)["filters"]
-        return ledger_csv_response(request=request._request, queryset=ledger_rows(filters=filters),
+        return ledger_csv_response(request=request, queryset=ledger_rows(filters=filters),
                                    filename=f"sluice-ledger-{filters.start:%Y%m%d}-{filters.end:%Y%m%d}.csv")
 
 

@@ -10,7 +10,6 @@ import csv
 from collections.abc import AsyncIterator, Iterator
 
 from asgiref.sync import sync_to_async
-from django.core.handlers.asgi import ASGIRequest
 from django.db.models import QuerySet
 from django.http import StreamingHttpResponse
 
@@ -78,8 +77,16 @@ async def _csv_lines_async(queryset: QuerySet) -> AsyncIterator[str]:
         yield chunk
 
 
+def _under_asgi(request) -> bool:
+    """Whether the request came in through ASGI. Django's ASGIRequest
+    carries its ``scope``; a DRF Request hands on the attributes of the
+    HttpRequest it wraps, so the API's views pass their own request."""
+    return getattr(request, "scope", None) is not None
+
+
 def ledger_csv_response(*, request, queryset: QuerySet, filename: str) -> StreamingHttpResponse:
-    content = _csv_lines_async(queryset) if isinstance(request, ASGIRequest) else _csv_lines(queryset)
+    """``request``: a Django HttpRequest, or a DRF Request wrapping one."""
+    content = _csv_lines_async(queryset) if _under_asgi(request) else _csv_lines(queryset)
     response = StreamingHttpResponse(content, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     response["Cache-Control"] = "no-store"

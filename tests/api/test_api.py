@@ -166,6 +166,25 @@ def test_bad_usage_queries_get_400(world, query):
     assert api.get(f"/api/ledger/export/?{query}").status_code == 400
 
 
+def test_the_export_streams_on_the_loop_under_asgi_whatever_wraps_the_request():
+    # given the same request as Django's ASGI handler builds it, as its WSGI
+    # handler does, and as DRF's view gets it (wrapping either)
+    from django.core.handlers.asgi import ASGIRequest
+    from django.test import RequestFactory
+    from rest_framework.request import Request
+
+    from budgets.ledger.export import ledger_csv_response
+    from budgets.models import UsageRecord
+
+    scope = {"type": "http", "method": "GET", "path": "/api/ledger/export/", "query_string": b"", "headers": []}
+    asgi, wsgi = ASGIRequest(scope, None), RequestFactory().get("/api/ledger/export/")
+    # then under ASGI the rows come through an async iterator (pulled in
+    # batches on the request's one thread), under WSGI through a plain one
+    for request, is_async in ((asgi, True), (Request(asgi), True), (wsgi, False), (Request(wsgi), False)):
+        response = ledger_csv_response(request=request, queryset=UsageRecord.objects.none(), filename="x.csv")
+        assert response.is_async is is_async, request
+
+
 def test_usage_summary_totals_equal_the_export(world):
     now = ledger_now()
     ledger_spread(world=world, now=now, days=5, per_day=2)
