@@ -37,8 +37,7 @@ in 0.66 s): the lane's queue wait (admission to a worker thread) p99
 against 1,569–2,698 ms; bench.cost's CPU per admitted request (zero-latency
 pool) 3.71–3.75 ms against 4.17–4.33 (about 12 % less). Reproduce it with
 ``SLUICE_LANE_BATCHED_PICKUP=false`` against the default, alternated, for
-bench.cost and bench.burst's Sluice path (bench/PROFILE.md has the runs,
-and what it costs the first refusal of a 1,024-stream arrival).
+bench.cost and bench.burst's Sluice path.
 
 Guarded by: tests/adapters/test_kombu_redis.py (the unacked entries match
 what kombu writes, the batch is bounded by the QoS's room, an entry left by

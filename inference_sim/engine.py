@@ -32,7 +32,7 @@ one A100-class GPU; they are orders of magnitude, not a benchmark):
   all ~14-16 GB of weights, ~7-8 ms at 2 TB/s in theory; published vLLM/TGI
   runs (the vLLM PagedAttention paper, Kwon et al. 2023; Databricks' "LLM
   inference performance engineering" post on A100s; Anyscale's continuous-
-  batching post) show inter-token latency around 12-25 ms at small batches.
+  batching post) show inter-token latency of about 12-25 ms at small batches.
 * ``decode_per_seq_ms = 0.5``: step time grows slowly with batch size (attention
   over each sequence's KV cache): roughly 25-30 ms at batch 16 and 50+ ms at
   batch 64 in the same reports.
