@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import connection, transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Q
 from django.dispatch import Signal
 from django.utils import timezone
 
@@ -35,9 +35,9 @@ from tenants.models import Tenant, Workload
 
 from budgets.admission import keys
 from budgets.admission.spend_holds import spend_reconcile_call
-from budgets.ledger.rollups import day_bounds, rollup_final_through
-from budgets.models import DailyUsage, UsageRecord
-from budgets.selectors.usage import cost_exact
+from budgets.ledger.rollups import rollup_final_through
+from budgets.models import UsageRecord
+from budgets.selectors.usage import UsageFilters, UsageRow, usage_rows
 from budgets.models import Notification, SpendBudget
 from budgets.services.notifications import notification_create
 from budgets.redis.clients import get_redis, unavailable_note
@@ -145,58 +145,25 @@ def spend_caps_of_tenants(*, tenant_ids: list[int]) -> dict[int, dict[str, int]]
 # --- reading month-to-date ------------------------------------------------------------
 
 
-@dataclass
-class _MonthCost:
-    """One (tenant, workload)'s cost in a month, and its part on overflow slices."""
+def _month_costs(*, at: datetime, tenant_ids=None, workload_ids=None) -> dict[tuple[int, int], UsageRow]:
+    """The ledger's sums of ``at``'s month per (tenant, workload) that has
+    rows in it, optionally only of some tenants or some workloads.
 
-    cost: Decimal = Decimal(0)
-    overflow_cost: Decimal = Decimal(0)
-    overflow_requests: int = 0
-
-
-def _month_costs(*, at: datetime, tenant_ids=None, workload_ids=None) -> dict[tuple[int, int], _MonthCost]:
-    """The ledger's cost of ``at``'s month per (tenant, workload) that has rows
-    in it, optionally only of some tenants or some workloads.
-
-    Read as the usage pages read it (budgets/selectors/usage.py): the days
-    the daily rollup holds as final from DailyUsage, the rest of the month
-    from the ledger. Every minute's reconciliation then reads a day or two of
-    ledger rows, not the month's, which grow all month. The rollup rebuilds a
-    day that turned final, with every row of that day, and commits it before
-    it moves ``final_through`` past it: a snapshot that sees the new
-    ``final_through`` sees those rows. Each part's sum is snapped to the
-    ledger's 8 places (``cost_exact``: SQLite sums decimals as floats) and
-    the parts are added as Decimals."""
+    Read as the usage pages read it (``usage_rows``): the days the daily
+    rollup holds as final from DailyUsage, the rest of the month from the
+    ledger. Every minute's reconciliation then reads a day or two of ledger
+    rows, not the month's, which grow all month. The rollup rebuilds a day
+    that turned final, with every row of that day, and commits it before it
+    moves ``final_through`` past it: a read that sees the new
+    ``final_through`` sees those rows."""
     start, end = month_bounds(at)
-    costs: dict[tuple[int, int], _MonthCost] = defaultdict(_MonthCost)
-
-    def scoped(queryset):
-        if tenant_ids is not None:
-            queryset = queryset.filter(tenant_id__in=tenant_ids)
-        if workload_ids is not None:
-            queryset = queryset.filter(workload_id__in=workload_ids)
-        return queryset.order_by().values("tenant_id", "workload_id")
-
-    def add(sums) -> None:
-        for row in sums:
-            cost = costs[(row["tenant_id"], row["workload_id"])]
-            cost.cost += cost_exact(row["c"])
-            cost.overflow_cost += cost_exact(row["o"])
-            cost.overflow_requests += row["n"] or 0
-
-    live_from = start
-    final = rollup_final_through()
-    if final is not None and final >= start.date():
-        last = min(final, (end - timedelta(days=1)).date())
-        rolled = scoped(DailyUsage.objects.filter(day__gte=start.date(), day__lte=last)).annotate(
-            c=Sum("cost"), o=Sum("overflow_cost"), n=Sum("overflow_requests"))
-        add(rolled)
-        live_from = day_bounds(last)[1]
-    if live_from < end:
-        live = scoped(UsageRecord.objects.filter(created_at__gte=live_from, created_at__lt=end)).annotate(
-            c=Sum("cost"), o=Sum("cost", filter=Q(overflow=True)), n=Count("id", filter=Q(overflow=True)))
-        add(live)
-    return costs
+    filters = UsageFilters(
+        start=start.date(), end=(end - timedelta(days=1)).date(),
+        tenant_ids=frozenset(tenant_ids) if tenant_ids is not None else None,
+        workload_ids=frozenset(workload_ids) if workload_ids is not None else None,
+    )
+    rows = usage_rows(filters=filters, group_by=("tenant", "workload"), final=rollup_final_through())
+    return {(row.key["tenant"], row.key["workload"]): row for row in rows}
 
 
 def _ledger_month_to_date(*, tenant_ids: set[int], workload_ids: set[int], at: datetime) -> dict[str, Decimal]:

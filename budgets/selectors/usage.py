@@ -228,8 +228,10 @@ def _summary_parts(*, filters: UsageFilters, group_by: tuple[str, ...], final: d
     return parts
 
 
-def usage_summary(*, filters: UsageFilters, group_by: tuple[str, ...] = ("tenant",)) -> UsageSummary:
-    final = rollup_final_through()
+def usage_rows(*, filters: UsageFilters, group_by: tuple[str, ...], final: date | None) -> list[UsageRow]:
+    """The filters' sums per group, unlabelled and unsorted: the whole days
+    through ``final`` (``rollup_final_through()``) from the rollups, the rest
+    from the ledger. The spend reconcile reads the month this way too."""
     merged: dict[tuple, UsageRow] = {}
     for part in _summary_parts(filters=filters, group_by=group_by, final=final):
         for values in part:
@@ -239,7 +241,12 @@ def usage_summary(*, filters: UsageFilters, group_by: tuple[str, ...] = ("tenant
             if row is None:
                 row = merged[normal] = UsageRow(key=dict(zip(group_by, (v for _n, v in normal))))
             row.add(values)
-    rows = list(merged.values())
+    return list(merged.values())
+
+
+def usage_summary(*, filters: UsageFilters, group_by: tuple[str, ...] = ("tenant",)) -> UsageSummary:
+    final = rollup_final_through()
+    rows = usage_rows(filters=filters, group_by=group_by, final=final)
     _label(rows)
     if {"day", "month"} & set(group_by):
         rows.sort(key=lambda r: r.label)  # time order (labels lead with the ISO date)
