@@ -116,12 +116,17 @@ def _configure_logging(**kwargs) -> None:
 @celeryd_init.connect
 def _request_path_redis(**kwargs) -> None:
     """A lane worker runs only the request path: it waits out a busy Redis
-    (budgets/redis/clients.py), and its threads share a few database
-    connections (gateway/core/db_threads.py)."""
+    (budgets/redis/clients.py), its threads share a few database
+    connections (gateway/core/db_threads.py), and what its first pool call
+    would build while the lane's threads wait is built now
+    (gateway/worker/pool_client.py)."""
     request_path_process()
     database_threads_start(settings.SLUICE_WORKER_DB_THREADS, wait_s=settings.SLUICE_WORKER_DB_WAIT_S)
     if settings.SLUICE_LANE_BATCHED_PICKUP:
         lane_pickup_install()
+    # Imported here: the web process loads this module too, and never calls a pool.
+    from gateway.worker.pool_client import pool_clients_warm
+    pool_clients_warm()
 
 
 # budgets.tasks (beat tasks) and gateway.worker.tasks (the request path's

@@ -31,6 +31,7 @@ off."""
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import logging
@@ -103,6 +104,23 @@ def _limits_reader(pool_id: int) -> Callable[[httpx.Response], None]:
                                          response.status_code)
 
 
+@functools.cache
+def pool_tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi's CAs, or SSL_CERT_FILE/DIR),
+    made once per process and shared by every pool client and the prober's
+    rounds. A client made without one parses the whole CA bundle again, for
+    a plain http:// pool too (httpx builds its context eagerly), while every
+    lane thread of the process waits for that client behind ``_lock``."""
+    return httpx.create_ssl_context()
+
+
+def pool_clients_warm() -> None:
+    """Build at a worker's start what its first pool call would otherwise
+    build while its lane threads wait: the TLS context, and httpx's
+    transport (whose first build imports its connection pool's module)."""
+    httpx.HTTPTransport(verify=pool_tls_context()).close()
+
+
 def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
     """The SDK client of one pool (``pool_id`` 0: none, no headers recorded);
     the calls below take only a client made here."""
@@ -114,6 +132,7 @@ def pool_client(*, base_url: str, api_key_env: str, pool_id: int = 0) -> OpenAI:
             client = _clients.get(cache_key)
             if client is None:
                 http_client = httpx.Client(
+                    verify=pool_tls_context(),
                     limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
                     event_hooks={"request": [_count_sent], "response": [_limits_reader(pool_id)] if pool_id else []})
                 client = OpenAI(

@@ -19,9 +19,7 @@ the pool's down mark."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from budgets.admission.pool_status import pool_probe_record_call
 from budgets.redis.clients import get_redis
 from budgets.models import InferencePool
 from gateway.core import keys
-from gateway.worker.pool_client import pool_api_key
+from gateway.worker.pool_client import pool_api_key, pool_tls_context
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +72,8 @@ async def _probe(client: httpx.AsyncClient, target: ProbeTarget) -> ProbeResult:
     return ProbeResult(ok=response.status_code < 500, detail=f"HTTP {response.status_code}", latency_ms=latency_ms)
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default TLS context (certifi's CAs, or SSL_CERT_FILE/DIR),
-    made once. Each round needs a fresh client (the round's event loop owns
-    its connections), and a client made without a context parses the whole
-    CA bundle again: the costliest part of a round, and so of an idle pacer."""
-    return httpx.create_ssl_context()
-
-
 async def _probe_all(targets: list[ProbeTarget], timeout_s: float) -> list[ProbeResult]:
-    async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, verify=_tls_context()) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False, verify=pool_tls_context()) as client:
         return list(await asyncio.gather(*[_probe(client, target) for target in targets]))
 
 

@@ -216,6 +216,31 @@ def test_the_setting_off_keeps_httpx_for_every_pool(settings):
     assert pc._plain_connections(client) is None
 
 
+def test_pool_clients_share_the_tls_context_the_workers_start_built(sim_url, monkeypatch):
+    """A worker builds the TLS context once, at its start (``pool_clients_warm``);
+    no pool client parses the CA bundle again when its first call comes,
+    whether its calls take the plain path or httpx."""
+    import ssl
+
+    made = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    pc.pool_tls_context.cache_clear()
+    try:
+        pc.pool_clients_warm()
+        assert len(made) == 1
+        answers = []
+        for pool_id in (1, 2, 3):
+            client = pc.pool_client(base_url=sim_url, api_key_env="", pool_id=pool_id)
+            if pool_id == 3:
+                pc._plain[str(client.base_url)] = None  # this one's calls keep httpx
+            answers.append(pc.pool_post(client, body=BODY).status_code)
+        assert answers == [200, 200, 200]
+        assert len(made) == 1
+    finally:
+        pc.pool_tls_context.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def limited_sim_url(tmp_path_factory) -> Iterator[str]:
     """A simulator with room for every call here."""
