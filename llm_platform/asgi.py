@@ -20,7 +20,9 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llm_platform.settings")
 django_application = get_asgi_application()
 
+import llm_tokens  # noqa: E402
 from adapters.django import MiddlewareFreeASGIHandler  # noqa: E402  (after django.setup())
+from budgets.models import InferencePool  # noqa: E402
 from budgets.ledger.rejections import rejection_tally_send_at_exit  # noqa: E402
 from gateway.core.request.endpoints import POOL_PATHS  # noqa: E402
 from gateway.web.access_log import api_observed  # noqa: E402
@@ -72,6 +74,11 @@ async def application(scope, receive, send):
         return await management_application(scope, receive, send)
     return await django_application(scope, receive, send)
 
+# The default pool tokenizer's ranks, parsed now rather than on the event
+# loop by the first request (another pool's tokenizer is loaded on a thread
+# by its first request: gateway/web/dispatch.py).
+llm_tokens.get_encoding(InferencePool._meta.get_field("tokenizer").default)
+
 # Everything the web process keeps for life is built by now (django.setup(),
-# the handlers): freeze it out of the collector (llm_platform/gc_tuning.py).
+# the handlers, the tokenizer): freeze it out of the collector (llm_platform/gc_tuning.py).
 gc_tune()

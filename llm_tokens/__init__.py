@@ -15,7 +15,6 @@ the simulator's ``usage.prompt_tokens`` and the gateway's estimate agree.
 
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
 import importlib.resources
@@ -97,12 +96,33 @@ def _prime_cache(encoding_name: str) -> None:
     os.replace(tmp_path, cache_path)
 
 
-@functools.cache
+# The encodings this process has loaded, and one lock per name so that
+# callers of an encoding being loaded wait for that one load.
+_encodings: dict[str, tiktoken.Encoding] = {}
+_load_locks: dict[str, threading.Lock] = {}
+
+
 def get_encoding(encoding_name: str = "cl100k_base") -> tiktoken.Encoding:
-    """The exact tiktoken encoding, loaded offline when the ranks are shipped."""
+    """The exact tiktoken encoding, loaded offline when the ranks are shipped.
+    Its first call in a process parses the ranks: a fraction of a second of
+    CPU (``encoding_loaded`` tells whether that is still to come)."""
+    encoding = _encodings.get(encoding_name)
+    if encoding is not None:
+        return encoding
     with _prime_lock:
-        _prime_cache(encoding_name)
-    return tiktoken.get_encoding(encoding_name)
+        lock = _load_locks.setdefault(encoding_name, threading.Lock())
+    with lock:
+        encoding = _encodings.get(encoding_name)
+        if encoding is None:
+            with _prime_lock:
+                _prime_cache(encoding_name)
+            encoding = _encodings[encoding_name] = tiktoken.get_encoding(encoding_name)
+    return encoding
+
+
+def encoding_loaded(encoding_name: str) -> bool:
+    """Whether ``get_encoding(encoding_name)`` returns at once in this process."""
+    return encoding_name in _encodings
 
 
 def encoding_for_model(model: str, default: str = "cl100k_base") -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 from django.conf import settings
 
+import llm_tokens
+
 from budgets.admission.buckets import Admission
 from budgets.admission.estimation import Estimate
 from budgets.redis.clients import REDIS_UNAVAILABLE, get_async_redis
@@ -232,6 +234,16 @@ async def _await_outcome(ctx: CallerContext, record: RequestRecord,
                            status=504, retry_after_ms=None, error_type="upstream_error")
 
 
+async def _tokenizers_loaded(pools: list[CallerContext]) -> None:
+    """Load on a thread a pool's tokenizer this process has not loaded yet:
+    parsing its ranks takes a fraction of a second of CPU, which on the
+    event loop would hold every request and stream of this process. The
+    default tokenizer is loaded at the process's start (llm_platform/asgi.py)."""
+    for name in {pool.tokenizer for pool in pools}:
+        if not llm_tokens.encoding_loaded(name):
+            await asyncio.to_thread(llm_tokens.get_encoding, name)
+
+
 async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_id: str = "",
                            request_id: str | None = None, body_digest: str = "") -> Dispatched:
     """Admit and run one /v1 request of any endpoint (chat, legacy
@@ -250,6 +262,7 @@ async def request_dispatch(*, ctx: CallerContext, request: ApiRequest, session_i
         return estimates[counted]
 
     route = ctx.route(request.model)
+    await _tokenizers_loaded(route or [ctx])
     first_estimate = estimate_for(route[0] if route else ctx)
     request_id = request_id or new_request_id()
     lease_ms = lease_ttl_ms(queue_s=ctx.queue_timeout_s)
