@@ -1,23 +1,27 @@
 """Daily usage rollups: the ledger summed per UTC day and (tenant, workload,
 pool, model, endpoint), so pages read a few hundred rows instead of a year of ledger.
 
-``daily_usage_refresh`` is incremental and idempotent. It recomputes whole
-days (an upsert of that day's groups), never adds deltas, so running it twice,
-or concurrently with writers, gives the same rows. It recomputes:
+``daily_usage_refresh`` runs every minute and reads only what is new since
+its last run (ledger ids above its high-water mark, on the primary-key index):
 
-* every day touched by ledger rows with an id above the last run's high-water
-  mark (cheap: the primary-key index), and
-* every day that became *final* since the last run, once: a ledger row is
-  stamped with its admission time but may be written minutes later (queue
-  timeout + upstream timeout + lease reaping), and a transaction may commit
-  an id below the mark after it was read, so a day's rows are all there only
-  once it is older than ``FINAL_LAG``. Its rebuild then takes them all.
+* a day not final yet gets the new rows' sums **added** to its groups' rows,
+  so a busy day costs each run its last minute of rows, not the whole day
+  again (a scan that grows with the day's traffic);
+* every day that became *final* since the last run is **rebuilt** from all
+  its rows, once: a ledger row is stamped with its admission time but may be
+  written minutes later (queue timeout + upstream timeout + lease reaping),
+  and a transaction may commit an id below the mark after it was read, so a
+  day's rows are all there only once it is older than ``FINAL_LAG``. The
+  rebuild takes them all, and replaces whatever the additions summed;
+* a final day that new rows touch anyway is rebuilt too, and so is every
+  day a first run sees (nothing was added before it).
 
-A day not final yet is rebuilt only when new rows touch it: its rollup may
-miss a row that committed below the mark until the day turns final, and
-nobody reads it as complete before then. So a run with no new rows reads
-no ledger day: an idle platform's minute costs a look at the highest id,
-not a scan of the day's rows (which grows with the day's traffic).
+A day not final yet may miss a row that committed below the mark until it
+turns final, and nobody reads it as complete before then. A run with no new
+rows reads no ledger day: an idle platform's minute costs a look at the
+highest id. A run is one transaction with the state row locked: its
+additions and its mark commit together, so a run that fails adds nothing,
+and two runs at once add nothing twice.
 
 ``RollupState.final_through`` tells readers which days are complete: pages
 read DailyUsage up to it and the (at most a couple of) later days live from
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, time as dt_time, timedelta, timezone as dt_timezone
 
 from django.db import transaction
-from django.db.models import Count, Max, Q, Sum
+from django.db.models import Count, F, Max, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
@@ -68,18 +72,28 @@ def ledger_aggregates(queryset, *, by_day: bool = True, group_fields: tuple[str,
     )
 
 
+def _group_values(agg: dict) -> dict:
+    """What a rollup row holds for one group of ``ledger_aggregates``."""
+    return {"requests": agg["requests"], "ok_requests": agg["ok_requests"],
+            "borrowed_requests": agg["borrowed_requests"], "overflow_requests": agg["overflow_requests"],
+            "overflow_cost": agg["overflow_cost_sum"] or 0, **{name: agg[f"{name}_sum"] or 0 for name in SUM_FIELDS}}
+
+
 def _day_rows(day: date) -> list[DailyUsage]:
     start, end = day_bounds(day)
-    rows = []
-    for agg in ledger_aggregates(UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end)):
-        rows.append(DailyUsage(
-            day=day, tenant_id=agg["tenant_id"], workload_id=agg["workload_id"], pool_id=agg["pool_id"],
-            model=agg["model"], endpoint=agg["endpoint"], requests=agg["requests"], ok_requests=agg["ok_requests"],
-            borrowed_requests=agg["borrowed_requests"], overflow_requests=agg["overflow_requests"],
-            overflow_cost=agg["overflow_cost_sum"] or 0,
-            **{name: agg[f"{name}_sum"] or 0 for name in SUM_FIELDS},
-        ))
-    return rows
+    return [DailyUsage(day=day, **{name: agg[name] for name in GROUP_FIELDS}, **_group_values(agg))
+            for agg in ledger_aggregates(UsageRecord.objects.filter(created_at__gte=start, created_at__lt=end))]
+
+
+def _rows_add(aggs: list[dict]) -> int:
+    """Add new ledger rows' sums (``ledger_aggregates`` by day) to their
+    days' rollup rows; a group's first rows create its row."""
+    for agg in aggs:
+        group = {"day": agg["day"], **{name: agg[name] for name in GROUP_FIELDS}}
+        values = _group_values(agg)
+        if not DailyUsage.objects.filter(**group).update(**{name: F(name) + value for name, value in values.items()}):
+            DailyUsage.objects.create(**group, **values)
+    return len(aggs)
 
 
 def daily_usage_rebuild_day(*, day: date) -> int:
@@ -105,10 +119,11 @@ def daily_usage_rebuild_day(*, day: date) -> int:
 
 @dataclass(frozen=True)
 class RefreshResult:
-    days: list[date]
-    rows: int
+    days: list[date]  # rebuilt from all their rows
+    rows: int  # rows rebuilt, and groups added to
     last_ledger_id: int
     final_through: date
+    days_added: list[date] = ()  # not final: the new rows' sums added
 
 
 def final_through_at(now: datetime) -> date:
@@ -118,30 +133,31 @@ def final_through_at(now: datetime) -> date:
 
 def daily_usage_refresh(*, now: datetime | None = None) -> RefreshResult:
     now = now or timezone.now()
-    state, _ = RollupState.objects.get_or_create(name=STATE_NAME)
-    high = UsageRecord.objects.aggregate(m=Max("id"))["m"] or 0
-    days: set[date] = set()
-    if high > state.last_ledger_id:
-        touched = (
-            UsageRecord.objects.filter(id__gt=state.last_ledger_id, id__lte=high)
-            .annotate(day=TruncDate("created_at", tzinfo=dt_timezone.utc)).order_by().values_list("day", flat=True)
-            .distinct()
-        )
-        days.update(touched)
     final = final_through_at(now)
-    # The days that turned final since the last run: rebuilt once more, now
-    # that no row can still arrive for them. (A first run has no such days:
-    # every id is new to it, so every day with rows is touched.)
-    if state.final_through is not None:
-        day = state.final_through + timedelta(days=1)
-        while day <= final:
-            days.add(day)
-            day += timedelta(days=1)
-    rows = 0
-    for day in sorted(days):
-        rows += daily_usage_rebuild_day(day=day)
-    RollupState.objects.filter(name=STATE_NAME).update(last_ledger_id=high, final_through=final, refreshed_at=now)
-    return RefreshResult(days=sorted(days), rows=rows, last_ledger_id=high, final_through=final)
+    with transaction.atomic():
+        RollupState.objects.get_or_create(name=STATE_NAME)
+        state = RollupState.objects.select_for_update().get(name=STATE_NAME)
+        high = UsageRecord.objects.aggregate(m=Max("id"))["m"] or 0
+        rebuild: set[date] = set()
+        # The days that turned final since the last run: rebuilt once more,
+        # now that no row can still arrive for them.
+        if state.final_through is not None:
+            day = state.final_through + timedelta(days=1)
+            while day <= final:
+                rebuild.add(day)
+                day += timedelta(days=1)
+        new: list[dict] = []
+        if high > state.last_ledger_id:
+            new = list(ledger_aggregates(UsageRecord.objects.filter(id__gt=state.last_ledger_id, id__lte=high)))
+            first_run = state.last_ledger_id == 0
+            rebuild.update(agg["day"] for agg in new if first_run or agg["day"] <= final)
+        added = [agg for agg in new if agg["day"] not in rebuild]
+        rows = _rows_add(added)
+        for day in sorted(rebuild):
+            rows += daily_usage_rebuild_day(day=day)
+        RollupState.objects.filter(name=STATE_NAME).update(last_ledger_id=high, final_through=final, refreshed_at=now)
+    return RefreshResult(days=sorted(rebuild), rows=rows, last_ledger_id=high, final_through=final,
+                         days_added=sorted({agg["day"] for agg in added}))
 
 
 def rollup_final_through() -> date | None:

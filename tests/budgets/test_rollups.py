@@ -4,11 +4,13 @@ so their totals equal the raw rows."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import date, datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Count, F, Sum
 from django.test.utils import CaptureQueriesContext
 
@@ -82,6 +84,80 @@ def test_a_refresh_with_no_new_rows_reads_no_ledger_day(world):
     assert result.days == [] and result.rows == 0
     assert not [q["sql"] for q in queries.captured_queries if "GROUP BY" in q["sql"].upper()]
     assert list(DailyUsage.objects.order_by("id").values()) == snapshot
+
+
+def test_a_busy_day_not_final_yet_gets_its_new_rows_added_without_reading_the_day_again(world):
+    # given today's rollup (not final), and a minute's new rows of today
+    ledger_spread(world=world, now=NOW, days=1, per_day=3)
+    daily_usage_refresh(now=NOW)
+    for minutes in (3, 2, 1):
+        ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(minutes=minutes), input_tokens=1000,
+                   output_tokens=minutes, overflow=minutes == 1)
+    ledger_add(workload=world.wl_b, pool=world.pool, at=NOW - timedelta(minutes=1), model="sim-other",
+               input_tokens=5, output_tokens=5)
+    # when the next run comes
+    with CaptureQueriesContext(connection) as queries:
+        result = daily_usage_refresh(now=NOW + timedelta(minutes=1))
+    # then it adds the new rows' sums to today's rows (a new group gets its
+    # row) and reads none of today's older rows: no query by the day's bounds
+    assert result.days == [] and result.days_added == [NOW.date()]
+    assert not [q["sql"] for q in queries.captured_queries if "created_at" in q["sql"] and ">=" in q["sql"]]
+    # and every row of the day equals what the ledger sums for its group
+    for row in DailyUsage.objects.filter(day=NOW.date()):
+        group = UsageRecord.objects.filter(workload=row.workload_id, model=row.model, created_at__date=NOW.date())
+        direct = ledger_totals(group)
+        assert (row.requests, row.actual_input_tokens + row.actual_output_tokens, row.cost) \
+            == (direct["n"], direct["tokens"], direct["cost"])
+        assert row.overflow_requests == group.filter(overflow=True).count()
+        assert row.overflow_cost == (group.filter(overflow=True).aggregate(c=Sum("cost"))["c"] or 0)
+    assert DailyUsage.objects.get(day=NOW.date(), workload=world.wl_a).requests == 3 + 3
+    assert DailyUsage.objects.get(day=NOW.date(), workload=world.wl_b, model="sim-other").requests == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runs_at_once_add_each_new_row_once(world):
+    # given today's rollup and new rows of today
+    ledger_spread(world=world, now=NOW, days=1, per_day=2)
+    daily_usage_refresh(now=NOW)
+    for _ in range(3):
+        ledger_add(workload=world.wl_a, pool=world.pool, at=NOW - timedelta(minutes=1), input_tokens=10,
+                   output_tokens=1)
+    # when two runs start while a third holds the state row (their additions
+    # would both go in if they read the mark without waiting for it)
+    held, release = threading.Event(), threading.Event()
+    failures: list[str] = []
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                RollupState.objects.select_for_update().get()
+                held.set()
+                release.wait(timeout=30)
+        finally:
+            connection.close()
+
+    def run() -> None:
+        try:
+            daily_usage_refresh(now=NOW + timedelta(minutes=1))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(repr(exc))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=holder)]
+    threads[0].start()
+    assert held.wait(timeout=30)
+    threads += [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads[1:]:
+        thread.start()
+    time.sleep(0.5)  # both runs reach the state row and wait there
+    release.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    # then each new row is counted once
+    assert not failures
+    row = DailyUsage.objects.get(day=NOW.date(), workload=world.wl_a)
+    assert row.requests == UsageRecord.objects.filter(workload=world.wl_a, created_at__date=NOW.date()).count() == 5
 
 
 def test_a_row_that_committed_below_the_mark_is_rolled_up_when_its_day_turns_final(world):
