@@ -103,9 +103,14 @@ again, scored by when (ms); the pacer puts due ones on the housekeeping lane."""
 
 PACER_WAKE = "sluice:pacer:wake"
 """List of at most one element: pushed by a write that adds work for the
-pacer (a delayed job, a callback retry, a held request); a pacer waiting in
-BLPOP on it wakes at once (gateway/core/pacer_wake.py). Single-key commands
-only, no hash tag needed."""
+pacer (a delayed job, a callback retry); a pacer waiting in BLPOP on it
+wakes at once (gateway/core/pacer_wake.py). Single-key commands only, no
+hash tag needed."""
+
+
+HELD_WAKE = "sluice:held:wake"
+"""As ``PACER_WAKE``, for the pacer's held-release thread: pushed by a
+write that holds a request (gateway/core/protection/held.py)."""
 
 
 def web_stream_wake(reader: str) -> str:

@@ -1,9 +1,12 @@
 """The pacer: moves due jobs from the delayed sorted set onto their lanes,
-due job-callback and alert retries onto the housekeeping lane, requests held
-through an outage onto their lanes as the provider makes room for them
-(gateway/core/protection/held.py), and, every SLUICE_TAKEOVER_SWEEP_S, the
-requests of lost workers that no web process watches back onto theirs
-(gateway/core/request/takeover.py).
+due job-callback and alert retries onto the housekeeping lane, and, every
+SLUICE_TAKEOVER_SWEEP_S, the requests of lost workers that no web process
+watches back onto theirs (gateway/core/request/takeover.py). On a thread of
+its own (``held_run``), it moves requests held through an outage onto their
+lanes as the provider makes room for them (gateway/core/protection/held.py):
+that work is Redis only and its callers wait for it, so a database that
+holds the loop's steps up (a lock, a restarting or hung server) does not
+hold it up too.
 
 Every one of these puts work back on a lane, and each look is a round trip
 or two of Redis when there is nothing to do: here it rides on a loop that
@@ -17,15 +20,17 @@ callback retry pushes a wake-up in the same round trip, so work due sooner
 than that is released at once, and a lost wake-up costs at most WAIT_MAX_S.
 An alert retry pushes none (budgets may not import the wake-up key, and its
 backoff is seconds): it leaves within WAIT_MAX_S of being parked at worst.
-While any pool has held requests it steps every HELD_EVERY_S instead,
-without listening: their release follows the provider's room, which nobody
-announces, and an outage's admissions would each wake it.
+The held-release thread waits the same way on its own wake-up key
+(``keys.HELD_WAKE``, pushed by each hold); while any pool has held requests
+it steps every HELD_EVERY_S instead, without listening: their release
+follows the provider's room, which nobody announces, and an outage's
+admissions would each wake it.
 
 Several pacers may run (one per host): ZREM is the claim, so each due job is
 released by exactly one of them; a wake-up wakes one of them, which is
 enough.
 
-Stopping: SIGTERM only sets a flag (``StopFlag``) that the loop reads after
+Stopping: SIGTERM only sets a flag (``StopFlag``) that both loops read after
 each step and each wait, so the pacer exits within WAIT_MAX_S plus one step
 (the handler runs while the BLPOP waits; the read resumes after it). The
 handler must not take a lock: it runs in the main thread between two
@@ -37,6 +42,7 @@ finishes: a job taken off the delayed set is released, not dropped."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -72,7 +78,6 @@ PAUSE_SLICE_S = 0.05
 # looks at blocked clients' timeouts on its tick when idle): the pacer
 # listens until this much before the head is due and sleeps the rest itself.
 REDIS_TICK_S = 0.1
-_held_next = 0.0
 # Whether the last step found running batches: then the pacer looks again
 # within FEED_EVERY_S (gateway/core/batches/lifecycle.py).
 _batches_active = False
@@ -91,8 +96,7 @@ _takeover_next = 0.0
 def pacer_step() -> int:
     """Release every job, callback and alert retry due now, feed running
     batches their next lines, and take over lost workers' requests when the
-    sweep is due; returns how many jobs, retries and held requests this
-    pacer released."""
+    sweep is due; returns how many jobs and retries this pacer released."""
     global _batches_active
     client = get_redis()
     now_ms = redis_now_ms(client)
@@ -107,8 +111,7 @@ def pacer_step() -> int:
                 # Put it back a second later rather than lose it.
                 logger.exception("releasing job %s failed; retrying in 1 s", job_id)
                 client.zadd(keys.DELAYED_JOBS, {job_id: now_ms + 1000})
-    released += (callback_retries_release(now_ms=now_ms) + alert_retries_release(now_ms=now_ms)
-                 + _held_step_due(client))
+    released += callback_retries_release(now_ms=now_ms) + alert_retries_release(now_ms=now_ms)
     if _batches_look_due():
         _batches_active = batches_step() > 0
     _takeover_step_due()
@@ -148,15 +151,6 @@ def _batches_look_due() -> bool:
     return True
 
 
-def _held_step_due(client) -> int:
-    global _held_next
-    now = time.monotonic()
-    if now < _held_next:
-        return 0
-    _held_next = now + HELD_EVERY_S
-    return held_step(client)
-
-
 def held_step(client) -> int:
     """Release held requests on every pool that may have some; returns how
     many went onto their lanes. A pool with none left leaves the set of
@@ -182,11 +176,9 @@ def held_step(client) -> int:
 
 @dataclass(frozen=True)
 class PacerWait:
-    """How long the pacer may wait before its next step, and whether any
-    pool has held requests (then it waits without listening)."""
+    """How long the pacer may wait before its next step."""
 
     seconds: float
-    held: bool
 
 
 def _head_ms(reply) -> float | None:
@@ -199,40 +191,35 @@ def _head_ms(reply) -> float | None:
 
 def pacer_wait(client=None) -> PacerWait:
     """Until the earliest delayed job, callback or alert retry is due (at most
-    WAIT_MAX_S; at most until the next held step while pools hold requests).
-    Takes the wake-ups pushed so far in the same round trip as it reads the
+    WAIT_MAX_S). Takes the wake-ups pushed so far in the same round trip as it reads the
     heads: work they announced is in what it reads, and work parked after it
     leaves a wake-up for the wait."""
     global _woken
     client = client or get_redis()
     now_ms = redis_now_ms(client)
-    woken, delayed, retries, alerts, held_pools = (
+    woken, delayed, retries, alerts = (
         Commands()
         .command("DEL", keys.PACER_WAKE)
         .command("ZRANGE", keys.DELAYED_JOBS, 0, 0, "WITHSCORES")
         .command("ZRANGE", keys.CALLBACK_RETRIES, 0, 0, "WITHSCORES")
         .command("ZRANGE", ALERT_RETRIES, 0, 0, "WITHSCORES")
-        .command("SCARD", keys.HELD_POOLS)
         .run(client))
     seconds = WAIT_MAX_S
     for head_ms in (_head_ms(delayed), _head_ms(retries), _head_ms(alerts)):
         if head_ms is not None:
             seconds = min(seconds, (head_ms - now_ms) / 1000)
-    held = int(held_pools) > 0
     if int(woken):
         _woken = True
     if _batches_active:
         seconds = min(seconds, FEED_EVERY_S)
-    if held:
-        seconds = min(seconds, _held_next - time.monotonic())
-    return PacerWait(seconds=max(0.0, seconds), held=held)
+    return PacerWait(seconds=max(0.0, seconds))
 
 
 def _wait(wait: PacerWait, stop: StopFlag) -> None:
     global _woken
     if wait.seconds < 0.001 or stop.requested:
         return
-    if wait.held or wait.seconds <= REDIS_TICK_S:
+    if wait.seconds <= REDIS_TICK_S:
         _pause(wait.seconds, stop)
         return
     # In whole milliseconds (0 would mean for ever); the next look sleeps what is left.
@@ -262,6 +249,31 @@ def _pause(seconds: float, stop: StopFlag) -> None:
         if left <= 0:
             return
         time.sleep(min(PAUSE_SLICE_S, left))
+
+
+def held_run(*, stop: StopFlag) -> None:
+    """The held requests' releases (``held_step``), beside the pacer's loop.
+    While any pool holds requests it steps every HELD_EVERY_S; otherwise it
+    waits for a hold's wake-up (``keys.HELD_WAKE``), at most WAIT_MAX_S (a
+    lost wake-up costs that much, and the stop is seen within it)."""
+    client = get_redis()
+    while not stop.requested:
+        try:
+            held_step(client)
+            if client.scard(keys.HELD_POOLS):
+                _pause(HELD_EVERY_S, stop)
+            elif not stop.requested:
+                client.blpop([keys.HELD_WAKE], timeout=WAIT_MAX_S)
+        except Exception:
+            logger.exception("releasing held requests failed")
+            _pause(1.0, stop)
+
+
+def held_start(*, stop: StopFlag) -> threading.Thread:
+    """``held_run`` on a thread (a daemon: its step ends within a Redis call)."""
+    thread = threading.Thread(target=held_run, kwargs={"stop": stop}, name="held-release", daemon=True)
+    thread.start()
+    return thread
 
 
 def pacer_run(*, stop: StopFlag) -> None:

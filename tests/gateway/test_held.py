@@ -266,3 +266,57 @@ def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_wh
     assert redis_client.zcard(keys.pool_held(pool.id)) == 0
     rows = ledger_rows(6, workload=caller.workload)
     assert sorted((r.status, r.attempts) for r in rows) == [("ok", 1)] * 6
+
+
+def test_held_requests_are_released_while_the_database_holds_the_pacers_step(
+        platform, make_caller, redis_client, breaker):
+    import concurrent.futures
+    import uuid
+
+    import httpx
+    import psycopg
+    from django.db import connection
+
+    from gateway.models import Job
+
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool, queue_timeout_s=30.0)
+    platform.sim_reset()
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                             autocommit=False)
+    try:
+        # given the pacer's step held by the database: a job due now whose
+        # row it reads, the jobs table locked by another connection (its
+        # query waits up to the platform's lock_timeout, 10 s)
+        locker.execute(f"LOCK TABLE {Job._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        job_id = str(uuid.uuid4())
+        redis_client.zadd(keys.DELAYED_JOBS, {job_id: redis_now_ms() - 1})
+        deadline = time.monotonic() + 5
+        while redis_client.zscore(keys.DELAYED_JOBS, job_id) is not None:  # the pacer took it: its step waits
+            assert time.monotonic() < deadline, "the pacer did not take the due job"
+            time.sleep(0.02)
+        # and the pool's circuit open, its trial due in a second
+        _open_circuit(pool.id)
+        redis_client.hset(keys.pool_circuit(pool.id), "open_until_ms", redis_now_ms() + 1_000)
+
+        def chat(n: int) -> httpx.Response:
+            return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {caller.api_key}"},
+                              json={"model": "sim-small", "max_tokens": 8, "sim": {"output_tokens": 4},
+                                    "messages": [{"role": "user", "content": f"Held {n}."}]})
+
+        with concurrent.futures.ThreadPoolExecutor(4) as executor:
+            # when four requests arrive and are held
+            futures = [executor.submit(chat, n) for n in range(4)]
+            # then every caller is answered while the lock still holds the
+            # pacer's step (well inside its 10 s lock_timeout: with the held
+            # releases in that step, none is answered before it gives up)
+            statuses = [future.result(timeout=8).status_code for future in futures]
+        assert statuses == [200] * 4
+        assert redis_client.zcard(keys.pool_held(pool.id)) == 0
+        assert locker.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'relation' AND granted = false "
+                              "AND relation = %s::regclass", [Job._meta.db_table]).fetchone()[0] >= 1
+    finally:
+        locker.rollback()
+        locker.close()

@@ -155,7 +155,7 @@ def test_an_idle_pacer_reads_the_batches_only_when_woken_or_once_its_idle_look_i
     assert batch_reads(woken) == 1
     # and likewise when the wake-up lands while it waits in BLPOP
     Commands().lpush(keys.PACER_WAKE, 1).run(redis_of_its_own)
-    pacer._wait(pacer.PacerWait(seconds=pacer.WAIT_MAX_S, held=False), StopFlag())
+    pacer._wait(pacer.PacerWait(seconds=pacer.WAIT_MAX_S), StopFlag())
     with CaptureQueriesContext(connection) as woken_in_wait:
         pacer.pacer_step()
     assert batch_reads(woken_in_wait) == 1

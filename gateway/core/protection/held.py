@@ -4,10 +4,10 @@ While a pool's circuit is open (gateway/core/protection/circuit.py), admission m
 what it admits as held (budgets/admission/admit.lua), and so it does for a
 client's retry of a held request (the same body from the same workload, for
 as long as a lease lasts). A held request is not put on its lane: it waits in
-the pool's held set, earliest queue deadline first, and the pacer
-(gateway/worker/pacer.py) moves it onto its lane when the circuit is closed
-and the provider's window has room for it beyond its reserve
-(``held_release.lua``).
+the pool's held set, earliest queue deadline first, and the pacer's
+held-release thread (gateway/worker/pacer.py ``held_run``) moves it onto
+its lane when the circuit is closed and the provider's window has room for
+it beyond its reserve (``held_release.lua``).
 
 Why not on the lane, as before: the lane is a FIFO list. An outage's backlog
 queued there is served before everything that arrives after the provider is
@@ -54,7 +54,7 @@ def held_commands(pipe, record: RequestRecord) -> None:
     member = f"{record.request_id}|{record.lane}|{record.estimated_input_tokens + record.estimated_output_tokens}"
     pipe.zadd(keys.pool_held(record.pool_id), {member: record.deadline_ms})
     pipe.sadd(keys.HELD_POOLS, record.pool_id)
-    pacer_wake_commands(pipe)  # a pacer with no pool held waits long: look now
+    pacer_wake_commands(pipe, keys.HELD_WAKE)  # a releaser with no pool held waits long: look now
 
 
 def mark_text(mark: SentMark) -> str:

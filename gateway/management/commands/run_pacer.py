@@ -5,7 +5,7 @@ import threading
 from django.core.management.base import BaseCommand
 
 from budgets.redis.clients import request_path_process
-from gateway.worker.pacer import StopFlag, pacer_run
+from gateway.worker.pacer import WAIT_MAX_S, StopFlag, held_start, pacer_run
 from gateway.worker.prober import prober_start
 
 # The prober's probe ends within its timeout; waiting longer would only delay
@@ -26,6 +26,8 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, stop.request)
         prober_stop = threading.Event()
         prober = prober_start(stop=prober_stop)
+        # Held requests' releases, beside the loop (it sees the same flag).
+        held = held_start(stop=stop)
         # pacer_run logs its start, in the log format every process uses.
         try:
             pacer_run(stop=stop)
@@ -33,4 +35,6 @@ class Command(BaseCommand):
             prober_stop.set()  # from the main thread, outside any signal handler
             if prober is not None:
                 prober.join(timeout=PROBER_JOIN_S)
+            stop.request()  # pacer_run may have ended on an error
+            held.join(timeout=WAIT_MAX_S + PROBER_JOIN_S)
         logger.info("pacer stopped")
