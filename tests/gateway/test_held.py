@@ -28,6 +28,22 @@ def _open_circuit(pool_id: int) -> None:
         circuit_record(pool_id=pool_id, holder=f"f{n}", ok=False, detail="HTTP 503")
 
 
+def _chat(platform, caller, n: int):
+    """One small chat completion through the platform, answered in full."""
+    import httpx
+
+    return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {caller.api_key}"},
+                      json={"model": "sim-small", "max_tokens": 8, "sim": {"output_tokens": 4},
+                            "messages": [{"role": "user", "content": f"Question {n}."}]})
+
+
+def _open_until(redis_client, pool_id: int, *, trial_in_ms: int) -> None:
+    """The pool's circuit open, its trial due in ``trial_in_ms``."""
+    _open_circuit(pool_id)
+    redis_client.hset(keys.pool_circuit(pool_id), "open_until_ms", redis_now_ms() + trial_in_ms)
+
+
 def _admit(caller, request_id: str, digest: str = ""):
     return admit_call(pool_id=caller.pool.id, workload_id=caller.workload.id, request_id=request_id,
                       input_tokens=10, output_tokens=10, lease_ttl_ms=60_000, body_digest=digest).run()
@@ -230,8 +246,6 @@ def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_wh
         platform, make_caller, redis_client, breaker):
     import concurrent.futures
 
-    import httpx
-
     from gateway.core.lanes import queue_for_lane
     from tests.gateway.ledger import ledger_rows
 
@@ -239,18 +253,10 @@ def test_requests_admitted_while_open_wait_off_their_lane_and_each_calls_once_wh
     caller = make_caller(pool=pool, queue_timeout_s=30.0)
     platform.sim_reset()
     # given the pool's circuit open, its trial not due for 4 s
-    _open_circuit(pool.id)
-    redis_client.hset(keys.pool_circuit(pool.id), "open_until_ms", redis_now_ms() + 4_000)
-
-    def chat(n: int) -> httpx.Response:
-        return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {caller.api_key}"},
-                          json={"model": "sim-small", "max_tokens": 8, "sim": {"output_tokens": 4},
-                                "messages": [{"role": "user", "content": f"Question {n}."}]})
-
+    _open_until(redis_client, pool.id, trial_in_ms=4_000)
     with concurrent.futures.ThreadPoolExecutor(6) as executor:
         # when six requests arrive while it is open
-        futures = [executor.submit(chat, n) for n in range(6)]
+        futures = [executor.submit(_chat, platform, caller, n) for n in range(6)]
         deadline = redis_now_ms() + 3_000
         while redis_client.zcard(keys.pool_held(pool.id)) < 6:
             assert redis_now_ms() < deadline, "the requests were not held"
@@ -273,7 +279,6 @@ def test_held_requests_are_released_while_the_database_holds_the_pacers_step(
     import concurrent.futures
     import uuid
 
-    import httpx
     import psycopg
     from django.db import connection
 
@@ -297,18 +302,10 @@ def test_held_requests_are_released_while_the_database_holds_the_pacers_step(
             assert time.monotonic() < deadline, "the pacer did not take the due job"
             time.sleep(0.02)
         # and the pool's circuit open, its trial due in a second
-        _open_circuit(pool.id)
-        redis_client.hset(keys.pool_circuit(pool.id), "open_until_ms", redis_now_ms() + 1_000)
-
-        def chat(n: int) -> httpx.Response:
-            return httpx.post(f"{platform.base_url}/v1/chat/completions", timeout=60,
-                              headers={"Authorization": f"Bearer {caller.api_key}"},
-                              json={"model": "sim-small", "max_tokens": 8, "sim": {"output_tokens": 4},
-                                    "messages": [{"role": "user", "content": f"Held {n}."}]})
-
+        _open_until(redis_client, pool.id, trial_in_ms=1_000)
         with concurrent.futures.ThreadPoolExecutor(4) as executor:
             # when four requests arrive and are held
-            futures = [executor.submit(chat, n) for n in range(4)]
+            futures = [executor.submit(_chat, platform, caller, n) for n in range(4)]
             # then every caller is answered while the lock still holds the
             # pacer's step (well inside its 10 s lock_timeout: with the held
             # releases in that step, none is answered before it gives up)
