@@ -151,12 +151,14 @@ def _batches_look_due() -> bool:
     return True
 
 
-def held_step(client) -> int:
+def held_step(client) -> tuple[int, bool]:
     """Release held requests on every pool that may have some; returns how
-    many went onto their lanes. A pool with none left leaves the set of
-    pools to look at (admission puts it back with its next held request)."""
+    many went onto their lanes, and whether any pool may still hold some. A
+    pool with none left leaves the set of pools to look at (admission puts
+    it back with its next held request)."""
     released = 0
-    for pool_id in client.smembers(keys.HELD_POOLS):
+    pools = client.smembers(keys.HELD_POOLS)
+    for pool_id in pools:
         left, out = held_release_call(pool_id=int(pool_id)).run(client)
         for item in out:
             try:
@@ -171,7 +173,7 @@ def held_step(client) -> int:
             # back before the SREM took it out: look once more.
             if client.zcard(keys.pool_held(int(pool_id))):
                 client.sadd(keys.HELD_POOLS, pool_id)
-    return released
+    return released, bool(pools) and bool(client.scard(keys.HELD_POOLS))
 
 
 @dataclass(frozen=True)
@@ -222,13 +224,17 @@ def _wait(wait: PacerWait, stop: StopFlag) -> None:
     if wait.seconds <= REDIS_TICK_S:
         _pause(wait.seconds, stop)
         return
-    # In whole milliseconds (0 would mean for ever); the next look sleeps what is left.
-    # On the client with a read timeout (the busy wait, above WAIT_MAX_S): a
-    # hung Redis fails the read within it, so a stop asked meanwhile is seen
-    # within seconds, not when Redis answers again.
-    seconds = min(wait.seconds, settings.SLUICE_REDIS_BUSY_WAIT_S / 2) - REDIS_TICK_S
-    if get_redis().blpop([keys.PACER_WAKE], timeout=round(max(seconds, 0.001), 3)) is not None:
+    if get_redis().blpop([keys.PACER_WAKE], timeout=_listen_s(wait.seconds)) is not None:
         _woken = True
+
+
+def _listen_s(seconds: float) -> float:
+    """A BLPOP's timeout for a wait of ``seconds``: in whole milliseconds (0
+    would mean for ever), a server tick short (the next look sleeps what is
+    left), and within the client's read timeout (the busy wait, above
+    WAIT_MAX_S): a hung Redis fails the read within it, so a stop asked
+    meanwhile is seen within seconds, not when Redis answers again."""
+    return round(max(min(seconds, settings.SLUICE_REDIS_BUSY_WAIT_S / 2) - REDIS_TICK_S, 0.001), 3)
 
 
 class StopFlag:
@@ -259,11 +265,11 @@ def held_run(*, stop: StopFlag) -> None:
     client = get_redis()
     while not stop.requested:
         try:
-            held_step(client)
-            if client.scard(keys.HELD_POOLS):
+            _, still_held = held_step(client)
+            if still_held:
                 _pause(HELD_EVERY_S, stop)
             elif not stop.requested:
-                client.blpop([keys.HELD_WAKE], timeout=WAIT_MAX_S)
+                client.blpop([keys.HELD_WAKE], timeout=_listen_s(WAIT_MAX_S))
         except Exception:
             logger.exception("releasing held requests failed")
             _pause(1.0, stop)
