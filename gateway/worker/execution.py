@@ -44,6 +44,7 @@ from gateway.core.request.records import (EXPIRED, LOST, REAP, REDELIVERED, REQU
                                   RequestRecord, claim_call, ledger_entry, publish_call, record_claim_steps, ttl_ms,
                                   worker_lost_outcome)
 from gateway.core.request.settlement import SETTLED, request_settle, settlement_steps
+from gateway.core.request.streams import stream_end
 from gateway.core.request.takeover import request_take_over
 from gateway.worker.failover import request_fail_over
 from gateway.worker.heartbeat import HEARTBEATS
@@ -358,17 +359,21 @@ def _answer_keep_settled(client, record: RequestRecord, outcome: Outcome, *,
     answer was first, the finish settles and publishes that one.
 
     The caller has its answer before the ledger row and the departure's
-    round trip, which it does not wait for. A stream's outcome still goes
-    after the row, with its end marker (``finish_steps``)."""
+    round trip, which it does not wait for. A stream's caller too: its end
+    marker follows the publish at once (``stream_end``), so the stream ends
+    without waiting for the row, nor for a database that is away."""
     settle = settlement_steps(record, input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens,
                               pool_called=True, only_if=answered("answer_keep", 1))
-    steps = [*signals, Step("answer_keep", _answer_store_call(record, outcome)), *settle]
-    if not record.stream:
-        steps.append(Step("publish", publish_call(record, outcome), only_if=answered(settle[-1].name, *SETTLED)))
+    steps = [*signals, Step("answer_keep", _answer_store_call(record, outcome)), *settle,
+             Step("publish", publish_call(record, outcome), only_if=answered(settle[-1].name, *SETTLED))]
     answers = RoundTrip(*steps).run(client)
-    if answers["answer_keep"]:
-        return outcome, True, not record.stream
-    return _answer_stored(client, record, outcome), False, False
+    if not answers["answer_keep"]:
+        return _answer_stored(client, record, outcome), False, False
+    if record.stream:
+        # After the publish: the web process relaying the stream wakes on
+        # the marker and ends the caller's stream with the published outcome.
+        stream_end(request_id=record.request_id, client=client, wake=record.stream_wake)
+    return outcome, True, True
 
 
 def _first_trip(request_id: str, *, generation: int, taken: SentMark | None,

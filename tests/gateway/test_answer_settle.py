@@ -3,7 +3,7 @@ trip (gateway/worker/execution.py ``_answer_keep_settled``): the buckets' and
 the spend's settlement and the publish to the waiting caller run only when
 this answer is the one stored, so a request another taker answered first is
 settled and published on that answer, never on both. A stream's outcome is
-not published there: it goes with the stream's end marker.
+published there too, its end marker just after.
 Marked ``redis_cluster``: on a cluster the same calls run one by one, with
 the same guards."""
 
@@ -19,7 +19,9 @@ from budgets.models import SpendBudget
 from gateway.core import keys
 from gateway.core.request.context import context_for_workload
 from gateway.core.request.enqueue import record_build
+from gateway.core.request.finish import finish_steps
 from gateway.core.request.records import Outcome
+from gateway.core.request.streams import END_FIELD
 from gateway.core.request.settlement import request_settle
 from gateway.worker.execution import _answer_keep_settled
 from tests.budgets.test_spend_admission import MODEL, estimate, holds, price, try_admit  # noqa: F401 - price: the fixture
@@ -96,7 +98,13 @@ def test_an_answer_stored_first_by_another_is_returned_and_nothing_is_settled(ma
     assert _used_tokens(redis_client, caller) == 1_000
 
 
-def test_a_streams_answer_is_settled_but_left_to_its_end_marker_to_publish(make_caller, redis_client):
+def _stream_ends(redis_client, request_id: str) -> int:
+    entries = redis_client.xrange(keys.request_stream(request_id))
+    return sum(END_FIELD in fields for _, fields in entries)
+
+
+def test_a_streams_answer_is_settled_published_and_its_stream_ended_in_its_own_round_trips(make_caller,
+                                                                                           redis_client):
     # given a streamed request
     caller, record = _admitted(make_caller, "streamed")
     record = replace(record, stream=True)
@@ -104,8 +112,37 @@ def test_a_streams_answer_is_settled_but_left_to_its_end_marker_to_publish(make_
                      usage_source="pool", streamed=True)
     # when the worker stores the stream's answer
     outcome, settled, published = _answer_keep_settled(redis_client, record, answer, signals=[])
-    # then it is settled, and not published: the finish publishes it before the
-    # stream's end marker, after the ledger row
-    assert (outcome, settled, published) == (answer, True, False)
+    # then it is settled and published, and the stream's end marker follows:
+    # the caller's stream ends before (and without) the ledger row
+    assert (outcome, settled, published) == (answer, True, True)
     assert _used_tokens(redis_client, caller) == 500
-    assert _published(redis_client, "streamed") == []
+    assert _published(redis_client, "streamed") == [answer]
+    assert _stream_ends(redis_client, "streamed") == 1
+    # and the finish that follows adds no second marker
+    steps = [name for name, _ in finish_steps(record=record, outcome=outcome, pool_called=True, together=True,
+                                              settled=settled, published=published)]
+    assert steps == ["ledger", "departure"]
+
+
+def test_a_stream_answered_first_by_another_is_ended_by_the_finish_not_by_the_late_answer(make_caller,
+                                                                                         redis_client):
+    # given a stream another taker answered first, and this delivery's own
+    # answer one that relayed no chunk (an error before the first): it is
+    # stored only if none is
+    caller, record = _admitted(make_caller, "stream-theirs")
+    record = replace(record, stream=True)
+    first = Outcome(status="ok", body={"id": "first"}, input_tokens=700, output_tokens=300, usage_source="pool",
+                    streamed=True)
+    redis_client.set(keys.request_response("stream-theirs"), first.to_json(), px=60_000)
+    late = Outcome(status="upstream_error", http_status=502, body={"id": "late"}, usage_source="")
+    # when it comes
+    outcome, settled, published = _answer_keep_settled(redis_client, record, late, signals=[])
+    # then the first answer is the one to finish on: nothing published, the
+    # stream not ended by the late answer
+    assert (outcome, settled, published) == (first, False, False)
+    assert _published(redis_client, "stream-theirs") == []
+    assert _stream_ends(redis_client, "stream-theirs") == 0
+    # and the finish publishes it and then ends the stream
+    steps = [name for name, _ in finish_steps(record=record, outcome=outcome, pool_called=True, together=True,
+                                              settled=settled, published=published)]
+    assert steps == ["settle", "ledger", "departure+publish", "stream_end"]

@@ -21,7 +21,7 @@ from budgets.models import UsageRecord
 from gateway.core import keys as gateway_keys
 from inference_sim.text import completion_text
 
-from tests.gateway.ledger import ledger_row
+from tests.gateway.ledger import ledger_row, sole_ledger_row
 from tests.gateway.sdk_calls import counters, sdk
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -94,7 +94,7 @@ def test_the_async_sdk_streams_through_sluice_unchanged(platform, caller, redis_
     chunks = asyncio.run(run())
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == completion_text(9)
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (PROMPT_TOKENS, 9)
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert (row.status, row.usage_source) == ("ok", "pool")
     assert_settled_on(redis_client, caller, row, input_tokens=PROMPT_TOKENS, output_tokens=9)
 
@@ -107,7 +107,7 @@ def test_without_include_usage_no_usage_chunk_reaches_the_caller_but_the_pools_u
     assert all(c.choices for c in chunks)
     assert all(c.usage is None for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == completion_text(5)
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert row.usage_source == "pool"
     assert_settled_on(redis_client, caller, row, input_tokens=PROMPT_TOKENS, output_tokens=5)
 
@@ -155,7 +155,7 @@ def test_a_pool_refusal_before_the_first_chunk_is_json_and_charges_nothing(platf
             model="sim-small", messages=HELLO, max_tokens=10, stream=True, extra_body={"sim": {"fail_status": 500}})
     assert excinfo.value.response.headers["content-type"].startswith("application/json")
     assert excinfo.value.code == "upstream_error"
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert (row.status, row.actual_input_tokens, row.actual_output_tokens) == ("upstream_error", 0, 0)
     wid = caller.workload.id
     found = counters(redis_client, caller.pool.id)
@@ -205,7 +205,7 @@ def test_an_upstream_error_mid_stream_is_an_error_event_and_charges_what_was_pro
             texts.append(chunk.choices[0].delta.content or "")
     assert "".join(texts) == completion_text(6)
     assert "stream broke off" in excinfo.value.message
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert (row.status, row.usage_source, row.error) == ("upstream_error", "counted", "upstream_stream_error")
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens, output_tokens=6)
 
@@ -214,7 +214,7 @@ def test_the_stream_key_expires_with_the_requests_other_keys(platform, caller, r
     stream = sdk(platform, caller.api_key).chat.completions.create(
         model="sim-small", messages=HELLO, max_tokens=10, stream=True, extra_body={"sim": {"output_tokens": 2}})
     list(stream)
-    request_id = ledger_row(UsageRecord.objects.get().request_id).request_id
+    request_id = sole_ledger_row().request_id
     ttl = redis_client.pttl(gateway_keys.request_stream(request_id))
     assert 0 < ttl <= platform_result_ttl_ms()
 
@@ -224,7 +224,7 @@ def test_a_streams_appends_and_its_end_name_it_on_its_web_processs_notice_stream
     stream = sdk(platform, caller.api_key).chat.completions.create(
         model="sim-small", messages=HELLO, max_tokens=10, stream=True, extra_body={"sim": {"output_tokens": 5}})
     assert len([c for c in stream if c.choices and c.choices[0].delta.content]) == 5
-    request_id = UsageRecord.objects.get().request_id
+    request_id = sole_ledger_row().request_id
     # then its record names the web process's notice stream (its shared read's wake key)
     wake = redis_client.hget(gateway_keys.request_record(request_id), "stream_wake")
     assert wake.startswith("sluice:web:") and wake.endswith(":wake")
@@ -275,7 +275,7 @@ def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error_event_and_is_s
     assert excinfo.value.code == "worker_lost"
     assert 5 <= len(texts) < 1000
     # and it is settled once, on its estimate: nobody knows how far the pool got
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert (row.status, row.usage_source) == ("worker_lost", "estimate")
     assert UsageRecord.objects.count() == 1
     assert_settled_on(redis_client, caller, row, input_tokens=row.estimated_input_tokens,
@@ -288,7 +288,7 @@ def test_a_caller_that_leaves_before_the_first_chunk_cancels_the_stream_too(plat
     # takes 1.2 s (6 simulated seconds) to start
     list(sdk(platform, caller.api_key).chat.completions.create(
         model="sim-small", messages=HELLO, max_tokens=5, stream=True, extra_body={"sim": {"output_tokens": 1}}))
-    first = ledger_row(UsageRecord.objects.get().request_id)
+    first = sole_ledger_row()
     before = platform.sim_stats()
     with pytest.raises(httpx.ReadTimeout):
         # when the caller gives up after 0.6 s, queued on the pool, before any chunk
@@ -372,7 +372,7 @@ def test_a_worker_stopped_mid_stream_ends_it_within_its_grace_charged_what_was_p
     assert stopped_in < 5.0
     assert excinfo.value.code == "worker_shutdown"
     # charged the tokens it relayed, counted: not the 3,000 it might have run
-    row = ledger_row(UsageRecord.objects.get().request_id)
+    row = sole_ledger_row()
     assert (row.status, row.usage_source, row.error) == ("upstream_error", "counted", "worker_shutdown")
     chunks = redis_client.xrange(gateway_keys.request_stream(row.request_id))
     texts = [json.loads(f["d"])["choices"][0]["delta"].get("content") or "" for _, f in chunks if "d" in f]
@@ -386,3 +386,43 @@ def test_a_non_streamed_answer_has_no_time_to_first_token_in_the_ledger(platform
         model="sim-small", messages=HELLO, max_tokens=40, extra_body={"sim": {"output_tokens": 3}})
     row = ledger_row(raw.headers["x-request-id"])
     assert (row.status, row.usage_source, row.ttft_ms) == ("ok", "pool", None)
+
+
+def test_a_stream_ends_while_the_database_holds_its_ledger_row_which_lands_after(platform, caller, redis_client):
+    import psycopg
+    from django.db import connection
+
+    params = connection.get_connection_params()
+    locker = psycopg.connect(**{k: v for k, v in params.items() if k in ("dbname", "user", "password", "host", "port")},
+                             autocommit=False)
+    try:
+        # given the ledger's table locked by another connection: a row's
+        # insert waits (up to the platform's lock_timeout, 10 s)
+        locker.execute(f"LOCK TABLE {UsageRecord._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+        # when a caller streams
+        started = time.monotonic()
+        with sdk(platform, caller.api_key).chat.completions.with_streaming_response.create(
+            model="sim-small", messages=HELLO, max_tokens=40, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim": {"output_tokens": 7}},
+        ) as response:
+            request_id = response.headers["x-request-id"]
+            chunks = list(response.parse())
+        ended_s = time.monotonic() - started
+        # then its stream ends, usage last, without waiting for the row (with
+        # the end marker after the row, it waited for the lock), and the
+        # row's insert waits on the lock
+        assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (PROMPT_TOKENS, 7)
+        assert ended_s < 5, f"the stream ended after {ended_s:.1f} s"
+        waiting = ("SELECT count(*) FROM pg_locks WHERE locktype = 'relation' AND granted = false "
+                   "AND relation = %s::regclass")
+        deadline = time.monotonic() + 3
+        while locker.execute(waiting, [UsageRecord._meta.db_table]).fetchone()[0] < 1:
+            assert time.monotonic() < deadline, "no insert waited on the lock"
+            time.sleep(0.02)
+    finally:
+        locker.rollback()
+        locker.close()
+    # and once the lock is gone its row lands, settled on the pool's usage
+    row = ledger_row(request_id)
+    assert (row.status, row.usage_source) == ("ok", "pool")
+    assert_settled_on(redis_client, caller, row, input_tokens=PROMPT_TOKENS, output_tokens=7)

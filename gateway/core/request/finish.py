@@ -4,9 +4,9 @@ reaper: gateway/core/request/takeover.py). Settle the buckets, write the ledger 
 publish the outcome; each step is idempotent on the request id, so a replay
 (a redelivered task, a late worker, a second taker) changes nothing.
 
-A delivery's own unstreamed answer is settled and published in the round
-trip that stores it (gateway/worker/execution.py ``_answer_keep_settled``),
-so its caller does not wait for the ledger row: the row follows, written by
+A delivery's own answer is settled and published in the round trip that
+stores it (gateway/worker/execution.py ``_answer_keep_settled``), a stream's
+end marker just after, so its caller does not wait for the ledger row: the row follows, written by
 the same worker, or by whoever finishes the request if that worker is lost
 first (claim.lua's reaper does not stop at the published marker)."""
 
@@ -42,7 +42,7 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     spend were settled on this outcome already, in the round trip that
     stored it (gateway/worker/execution.py ``_answer_keep_settled``).
     ``published``: and published in that round trip too (a delivery's own
-    unstreamed answer): the departure goes alone."""
+    answer), a stream's end marker just after it: the departure goes alone."""
     total_ms = max(0, int((redis_now_ms() if now_ms is None else now_ms) - record.admitted_ms))
     written = {"s": 0.0}
 
@@ -85,9 +85,10 @@ def finish_steps(*, record: RequestRecord, outcome: Outcome, pool_called: bool,
     else:
         steps += [("departure", lambda: departed(departure_call_().run())),
                   ("publish", lambda: publish_call(record, outcome).run())]
-    if record.stream:
+    if record.stream and not published:
         # After the publish: the web process relaying the stream wakes on it
-        # and ends the caller's stream with the published outcome.
+        # and ends the caller's stream with the published outcome. (One
+        # published with its settlement had its end marker then too.)
         steps.append(("stream_end", lambda: stream_end(request_id=record.request_id, wake=record.stream_wake)))
     if record.job_id:
         steps.append(("job", lambda: on_database(job_complete, job_id=record.job_id, outcome=outcome)))
