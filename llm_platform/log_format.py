@@ -27,11 +27,15 @@ from gateway.core.log_context import log_fields
 _RECORD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName",
                                                                             "color_message"}
 REDACTED = "[redacted]"
-# (pattern, replacement): a bearer credential, an OpenAI-style key, a URL's password.
+# (literal, pattern, replacement): a bearer credential, an OpenAI-style key,
+# a URL's password. Every match of a pattern contains its literal (in the
+# lowercased line for a case-blind pattern), so a line without it skips the
+# pattern: most lines hold none of the three, and the patterns' scans were
+# most of a line's formatting (the URL one backtracks at every word).
 _CREDENTIALS = (
-    (re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{12,}"), rf"\1{REDACTED}"),
-    (re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
-    (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]+@"), rf"\1:{REDACTED}@"),
+    ("bearer", re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/=-]{12,}"), rf"\1{REDACTED}"),
+    ("sk-", re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"), REDACTED),
+    ("://", re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]*):[^@\s/]+@"), rf"\1:{REDACTED}@"),
 )
 # Plain values only: str() of an arbitrary object (a request, a client) can
 # carry more than its author meant to log.
@@ -63,8 +67,10 @@ class _Scrubbing(logging.Formatter):
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
-        for pattern, replacement in _CREDENTIALS:
-            text = pattern.sub(replacement, text)
+        lowered = text.lower()
+        for literal, pattern, replacement in _CREDENTIALS:
+            if literal in lowered:
+                text = pattern.sub(replacement, text)
         return text
 
 

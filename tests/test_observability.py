@@ -458,6 +458,31 @@ def test_formatters_scrub_credentials_and_configured_secrets():
         assert "token bucket refilled" in line  # ordinary words survive
 
 
+def test_scrubbing_skips_a_pattern_only_where_it_cannot_match():
+    # Each credential pattern runs only on a line holding its literal; a
+    # line scrubbed so must equal one with every pattern run on it.
+    import random
+
+    from llm_platform.log_format import _CREDENTIALS
+
+    def every_pattern(text: str) -> str:
+        for _, pattern, replacement in _CREDENTIALS:
+            text = pattern.sub(replacement, text)
+        return text
+
+    fragments = ["Bearer ", "bEaReR\t", "BEARER  ", "bearer", "sk-", "SK-", "sk_", "://", "https://", "Redis://",
+                 "user", ":", "pw", "@", "/", " ", "\n", "abcdefghijklmnop", "0123456789", "-_.~+=", "ſ", "K", "İ",
+                 "token", "x"]
+    rng = random.Random(7)
+    formatter = JsonFormatter()
+    lines = ["".join(rng.choice(fragments) for _ in range(rng.randrange(1, 30))) for _ in range(5_000)]
+    lines += ["bEaReR abcdefghijklmnop1", "SK-abcdefghij sk-abcdefghij", "HTTPS://u:p@h/", "a://:p@"]
+    for line in lines:
+        assert formatter.scrub(line) == every_pattern(line), line
+    # and the planted credentials of every kind are among the lines changed
+    assert sum(formatter.scrub(line) != line for line in lines) > 500
+
+
 def test_plain_lines_quote_values_so_they_cannot_forge_fields():
     line = PlainFormatter().format(_record("GET", path="/v1/a b\nlevel=ERROR", status=200))
     assert "\n" not in line
