@@ -69,14 +69,16 @@ class Services:
         embedded_redis = not os.environ.get("REDIS_URL")
         broker = self.redis_url.replace("unix://", "redis+socket://") if self.redis_url.startswith("unix://") else self.redis_url
         self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("SIM_", "SLUICE_WORKERS_"))},
+            **{k: v for k, v in os.environ.items() if not k.startswith(("SIM_", "SLUICE_WORKERS_", "LOG_LEVEL"))},
             "DJANGO_SETTINGS_MODULE": "llm_platform.settings",
             "DATABASE_URL": self.database_url,
             "REDIS_URL": self.redis_url,
             "CELERY_BROKER_URL": broker,
             "SLUICE_VAR_DIR": str(self.var_dir),
             "PYTHONUNBUFFERED": "1",
-            "LOG_LEVEL": "WARNING",
+            # Every process logs at make run's level (LOG_LEVEL unset: INFO,
+            # an access line per /v1 request and a line per settled one):
+            # what the platform costs on its default settings includes them.
             # Scenarios steer the simulated pool per request ("sim" in a body).
             "SLUICE_SIM_CONTROLS": "true",
         }

@@ -131,7 +131,7 @@ around the numbers lives in `bench/run_all.py` (NOTES) and in each scenario's `s
 | date | {meta.get('date', 'unknown')} |
 | seed | {meta.get('seed')}{' (quick mode: shortened runs)' if meta.get('quick') else ''} |
 | machine | {meta.get('machine', 'unknown')} |
-| services | {meta.get('database', '?')}, {meta.get('redis', '?')} |
+| services | {meta.get('database', '?')}, {meta.get('redis', '?')}; every Sluice process at its default log level (INFO) |
 | total wall time | {meta.get('wall_s', 0):.0f} s ({meta.get('wall_s', 0) / 60:.1f} min) for all scenarios |
 | scenario wall times | {', '.join(f'{k} {v:.0f} s' for k, v in meta.get('timings', {}).items())} |
 {('| failures | ' + '; '.join(f'{k}: {v}' for k, v in failures.items()) + ' |') if failures else ''}
