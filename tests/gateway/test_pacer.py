@@ -38,8 +38,12 @@ def wait_until(check, what: str, timeout: float, interval: float = 0.02):
 
 
 def pacer_waiting_in_blpop(redis_client) -> bool:
-    """Whether a client of the test's Redis is blocked in BLPOP (the pacer's wait)."""
-    return any(client.get("cmd") == "blpop" and "b" in client.get("flags", "") for client in redis_client.client_list())
+    """Whether a client of the test's Redis database is blocked in BLPOP (the
+    pacer's wait). Of its database only: the session platform's pacer waits
+    in BLPOP on the session's, all the time."""
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    return any(client.get("cmd") == "blpop" and "b" in client.get("flags", "") and str(client.get("db")) == db
+               for client in redis_client.client_list())
 
 
 @pytest.fixture
