@@ -90,8 +90,11 @@ def _first_read(redis_client, request_id: str) -> tuple[threading.Thread, list]:
     client = get_redis(blocking=True)
     # The connection is made here, before the reader's thread starts: on a
     # loaded machine a connect inside it can take longer than the test's
-    # connect timeout, which is not what this test is about.
-    client.ping()
+    # connect timeout, which is not what this test is about. To the stream's
+    # own node (a cluster's client routes by key; a PING goes to any node):
+    # a read that connects first can start after the pool's whole stream
+    # was appended, and read all of it at once.
+    client.exists(keys.request_stream(request_id))
 
     def read() -> None:
         try:
