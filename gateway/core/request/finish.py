@@ -6,9 +6,10 @@ publish the outcome; each step is idempotent on the request id, so a replay
 
 A delivery's own answer is settled and published in the round trip that
 stores it (gateway/worker/execution.py ``_answer_keep_settled``), a stream's
-end marker just after, so its caller does not wait for the ledger row: the row follows, written by
-the same worker, or by whoever finishes the request if that worker is lost
-first (claim.lua's reaper does not stop at the published marker)."""
+end marker just after, so its caller does not wait for the ledger row: the
+row follows, written by the same worker, or by whoever finishes the request
+if that worker is lost first (claim.lua's reaper does not stop at the
+published marker)."""
 
 from __future__ import annotations
 
