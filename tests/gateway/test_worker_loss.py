@@ -196,6 +196,36 @@ def test_the_reaper_takes_over_what_no_web_process_watches(platform, make_caller
         row.actual_input_tokens + row.actual_output_tokens
 
 
+def test_a_sweep_claims_only_the_requests_whose_heartbeat_has_gone_quiet(platform, make_caller, redis_client):
+    # given twenty calls whose worker renews their heartbeats, and one whose worker died
+    pool = make_caller.pool(base_url=f"{platform.sim_url}/v1")
+    caller = make_caller(pool=pool)
+    platform.sim_reset()
+    running = [admitted(redis_client, caller, f"req_beating_{i:02d}") for i in range(20)]
+    for record in running:
+        assert claim_call(WORKER, record, holder="worker@live-host:7").run().verdict == WORKER
+    lost = admitted(redis_client, caller, "req_quiet", output_tokens=5)
+    started_by_a_worker_that_dies(redis_client, lost)
+
+    # when the reaper passes, every command Redis runs watched
+    monitor = RedisMonitor(redis_client)
+    try:
+        moved = lost_requests_reap(pool_ids=[pool.id])
+    finally:
+        commands = monitor.stop()
+
+    # then it took over the quiet one alone
+    assert moved == 1
+    assert {redis_client.get(gateway_keys.request_owner(record.request_id)) for record in running} == {"worker:0"}
+    # and of the running ones it read the owner and the heartbeat, in one
+    # round trip with the others', and nothing else: no record, no claim
+    touched = [text.split()[0].strip('"').upper() for client, text in commands
+               if client != "lua" and "req_beating_" in text]
+    assert (len(touched), set(touched)) == (40, {"GET"})
+    # and the quiet one, claimed, is run again once by a live worker of its lane
+    run_again_once(platform, "req_quiet", output_tokens=5)
+
+
 @pytest.mark.redis_cluster
 def test_the_pacer_takes_over_what_no_web_process_watches_once_its_sweep_is_due(
         platform, make_caller, redis_client, settings, monkeypatch):

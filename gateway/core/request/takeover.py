@@ -50,15 +50,29 @@ def request_take_over(*, record: RequestRecord, claim: Claim, client: SyncRedis 
         request_finish(record=record, outcome=worker_lost_outcome(record), pool_called=True)
 
 
-def _watched(owner: str | None) -> bool:
-    """Owner states in which a lost worker can leave a request stranded."""
-    return bool(owner) and owner.split(":", 1)[0] in ("worker", "queued")
+def _maybe_stranded(owner: str | None, heartbeat: str | None) -> bool:
+    """Owner states in which a lost worker can leave a request stranded: a
+    started delivery whose heartbeat has gone quiet, or a re-queued one. A
+    delivery whose worker still renews its heartbeat ('<generation>|<holder>',
+    of the owner's generation) is one claim.lua would leave as it is."""
+    if not owner:
+        return False
+    state, _, generation = owner.partition(":")
+    if state == "queued":
+        return True
+    return state == "worker" and (heartbeat or "").split("|", 1)[0] != generation
 
 
 def lost_requests_reap(*, pool_ids: list[int]) -> int:
     """Take over every started or re-queued request of the pools whose worker
     is lost; returns how many moved. Requests still queued for their first
-    delivery are left to their deadline (the web side or the worker)."""
+    delivery are left to their deadline (the web side or the worker).
+
+    Each in-flight request's owner and heartbeat are read in one pipelined
+    round trip, and only those that may be stranded are claimed (a record
+    read and a claim.lua call each): a sweep over a thousand running calls
+    is one round trip, not two thousand. A heartbeat that lapses after the
+    read is the next sweep's."""
     client = get_redis()
     moved = 0
     for pool_id in pool_ids:
@@ -69,7 +83,10 @@ def lost_requests_reap(*, pool_ids: list[int]) -> int:
             pipe = client.pipeline(transaction=False)
             for request_id in request_ids:
                 pipe.get(keys.request_owner(request_id))
-            candidates = [rid for rid, owner in zip(request_ids, pipe.execute()) if _watched(owner)]
+                pipe.get(keys.request_heartbeat(request_id))
+            answers = pipe.execute()
+            candidates = [rid for rid, owner, heartbeat in zip(request_ids, answers[0::2], answers[1::2])
+                          if _maybe_stranded(owner, heartbeat)]
             for request_id in candidates:
                 try:
                     moved += _reap_one(client, request_id)
