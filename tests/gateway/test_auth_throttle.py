@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 
 import httpx
 import pytest
@@ -80,6 +81,11 @@ def test_unknown_keys_from_one_address_are_refused_past_the_limit(settings, make
 
 def test_concurrent_unknown_keys_pass_the_limit_exactly(settings, make_caller, small_caches):
     settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 5
+    # The 40 lookups wait for the database as long as they take: on a loaded
+    # host the last of them can pass the default 2 s bound, and a check past
+    # it raises (a 503) instead of answering. The bound has its own tests
+    # (test_auth_cache.py); this one is about the budget's count.
+    settings.SLUICE_AUTH_LOOKUP_WAIT_S = 60.0
     make_caller()
     barrier = threading.Barrier(40)
     results = []
@@ -243,8 +249,17 @@ def test_a_valid_key_answers_200_after_a_flood_of_bad_keys_from_its_address(plat
         flood = [client.get(url, headers={"Authorization": f"Bearer {random_key()}"}).status_code
                  for _ in range(limit + 3)]
         assert flood == [401] * limit + [429] * 3
-        # when a valid key arrives from the same address
+        # when a valid key arrives from the same address (past its throttle the
+        # web process looks up only keys it knows were issued, from its poll of
+        # them every SLUICE_AUTH_REVOCATION_POLL_S, which a request starts once
+        # due: a key issued since the last poll is refused until the next, which
+        # a loaded host can finish after the flood; so its caller retries)
+        deadline = time.monotonic() + 10
         answer = client.get(url, headers={"Authorization": f"Bearer {caller.api_key}"})
+        while answer.status_code == 429 and time.monotonic() < deadline:
+            assert answer.json()["error"]["code"] == "too_many_invalid_api_keys"
+            time.sleep(0.05)
+            answer = client.get(url, headers={"Authorization": f"Bearer {caller.api_key}"})
     # then it is served
     assert answer.status_code == 200
     assert answer.json()["object"] == "list"
