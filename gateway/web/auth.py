@@ -14,7 +14,9 @@ request waits for it, so a slow or restarting database never holds up a
 caller whose key is cached.
 The query looks back REVOCATION_OVERLAP_S past the previous poll: a
 revocation whose transaction committed after that poll began, or a web host
-whose clock runs a little ahead, is still seen.
+whose clock runs a little ahead, is still seen. Issued keys likewise: each
+poll reads them from the last id it knew REVOCATION_OVERLAP_S ago, since a
+key's id is taken at its insert and it can commit after a higher one.
 
 The database away (a restart, a fail-over): a key this process checked in
 the last SLUICE_AUTH_STALE_S is served as it was last checked, its lookup
@@ -52,7 +54,11 @@ many callers (a NAT, a load balancer) never locks out the valid keys behind
 it; a bad key this process already knows, or one without Sluice's prefix,
 costs no lookup, and past its throttle an address is looked up only for
 keys Sluice issued (``_Issued``, kept with the revocation poll), so a flood
-of made-up keys cannot turn into a flood of database lookups.
+of made-up keys cannot turn into a flood of database lookups. A key this
+process has not heard of yet may have been issued since its last poll: such
+a caller waits for the next poll (at most SLUICE_AUTH_REVOCATION_POLL_S, the
+one poll shared by every caller waiting) before it is refused, so a key
+issued a moment ago gets in from a throttled address too.
 
 A key has one lookup at a time per process, and its callers share it: when
 the cached context of a busy key lapses, the first caller starts the lookup
@@ -66,6 +72,7 @@ lapses and none of its callers waits for the database."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
 import logging
@@ -174,6 +181,7 @@ class _Tick:
         self.last_used: dict[int, float] = {}  # key id -> unix seconds
         self.push: asyncio.Task | asyncio.TimerHandle | None = None  # the push pending, if any
         self.poll: asyncio.Task | None = None  # the revocation poll running, if any
+        self.poll_started = float("-inf")  # monotonic start of ``poll``
 
 
 _tick = _Tick()
@@ -192,6 +200,19 @@ class _Issued:
     def __init__(self) -> None:
         self.digests: dict[str, int] | None = None  # digest -> tenant id
         self.last_id = 0
+        # (monotonic start, last_id after) of the recent polls: a key's id is
+        # taken at its insert, so a key can commit after one with a higher id
+        # that a poll already saw; each poll reads again from the last_id it
+        # had REVOCATION_OVERLAP_S ago (the keys issued since: a few rows).
+        self.marks: collections.deque[tuple[float, int]] = collections.deque()
+
+    def floor(self, now: float) -> int:
+        """The id above which this poll reads issued keys: the last one
+        known at the newest poll at least REVOCATION_OVERLAP_S old."""
+        marks = self.marks
+        while len(marks) > 1 and marks[1][0] <= now - REVOCATION_OVERLAP_S:
+            marks.popleft()
+        return marks[0][1] if marks else 0
 
 
 _issued = _Issued()
@@ -227,21 +248,47 @@ def _poll_due(now: float) -> None:
     if running is not None and not running.done() and running.get_loop() is loop:
         return
     _tick.next_poll = now + settings.SLUICE_AUTH_REVOCATION_POLL_S
+    _tick.poll_started = now
     _tick.poll = loop.create_task(_poll())
+
+
+async def _issued_heard(since: float) -> bool:
+    """Wait for a poll of issued keys that started at or after ``since``
+    (monotonic): the next one due, shared by every caller waiting, not one
+    of its own. False if none finished within one poll interval and the
+    lookup bound (a slow database: the caller is refused as before)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(settings.SLUICE_AUTH_REVOCATION_POLL_S + settings.SLUICE_AUTH_LOOKUP_WAIT_S):
+            while True:
+                poll = _tick.poll
+                if poll is not None and poll.get_loop() is loop:
+                    if _tick.poll_started >= since:
+                        await asyncio.shield(poll)
+                        return True
+                    if not poll.done():  # an older poll still running: the next starts after it
+                        await asyncio.shield(poll)
+                        continue
+                await asyncio.sleep(max(0.0, _tick.next_poll - time.monotonic()))
+                _poll_due(time.monotonic())
+    except TimeoutError:
+        return False
 
 
 async def _poll() -> None:
     """Drop the keys revoked lately, learn the keys issued since the last
     poll. A failure only delays it to the next tick."""
-    started = timezone.now()
+    started, started_at = timezone.now(), time.monotonic()
     try:
         hashes, issued = await database_off_loop(api_key_changes)(
-            revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S), issued_after_id=_issued.last_id)
+            revoked_since=_tick.since - timedelta(seconds=REVOCATION_OVERLAP_S),
+            issued_after_id=_issued.floor(started_at))
     except Exception:  # noqa: BLE001 - nobody awaits the poll: the database away, or anything else, is logged here
         logger.warning("could not read recent key revocations; retrying at the next tick", exc_info=True)
     else:
         _issued_apply(issued)
         _revocations_apply(hashes)
+        _issued.marks.append((started_at, _issued.last_id))
         _tick.since = started
 
 
@@ -337,9 +384,13 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
         if first:
             if _kept(_throttled, address) and _issued.digests is not None and digest not in _issued.digests:
                 # Past its throttle, an address is looked up for keys Sluice issued
-                # only (a key issued since the last poll waits for the next one).
-                return await _failure_count(address)
-            lookup = _lookup_start(lookups, raw_key, digest)
+                # only; a key issued since the last poll waits for the next one.
+                if not await _issued_heard(now) or digest not in _issued.digests:
+                    return await _failure_count(address)
+                lookup = lookups.get(digest)  # another caller of the key may have started it meanwhile
+                first = lookup is None
+            if first:
+                lookup = _lookup_start(lookups, raw_key, digest)
         loaded = await _answer(lookup)
     except DATABASE_AWAY as exc:
         return _served_stale(digest, exc)
