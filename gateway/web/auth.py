@@ -77,6 +77,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -360,7 +361,10 @@ def caller_line(authorization: str | None) -> tuple[int, str] | None:
     return None if tenant_id is None else (tenant_id, digest)
 
 
-async def key_check(raw_key: str, *, address: str) -> KeyCheck:
+async def key_check(raw_key: str, *, address: str, before_waiting: Callable[[], None] | None = None) -> KeyCheck:
+    """Who the key is, or why not. ``before_waiting`` is called before the
+    check waits for the next poll of issued keys (the door's turn is given
+    up: a flood of made-up keys waiting there must not hold the turns)."""
     digest = _digest(raw_key)
     now = time.monotonic()
     _poll_due(now)
@@ -385,6 +389,8 @@ async def key_check(raw_key: str, *, address: str) -> KeyCheck:
             if _kept(_throttled, address) and _issued.digests is not None and digest not in _issued.digests:
                 # Past its throttle, an address is looked up for keys Sluice issued
                 # only; a key issued since the last poll waits for the next one.
+                if before_waiting is not None:
+                    before_waiting()
                 if not await _issued_heard(now) or digest not in _issued.digests:
                     return await _failure_count(address)
                 lookup = lookups.get(digest)  # another caller of the key may have started it meanwhile

@@ -83,7 +83,7 @@ async def caller_authenticate(request: HttpRequest) -> CallerContext | JsonRespo
     if raw_key is None:
         return openai_error(status=401, message="Missing bearer API key (Authorization: Bearer <key>).",
                             error_type="invalid_request_error", code="missing_api_key")
-    check = await key_check(raw_key, address=request_client_address(request.META))
+    check = await key_check(raw_key, address=request_client_address(request.META), before_waiting=turn_leave)
     if check.retry_after_ms is not None:
         retry_after_s = max(1, -(-check.retry_after_ms // 1000))
         return openai_error(status=429, message="Too many requests with incorrect API keys from this address; "

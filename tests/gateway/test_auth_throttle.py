@@ -381,6 +381,7 @@ def test_callers_past_a_throttle_share_the_next_poll_of_issued_keys(settings, ma
     monkeypatch.setattr(auth, "api_key_changes", counted)
 
     async def flood():
+        auth._tick.next_poll = time.monotonic() + 0.2  # none due as they arrive
         return await asyncio.gather(*(key_check(f"sk-sluice-made-up-{n}", address=nat) for n in range(50)))
 
     # when 50 made-up keys arrive together from the throttled address
@@ -443,3 +444,45 @@ def test_each_poll_reads_again_only_the_keys_issued_in_the_last_few_seconds():
     assert issued.floor(now) == 10 * (newest_old + 1)
     # and the marks before it are dropped: a handful kept, not one per poll forever
     assert len(issued.marks) == 20 - newest_old
+
+
+def test_a_key_waiting_for_the_next_poll_holds_no_turn_at_the_door(settings, make_caller, small_caches, monkeypatch):
+    from django.test import RequestFactory
+
+    from gateway.web import admission_turns
+    from gateway.web.views import caller_authenticate
+
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 1
+    settings.SLUICE_AUTH_REVOCATION_POLL_S = 5.0
+    settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 1
+    make_caller()
+    monkeypatch.setattr(auth, "_issued", auth._Issued())
+    monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
+    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
+    nat = "203.0.113.90"
+    assert [check(random_key(), address=nat).retry_after_ms is None for _ in range(2)] == [True, False]
+    request = RequestFactory().post("/v1/chat/completions", HTTP_AUTHORIZATION="Bearer sk-sluice-made-up-at-the-door",
+                                    REMOTE_ADDR=nat)
+
+    async def main():
+        admission_turns._doors.clear()
+        door = admission_turns.door()
+        turn = door.enter_now()
+        assert turn is not None and door.enter_now() is None  # the one turn is this request's
+        token = admission_turns._turn.set(turn)
+        try:
+            auth._tick.next_poll = time.monotonic() + 1.0
+            # when a made-up key past its address's throttle waits for the next poll
+            waiting = asyncio.create_task(caller_authenticate(request))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            # then the turn it held is free for the next request meanwhile
+            freed = door.enter_now()
+            return freed, await waiting
+        finally:
+            admission_turns._turn.reset(token)
+
+    freed, answer = async_to_sync(main)()
+    assert freed is not None
+    # and after the poll it is refused as before
+    assert answer.status_code == 429
