@@ -332,19 +332,25 @@ def test_past_its_throttle_an_address_costs_no_lookup_for_keys_sluice_never_issu
     assert valid.context is not None and valid.context.workload_id == caller.workload.id
 
 
-def test_a_key_issued_since_the_last_poll_gets_in_from_a_throttled_address(settings, make_caller, small_caches,
-                                                                          monkeypatch):
-    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
-    settings.SLUICE_AUTH_REVOCATION_POLL_S = 0.5
+def _throttled_after_a_poll(settings, make_caller, monkeypatch, address: str, *, limit: int) -> None:
+    """``address`` past its throttle of ``limit`` unknown keys, just after
+    this process's first poll of issued keys (a caller's key among them)."""
+    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = limit
     make_caller()
     monkeypatch.setattr(auth, "_issued", auth._Issued())
     monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
     monkeypatch.setattr(auth._tick, "next_poll", 0.0)
+    answers = [check(random_key(), address=address) for _ in range(limit + 1)]
+    assert [a.retry_after_ms is None for a in answers] == [True] * limit + [False]
+    assert auth._issued.digests is not None
+
+
+def test_a_key_issued_since_the_last_poll_gets_in_from_a_throttled_address(settings, make_caller, small_caches,
+                                                                          monkeypatch):
+    settings.SLUICE_AUTH_REVOCATION_POLL_S = 0.5
     nat = "203.0.113.88"
     # given an address past its throttle, just after a poll of issued keys
-    answers = [check(random_key(), address=nat) for _ in range(4)]
-    assert [a.retry_after_ms is None for a in answers] == [True, True, True, False]
-    assert auth._issued.digests is not None
+    _throttled_after_a_poll(settings, make_caller, monkeypatch, nat, limit=3)
     lookups = _counted_lookups(monkeypatch)
     # when a key issued after that poll is used from the address at once
     fresh = make_caller()
@@ -363,14 +369,9 @@ def test_a_key_issued_since_the_last_poll_gets_in_from_a_throttled_address(setti
 
 
 def test_callers_past_a_throttle_share_the_next_poll_of_issued_keys(settings, make_caller, small_caches, monkeypatch):
-    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 1
     settings.SLUICE_AUTH_REVOCATION_POLL_S = 0.3
-    make_caller()
-    monkeypatch.setattr(auth, "_issued", auth._Issued())
-    monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
-    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
     nat = "203.0.113.89"
-    assert [check(random_key(), address=nat).retry_after_ms is None for _ in range(2)] == [True, False]
+    _throttled_after_a_poll(settings, make_caller, monkeypatch, nat, limit=1)
     polls = []
     changes = auth.api_key_changes
 
@@ -452,15 +453,10 @@ def test_a_key_waiting_for_the_next_poll_holds_no_turn_at_the_door(settings, mak
     from gateway.web import admission_turns
     from gateway.web.views import caller_authenticate
 
-    settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 1
     settings.SLUICE_AUTH_REVOCATION_POLL_S = 5.0
     settings.SLUICE_WEB_ADMISSIONS_AT_ONCE = 1
-    make_caller()
-    monkeypatch.setattr(auth, "_issued", auth._Issued())
-    monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
-    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
     nat = "203.0.113.90"
-    assert [check(random_key(), address=nat).retry_after_ms is None for _ in range(2)] == [True, False]
+    _throttled_after_a_poll(settings, make_caller, monkeypatch, nat, limit=1)
     request = RequestFactory().post("/v1/chat/completions", HTTP_AUTHORIZATION="Bearer sk-sluice-made-up-at-the-door",
                                     REMOTE_ADDR=nat)
 
