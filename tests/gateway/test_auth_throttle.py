@@ -309,13 +309,11 @@ def test_past_its_throttle_an_address_costs_no_lookup_for_keys_sluice_never_issu
     # given a valid key, known to this process's poll of issued keys, and an address at its limit
     settings.SLUICE_API_KEY_FAILURES_PER_ADDRESS = 3
     caller = make_caller()
-    monkeypatch.setattr(auth, "_issued", auth._Issued())
     monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
-    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
-    check(caller.api_key, address="198.51.100.9")  # the first poll loads the issued keys
-    assert auth._issued.digests is not None and auth._issued.last_id >= 1
     # (a made-up key past the throttle waits for the next poll before its 429: a short one here)
     settings.SLUICE_AUTH_REVOCATION_POLL_S = 0.02
+    _polled_now(settings, monkeypatch)  # the first poll loads the issued keys
+    assert auth._issued.last_id >= 1
     lookups = _counted_lookups(monkeypatch)
     for n in range(4):
         check(f"sk-sluice-made-up-{n}", address="203.0.113.5")
@@ -339,10 +337,23 @@ def _throttled_after_a_poll(settings, make_caller, monkeypatch, address: str, *,
     make_caller()
     monkeypatch.setattr(auth, "_issued", auth._Issued())
     monkeypatch.setattr(auth, "_throttled", auth.key_cache(8))
-    monkeypatch.setattr(auth._tick, "next_poll", 0.0)
+    monkeypatch.setattr(auth._tick, "next_poll", float("inf"))  # no poll yet: every key looked up
     answers = [check(random_key(), address=address) for _ in range(limit + 1)]
     assert [a.retry_after_ms is None for a in answers] == [True] * limit + [False]
+    _polled_now(settings, monkeypatch)
+
+
+def _polled_now(settings, monkeypatch) -> None:
+    """This process's first poll of issued keys, run to its end now, the next
+    one due a poll interval later. (A poll a ``check`` starts runs beside its
+    lookup, and ``async_to_sync`` cancels it with its event loop if the
+    lookup ends first: a test that needs the poll's keys runs it itself.)"""
+    monkeypatch.setattr(auth, "_issued", auth._Issued())
+    async_to_sync(auth._poll)()
     assert auth._issued.digests is not None
+    now = time.monotonic()
+    monkeypatch.setattr(auth._tick, "poll_started", now)
+    monkeypatch.setattr(auth._tick, "next_poll", now + settings.SLUICE_AUTH_REVOCATION_POLL_S)
 
 
 def test_a_key_issued_since_the_last_poll_gets_in_from_a_throttled_address(settings, make_caller, small_caches,
