@@ -21,7 +21,7 @@ from django.conf import settings
 
 from budgets.redis.clients import get_redis
 from gateway.core import keys
-from gateway.core.request.records import WORKER, heartbeat_holder
+from gateway.core.request.records import WORKER, heartbeat_holder, heartbeat_value
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Heartbeats:
             try:
                 client = get_redis()
                 key = keys.request_heartbeat(request_id)
-                if client.get(key) == f"{generation}|{self.holder}":  # not a later delivery's
+                if client.get(key) == heartbeat_value(generation, self.holder):  # not a later delivery's
                     client.delete(key)
             except Exception:  # Redis away: the key expires by itself
                 pass
@@ -82,7 +82,7 @@ class Heartbeats:
         holder = self.holder
         pipe = get_redis().pipeline(transaction=False)
         for request_id, generation in running.items():
-            pipe.set(keys.request_heartbeat(request_id), f"{generation}|{holder}", px=ttl_ms)
+            pipe.set(keys.request_heartbeat(request_id), heartbeat_value(generation, holder), px=ttl_ms)
         pipe.execute()
         return len(running)
 

@@ -266,6 +266,17 @@ def heartbeat_holder(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}:{pid}:{token}"
 
 
+def heartbeat_value(generation: int | str, holder: str) -> str:
+    """A running call's heartbeat: ``<generation>|<holder>``, as claim.lua
+    writes it at a delivery's start and reads it at every claim."""
+    return f"{generation}|{holder}"
+
+
+def heartbeat_generation(value: str | None) -> str:
+    """The delivery generation a heartbeat names ('' for none)."""
+    return (value or "").split("|", 1)[0]
+
+
 def claim_call(role: str, record: RequestRecord, *, generation: int = 0, holder: str = "") -> ScriptCall[Claim]:
     """One step of claim.lua: ``role`` WORKER (``generation``: the delivery
     dequeued), WATCH (the waiting web process) or REAP (the reaper)."""

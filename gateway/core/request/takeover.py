@@ -21,7 +21,7 @@ from gateway.core.request.enqueue import record_requeue
 from gateway.core.request.finish import request_finish
 from gateway.core.lanes import LANE_NAMES
 from gateway.core.request.records import (FINISH, LOST, REAP, REQUEUE, Claim, Outcome, RequestRecord, claim_call,
-                                  worker_lost_outcome)
+                                  heartbeat_generation, worker_lost_outcome)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _maybe_stranded(owner: str | None, heartbeat: str | None) -> bool:
     state, _, generation = owner.partition(":")
     if state == "queued":
         return True
-    return state == "worker" and (heartbeat or "").split("|", 1)[0] != generation
+    return state == "worker" and heartbeat_generation(heartbeat) != generation
 
 
 def lost_requests_reap(*, pool_ids: list[int]) -> int:
